@@ -1,0 +1,86 @@
+"""rpcx: torch.distributed.rpc's API on pluggable transports.
+
+``import rpcx as rpc`` is a drop-in for programs written against the call API of
+``torch.distributed.rpc``: the same functions, arguments, options and futures, with the
+transport chosen by name (``init_rpc(backend="gloo")``, ``$RPCX_BACKEND``).
+"""
+
+from rpcx import functions
+from rpcx.api import (
+    UNSET_RPC_TIMEOUT,
+    _set_rpc_timeout,
+    get_rpc_timeout,
+    get_worker_info,
+    get_worker_infos,
+    init_rpc,
+    is_available,
+    remote,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+)
+from rpcx.errors import (
+    BackendNotFoundError,
+    PeerLostError,
+    RemoteException,
+    RemoteTraceback,
+    RpcError,
+    RpcNotInitializedError,
+    RpcShutdownError,
+    RpcTimeoutError,
+    SerializationError,
+    UnknownWorkerError,
+)
+from rpcx.futures import RpcFuture
+from rpcx.options import (
+    DEFAULT_INIT_METHOD,
+    DEFAULT_NUM_WORKER_THREADS,
+    DEFAULT_RPC_TIMEOUT_SEC,
+    RpcBackendOptions,
+    TensorPipeRpcBackendOptions,
+)
+from rpcx.registry import DEFAULT_BACKEND, BackendType, available_backends, backend_names
+from rpcx.rref import RRef
+from rpcx.spawn import WorkerFailedError, spawn
+from rpcx.worker import WorkerInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_BACKEND",
+    "DEFAULT_INIT_METHOD",
+    "DEFAULT_NUM_WORKER_THREADS",
+    "DEFAULT_RPC_TIMEOUT_SEC",
+    "UNSET_RPC_TIMEOUT",
+    "BackendNotFoundError",
+    "BackendType",
+    "PeerLostError",
+    "RRef",
+    "RemoteException",
+    "RemoteTraceback",
+    "RpcBackendOptions",
+    "RpcError",
+    "RpcFuture",
+    "RpcNotInitializedError",
+    "RpcShutdownError",
+    "RpcTimeoutError",
+    "SerializationError",
+    "TensorPipeRpcBackendOptions",
+    "UnknownWorkerError",
+    "WorkerFailedError",
+    "WorkerInfo",
+    "_set_rpc_timeout",
+    "available_backends",
+    "backend_names",
+    "functions",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "get_worker_infos",
+    "init_rpc",
+    "is_available",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+    "spawn",
+]

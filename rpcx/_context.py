@@ -1,0 +1,117 @@
+"""Which agent is "the current worker" for the calling thread.
+
+Multi-process backends have one agent per process. The loopback backend runs several
+workers as threads of one process, so each worker's threads carry their agent in a
+context variable; lookups fall back to the process-wide agent.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from typing import TYPE_CHECKING
+
+from rpcx.errors import RpcNotInitializedError, RpcShutdownError
+
+if TYPE_CHECKING:
+    from rpcx.agent import RpcAgent
+
+__all__ = [
+    "bind_agent",
+    "current_agent",
+    "forget",
+    "maybe_current_agent",
+    "register",
+    "set_process_agent",
+]
+
+_thread_agent: contextvars.ContextVar[RpcAgent | None] = contextvars.ContextVar(
+    "rpcx_agent", default=None
+)
+# Set by rpcx.spawn for the threads it starts: the backend and in-process world to join.
+spawn_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "rpcx_spawn_backend", default=None
+)
+spawn_world: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "rpcx_spawn_world", default=None
+)
+
+_lock = threading.Lock()
+_process_agent: RpcAgent | None = None
+_last_process_agent: RpcAgent | None = None
+_running: list[RpcAgent] = []  # every running agent of this process, in start order
+
+
+def bind_agent(agent: RpcAgent | None) -> None:
+    """Make ``agent`` the current worker of the calling thread (``None`` unbinds)."""
+    _thread_agent.set(agent)
+
+
+def set_process_agent(agent: RpcAgent | None) -> None:
+    """Make ``agent`` the process-wide worker (``None`` clears it)."""
+    global _process_agent, _last_process_agent
+    with _lock:
+        if _process_agent is not None:
+            _last_process_agent = _process_agent
+        _process_agent = agent
+
+
+def register(agent: RpcAgent) -> None:
+    """Note that ``agent`` is running in this process."""
+    with _lock:
+        _running.append(agent)
+
+
+def forget(agent: RpcAgent) -> None:
+    """Note that ``agent`` has shut down."""
+    global _process_agent, _last_process_agent
+    with _lock:
+        if agent in _running:
+            _running.remove(agent)
+        if _process_agent is agent:
+            _process_agent, _last_process_agent = None, agent
+
+
+def running_agents() -> list[RpcAgent]:
+    """Every running agent of this process."""
+    with _lock:
+        return list(_running)
+
+
+def maybe_current_agent() -> RpcAgent | None:
+    """The running agent of the calling thread, or ``None``.
+
+    A thread bound to no worker uses the process-wide agent, or else the only running
+    agent of the process (a one-worker loopback world used from helper threads).
+    """
+    agent = _thread_agent.get()
+    if agent is not None and agent.is_running:
+        return agent
+    process_agent = _process_agent
+    if process_agent is not None and process_agent.is_running:
+        return process_agent
+    running = _running
+    if len(running) == 1 and agent is None:
+        return running[0]
+    return None
+
+
+def current_agent() -> RpcAgent:
+    """The running agent of the calling thread; raises a clear error if there is none."""
+    agent = maybe_current_agent()
+    if agent is not None:
+        return agent
+    stale = _thread_agent.get() or _process_agent or _last_process_agent
+    if stale is not None:
+        raise RpcShutdownError(
+            f"RPC on worker {stale.name!r} has shut down; call rpcx.init_rpc(...) to start again"
+        )
+    if len(_running) > 1:
+        raise RpcNotInitializedError(
+            "this thread belongs to none of the "
+            f"{len(_running)} in-process workers; run it from a worker's thread, or copy "
+            "the worker's context into it (contextvars.copy_context().run)"
+        )
+    raise RpcNotInitializedError(
+        "RPC is not initialized on this thread or process: call rpcx.init_rpc(...) first"
+    )

@@ -1,0 +1,125 @@
+"""A bounded, elastic thread pool for incoming requests.
+
+Threads start on demand, up to ``size``. While a pool thread blocks on a nested call
+(:meth:`WorkerPool.blocking`), the bound grows by one, so a chain of nested calls longer
+than the pool cannot deadlock it (torch's RPC deadlocks there). Threads above the bound
+retire once they finish their current item.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rpcx.errors import RpcShutdownError
+
+__all__ = ["WorkerPool", "current_pool"]
+
+log = logging.getLogger("rpcx.pool")
+
+_local = threading.local()
+_STOP = None
+
+
+def current_pool() -> WorkerPool | None:
+    """The pool the calling thread belongs to, if any."""
+    return getattr(_local, "pool", None)
+
+
+class WorkerPool:
+    """Runs submitted callables on at most ``size`` threads plus one per blocked thread."""
+
+    def __init__(self, size: int, name: str, on_thread_start: Callable[[], None]) -> None:
+        self._size = size
+        self._name = name
+        self._on_thread_start = on_thread_start
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._idle = threading.Semaphore(0)  # one token per idle, unclaimed thread
+        self._lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()
+        self._blocked = 0
+        self._spawned = 0
+        self._closed = False
+
+    @property
+    def thread_count(self) -> int:
+        """How many threads the pool has now."""
+        return len(self._threads)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on a pool thread. Exceptions are logged, not raised."""
+        if self._closed:
+            raise RpcShutdownError(f"{self._name}: the request pool has shut down")
+        self._queue.put((fn, args))
+        if self._idle.acquire(blocking=False):
+            return
+        with self._lock:
+            if len(self._threads) < self._size + self._blocked:
+                self._spawn_locked()
+
+    @contextmanager
+    def blocking(self) -> Iterator[None]:
+        """Mark the calling pool thread as blocked on a nested call while inside the block."""
+        with self._lock:
+            self._blocked += 1
+            if not self._queue.empty() and len(self._threads) < self._size + self._blocked:
+                self._spawn_locked()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._blocked -= 1
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop accepting work, let running items finish, and join threads for ``timeout`` s."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._queue.put(_STOP)
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        for thread in threads:
+            if thread is not me:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive() and t is not me]
+        if stuck:
+            log.warning("%s: %d request threads still busy after %.1f s: %s",
+                        self._name, len(stuck), timeout, ", ".join(stuck))
+
+    def _spawn_locked(self) -> None:
+        self._spawned += 1
+        thread = threading.Thread(
+            target=self._run, name=f"{self._name}-{self._spawned}", daemon=True
+        )
+        self._threads.add(thread)
+        thread.start()
+
+    def _run(self) -> None:
+        _local.pool = self
+        self._on_thread_start()
+        me = threading.current_thread()
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                break
+            fn, args = item
+            try:
+                fn(*args)
+            except BaseException:  # a handler bug must not kill the thread silently
+                log.exception("%s: unhandled error in request handler", self._name)
+            del item, fn, args
+            with self._lock:
+                if not self._closed and len(self._threads) > self._size + self._blocked:
+                    self._threads.discard(me)  # a compensating thread no longer needed
+                    return
+            self._idle.release()
+        with self._lock:
+            self._threads.discard(me)

@@ -1,0 +1,498 @@
+"""The RPC agent: one per worker. Request ids, pending futures, dispatch, timeouts, the
+request pool, failure propagation and the shutdown barrier.
+
+The agent never knows how a frame travels (that is the transport's job) and never knows
+what a message means beyond its kind (services register handlers per kind).
+
+Threads: the transport delivers frames on its own threads. Responses complete their
+futures right there; requests go to the bounded, elastic request pool. One timer thread
+fails calls whose deadline passes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rpcx import _context, rendezvous
+from rpcx._memory import copy_of
+from rpcx._pool import WorkerPool
+from rpcx._timer import DeadlineTimer
+from rpcx.errors import (
+    PeerLostError,
+    RemoteErrorInfo,
+    RpcError,
+    RpcShutdownError,
+    RpcTimeoutError,
+    SerializationError,
+    UnknownWorkerError,
+)
+from rpcx.futures import RpcFuture
+from rpcx.messages import MessageKind
+from rpcx.options import RpcBackendOptions
+from rpcx.serialization import (
+    DecodeContext,
+    EncodeContext,
+    decode_envelope,
+    decode_payload,
+    encode,
+)
+from rpcx.transport import Frame, Transport, TransportContext
+from rpcx.worker import WorkerInfo
+
+__all__ = ["Deferred", "Handler", "RpcAgent", "describe_callable"]
+
+log = logging.getLogger("rpcx.agent")
+
+# A request handler gets the caller and the decoded payload and returns the reply value,
+# or a Deferred whose future supplies it later. Raising sends the error to the caller.
+Handler = Callable[[WorkerInfo, Any], Any]
+
+_RUNNING, _STOPPING, _CLOSED = "running", "stopping", "closed"
+_PROGRESS_EVERY = 30.0  # seconds between "still waiting" log lines during long waits
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """Returned by a handler whose reply comes later: the reply is this future's outcome."""
+
+    future: torch.futures.Future[Any]
+
+
+def describe_callable(func: Any) -> str:
+    """``module.qualname`` of a callable, for messages."""
+    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+    if qualname is None:
+        return repr(func)
+    module = getattr(func, "__module__", None)
+    if module is None:
+        self_obj = getattr(func, "__self__", None)
+        module = getattr(self_obj, "__module__", None) or getattr(
+            type(self_obj), "__module__", None
+        )
+    return f"{module}.{qualname}" if module else qualname
+
+
+@dataclass(eq=False)
+class _Pending:
+    future: RpcFuture[Any]
+    dst: WorkerInfo
+    api: str
+    target: Any
+    started: float
+    timeout: float | None
+    describe_target: Callable[[Any], str] = field(default=describe_callable)
+
+    @property
+    def call(self) -> str:
+        return f"{self.api}({self.describe_target(self.target)})"
+
+
+class RpcAgent:
+    """The local end of the RPC world for one worker."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        workers: list[WorkerInfo],
+        store: Any,
+        transport: Transport,
+        backend: str,
+        options: RpcBackendOptions,
+        init_method: str,
+    ) -> None:
+        self.info = workers[rank]
+        self.workers = workers
+        self.backend = backend
+        self.options = options
+        self.init_method = init_method
+        self.rpc_timeout: float = options.rpc_timeout
+        self.services: dict[str, Any] = {}  # per-worker state of services (RRef tables, ...)
+        self._by_name = {w.name: w for w in workers}
+        self._store = store
+        self._transport = transport
+        self._handlers: dict[int, Handler] = {}
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when _pending empties
+        self._lost: dict[int, str] = {}
+        self._state = _RUNNING
+        self._pool = WorkerPool(
+            options.num_worker_threads, f"rpcx-{self.name}-pool", self._bind_thread
+        )
+        self._timer = DeadlineTimer(
+            f"rpcx-{self.name}", self._expire, self._pending.__contains__, self._bind_thread
+        )
+
+    # ----------------------------------------------------------------- identity & state
+
+    @property
+    def name(self) -> str:
+        """This worker's name."""
+        return self.info.name
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank."""
+        return self.info.id
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers in the world."""
+        return len(self.workers)
+
+    @property
+    def is_running(self) -> bool:
+        """True until ``shutdown`` starts tearing the agent down."""
+        return self._state != _CLOSED
+
+    @property
+    def pending_count(self) -> int:
+        """Calls made by this worker that have not completed yet."""
+        return len(self._pending)
+
+    @property
+    def request_threads(self) -> int:
+        """Threads in the request pool right now."""
+        return self._pool.thread_count
+
+    def resolve(self, to: str | int | WorkerInfo) -> WorkerInfo:
+        """The ``WorkerInfo`` for a name, a rank or a ``WorkerInfo``."""
+        if isinstance(to, WorkerInfo):
+            if 0 <= to.id < len(self.workers) and self.workers[to.id] == to:
+                return to
+        elif isinstance(to, str):
+            found = self._by_name.get(to)
+            if found is not None:
+                return found
+        elif isinstance(to, int) and not isinstance(to, bool):
+            if 0 <= to < len(self.workers):
+                return self.workers[to]
+        else:
+            raise TypeError(
+                f"destination must be a worker name, rank or WorkerInfo, got {type(to).__name__}"
+            )
+        known = ", ".join(w.name for w in self.workers)
+        raise UnknownWorkerError(f"unknown destination worker {to!r}; the workers are: {known}")
+
+    def register_handler(self, kind: MessageKind, handler: Handler) -> None:
+        """Run ``handler`` for every request of ``kind`` this worker receives."""
+        self._handlers[int(kind)] = handler
+
+    def timeout_for(self, timeout: float | None) -> float | None:
+        """Seconds for a call's ``timeout`` argument: negative/None = default, 0 = none."""
+        if timeout is None or timeout < 0:
+            timeout = self.rpc_timeout
+        return float(timeout) if timeout > 0 else None
+
+    def start(self) -> None:
+        """Start the transport. Frames may arrive as soon as this is called."""
+        ctx = TransportContext(
+            rank=self.rank,
+            world_size=self.world_size,
+            names=[w.name for w in self.workers],
+            store=rendezvous.prefixed(self._store, "transport"),
+            options=self.options,
+            init_method=self.init_method,
+            deliver=self._on_frame,
+            peer_lost=self._on_peer_lost,
+        )
+        self._transport.start(ctx)
+
+    def barrier(self, tag: str, timeout: float | None) -> None:
+        """Wait until every live worker reached the barrier ``tag``."""
+        rendezvous.barrier(
+            self._store,
+            tag,
+            self.rank,
+            self.world_size,
+            timeout=timeout,
+            is_gone=self._lost.__contains__,
+            describe=self._describe_ranks,
+            waiter=self.name,
+        )
+
+    # ---------------------------------------------------------------------- outgoing
+
+    def request(
+        self,
+        dst: WorkerInfo,
+        kind: MessageKind,
+        payload: Any,
+        *,
+        timeout: float | None,
+        api: str,
+        target: Any,
+        describe_target: Callable[[Any], str] = describe_callable,
+    ) -> RpcFuture[Any]:
+        """Send a request and return the future of its reply.
+
+        ``api`` and ``target`` only name the call in error messages ("rpc_sync(mod.f)").
+        Raises synchronously if the payload cannot be pickled or the agent is shut down;
+        every later failure (timeout, remote error, lost peer) goes to the future.
+        """
+        if self._state == _CLOSED:
+            raise RpcShutdownError(
+                f"{api}({describe_target(target)}) to worker {dst.name!r}: "
+                f"RPC on worker {self.name!r} has shut down"
+            )
+        rid = next(self._ids)
+        try:
+            frame = encode(kind, rid, payload, EncodeContext(dst.id))
+        except SerializationError as exc:
+            raise SerializationError(
+                f"{api}({describe_target(target)}) to worker {dst.name!r}: "
+                f"could not pickle the call: {exc}"
+            ) from exc.__cause__
+        future: RpcFuture[Any] = RpcFuture()
+        started = time.monotonic()
+        pending = _Pending(future, dst, api, target, started, timeout, describe_target)
+        with self._lock:
+            lost = self._lost.get(dst.id)
+            if lost is None:
+                self._pending[rid] = pending
+        if lost is not None:
+            future.set_exception(self._lost_error(pending, lost))
+            return future
+        if timeout is not None:
+            self._timer.schedule(started + timeout, rid)
+        try:
+            self._send(dst.id, frame)
+        except Exception as exc:
+            reason = exc.args[0] if isinstance(exc, PeerLostError) and exc.args else str(exc)
+            self._complete(rid, exception=lambda p: self._lost_error(p, reason))
+        return future
+
+    def _send(self, dst: int, frame: Frame) -> None:
+        if dst == self.rank:
+            # A call to oneself still crosses the codec, so arguments are copies.
+            self._on_frame(dst, Frame(frame.header, [copy_of(b) for b in frame.buffers]))
+        else:
+            self._transport.send(dst, frame)
+
+    # ---------------------------------------------------------------------- incoming
+
+    def _on_frame(self, src: int, frame: Frame) -> None:
+        kind, rid = decode_envelope(frame)
+        if kind == MessageKind.RESULT or kind == MessageKind.ERROR:
+            token = _context._thread_agent.set(self)  # callbacks run as this worker
+            try:
+                self._on_response(src, kind, rid, frame)
+            finally:
+                _context._thread_agent.reset(token)
+            return
+        try:
+            self._pool.submit(self._serve, src, kind, rid, frame)
+        except RpcShutdownError:
+            log.debug("%s: dropped request %d from rank %d after shutdown", self.name, rid, src)
+
+    def _on_response(self, src: int, kind: int, rid: int, frame: Frame) -> None:
+        with self._lock:
+            pending = self._pending.get(rid)
+        if pending is None:
+            log.debug("%s: response %d from rank %d arrived after its call ended",
+                      self.name, rid, src)
+            return
+        try:
+            payload = decode_payload(frame, DecodeContext(src, self))
+        except SerializationError as exc:
+            error = SerializationError(
+                f"{pending.call} to worker {pending.dst.name!r}: could not unpickle the "
+                f"{'result' if kind == MessageKind.RESULT else 'error'}: {exc}"
+            )
+            self._complete(rid, exception=lambda _: error)
+            return
+        if kind == MessageKind.RESULT:
+            self._complete(rid, value=payload)
+        else:
+            self._complete(rid, exception=lambda p: payload.rebuild(p.call))
+
+    def _serve(self, src: int, kind: int, rid: int, frame: Frame) -> None:
+        caller = self.workers[src]
+        try:
+            handler = self._handlers.get(kind)
+            if handler is None:
+                raise RpcError(f"worker {self.name!r} does not handle message kind {kind}")
+            try:
+                payload = decode_payload(frame, DecodeContext(src, self))
+            except SerializationError as exc:
+                raise SerializationError(
+                    f"worker {self.name!r} could not unpickle the request: {exc}"
+                ) from None
+            result = handler(caller, payload)
+        except BaseException as exc:
+            self._reply_error(src, rid, exc)
+            return
+        if isinstance(result, Deferred):
+            result.future.add_done_callback(lambda fut: self._reply_with(src, rid, fut))
+        else:
+            self._reply(src, rid, result)
+
+    def _reply_with(self, src: int, rid: int, future: torch.futures.Future[Any]) -> None:
+        try:
+            value = future.wait()
+        except BaseException as exc:
+            self._reply_error(src, rid, exc)
+        else:
+            self._reply(src, rid, value)
+
+    def _reply(self, src: int, rid: int, value: Any) -> None:
+        if rid == 0:
+            return
+        try:
+            frame = encode(MessageKind.RESULT, rid, value, EncodeContext(src))
+        except SerializationError as exc:
+            self._reply_error(
+                src, rid, SerializationError(f"could not pickle the result: {exc}")
+            )
+            return
+        self._send_reply(src, rid, frame)
+
+    def _reply_error(self, src: int, rid: int, exc: BaseException) -> None:
+        if rid == 0:
+            log.warning("%s: one-way message from rank %d failed: %r", self.name, src, exc)
+            return
+        info = RemoteErrorInfo.capture(exc, self.name)
+        self._send_reply(src, rid, encode(MessageKind.ERROR, rid, info, EncodeContext(src)))
+
+    def _send_reply(self, src: int, rid: int, frame: Frame) -> None:
+        try:
+            self._send(src, frame)
+        except Exception as exc:  # the caller is gone; its side reports that
+            log.debug("%s: could not reply to rank %d (request %d): %s", self.name, src, rid, exc)
+
+    # ----------------------------------------------------------- completion & failure
+
+    def _complete(
+        self,
+        rid: int,
+        *,
+        value: Any = None,
+        exception: Callable[[_Pending], BaseException] | None = None,
+    ) -> None:
+        with self._lock:
+            pending = self._pending.pop(rid, None)
+            if not self._pending:
+                self._idle.notify_all()
+        if pending is None:
+            return
+        if exception is None:
+            pending.future.set_result(value)
+        else:
+            pending.future.set_exception(exception(pending))
+
+    def _expire(self, rid: int) -> None:
+        self._complete(rid, exception=self._timeout_error)
+
+    @staticmethod
+    def _timeout_error(pending: _Pending) -> BaseException:
+        elapsed = time.monotonic() - pending.started
+        return RpcTimeoutError(
+            f"{pending.call} to worker {pending.dst.name!r} timed out after "
+            f"{elapsed:.3g} s (timeout {pending.timeout:g} s)"
+        )
+
+    def _lost_error(self, pending: _Pending, reason: str) -> BaseException:
+        return PeerLostError(f"{pending.call} to worker {pending.dst.name!r} failed: {reason}")
+
+    def _on_peer_lost(self, rank: int, reason: str) -> None:
+        name = self.workers[rank].name
+        text = f"worker {name!r} (rank {rank}) {reason}"
+        with self._lock:
+            if rank in self._lost:
+                return
+            self._lost[rank] = text
+            victims = [rid for rid, p in self._pending.items() if p.dst.id == rank]
+        level = logging.DEBUG if self._state != _RUNNING else logging.WARNING
+        log.log(level, "%s: %s; failing %d pending calls", self.name, text, len(victims))
+        for rid in victims:
+            self._complete(rid, exception=lambda p: self._lost_error(p, text))
+
+    def lost_peers(self) -> dict[str, str]:
+        """Workers known to be gone, with the reason, by name."""
+        return {self.workers[r].name: why for r, why in self._lost.items()}
+
+    # ---------------------------------------------------------------------- shutdown
+
+    def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
+        """Leave the world.
+
+        Graceful: wait until this worker's own calls are done, then for every live worker
+        to arrive (a barrier through the store), then close. ``timeout`` bounds the whole
+        wait (``None`` waits as long as peers are alive, logging progress). Non-graceful:
+        fail pending calls at once and close locally.
+        """
+        if self._state != _RUNNING:
+            return
+        self._state = _STOPPING
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            if graceful:
+                self._wait_until_idle(deadline)
+                self.barrier("shutdown", _remaining(deadline))
+        except Exception as exc:
+            log.warning("%s: graceful shutdown incomplete: %s", self.name, exc)
+        finally:
+            self._close(deadline)
+
+    def _wait_until_idle(self, deadline: float | None) -> None:
+        started = time.monotonic()
+        next_report = started + _PROGRESS_EVERY
+        with self._lock:
+            while self._pending:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise RpcTimeoutError(
+                        f"{len(self._pending)} calls still pending after {now - started:.1f} s"
+                    )
+                if now >= next_report:
+                    log.info("%s: shutdown waits for %d pending calls (%.0f s so far)",
+                             self.name, len(self._pending), now - started)
+                    next_report = now + _PROGRESS_EVERY
+                wait = next_report - now if deadline is None else min(deadline, next_report) - now
+                self._idle.wait(max(wait, 0.001))
+
+    def _close(self, deadline: float | None) -> None:
+        with self._lock:
+            self._state = _CLOSED
+            leftovers = list(self._pending)
+        for rid in leftovers:
+            self._complete(
+                rid,
+                exception=lambda p: RpcShutdownError(
+                    f"{p.call} to worker {p.dst.name!r} was cancelled: "
+                    f"worker {self.name!r} shut down"
+                ),
+            )
+        close_timeout = min(_remaining(deadline) or 10.0, 10.0)
+        try:
+            self._transport.close(close_timeout)
+        except Exception:
+            log.exception("%s: error while closing the transport", self.name)
+        self._pool.shutdown(close_timeout)
+        self._timer.close()
+        rendezvous.leave(self._store, self.rank, self.world_size, self._lost.__contains__)
+        _context.forget(self)
+
+    # ------------------------------------------------------------------------ helpers
+
+    def _bind_thread(self) -> None:
+        _context.bind_agent(self)
+
+    def _describe_ranks(self, ranks: list[int]) -> str:
+        return ", ".join(self.workers[r].name for r in ranks)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    return max(0.0, deadline - time.monotonic())

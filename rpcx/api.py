@@ -1,0 +1,285 @@
+"""The public call API, with torch.distributed.rpc's names, arguments and behaviour."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Any, TypeVar
+
+from rpcx import _context, calls, rendezvous, rref
+from rpcx.agent import RpcAgent
+from rpcx.errors import RpcError
+from rpcx.futures import RpcFuture
+from rpcx.messages import MessageKind
+from rpcx.options import RpcBackendOptions
+from rpcx.registry import BackendSpec, resolve_backend
+from rpcx.worker import WorkerInfo, validate_worker_name
+
+__all__ = [
+    "UNSET_RPC_TIMEOUT",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "get_worker_infos",
+    "init_rpc",
+    "is_available",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]
+
+log = logging.getLogger("rpcx")
+
+T = TypeVar("T")
+UNSET_RPC_TIMEOUT = -1.0
+_atexit_lock = threading.Lock()
+_atexit_registered = False
+
+
+def is_available() -> bool:
+    """True: rpcx works wherever torch.distributed does."""
+    import torch.distributed
+
+    return bool(torch.distributed.is_available())
+
+
+def init_rpc(
+    name: str,
+    backend: object = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: RpcBackendOptions | None = None,
+) -> None:
+    """Join the RPC world as worker ``name``; returns once every worker has joined.
+
+    Args:
+        name: unique worker name (letters, digits, ``_``, ``-``, ``:``; under 128 chars).
+        backend: backend name (``"gloo"``, ``"loopback"``, a plugin's name) or a
+            ``BackendType``; ``None`` picks the backend ``rpcx.spawn`` was given, else
+            ``$RPCX_BACKEND``, else the default (gloo).
+        rank: this worker's rank; ``-1`` reads ``$RANK`` with ``env://``.
+        world_size: number of workers; ``None`` reads ``$WORLD_SIZE`` with ``env://``.
+        rpc_backend_options: any options object; defaults to the backend's own type.
+            ``init_method`` and ``rpc_timeout`` (also used as the bound on waiting for
+            the other workers to join) apply to every backend.
+    """
+    validate_worker_name(name)
+    spec = resolve_backend(backend, _context.spawn_backend.get())
+    _check_not_initialized(name, spec)
+    options = rpc_backend_options if rpc_backend_options is not None else spec.options_type()
+    options.validate()
+    rank, world_size = _rank_and_size(spec, options, rank, world_size)
+    join_timeout = options.rpc_timeout or None
+
+    world_key = ""
+    if spec.capabilities.in_process:
+        world_key = _context.spawn_world.get() or options.init_method
+        store = rendezvous.in_process_store(world_key)
+    else:
+        store = rendezvous.open_store(options.init_method, rank, world_size, join_timeout)
+    try:
+        session, names = rendezvous.join_world(store, name, rank, world_size, join_timeout)
+    except Exception as exc:
+        if spec.capabilities.in_process:
+            rendezvous.release_in_process_store(world_key)
+            if isinstance(exc, TimeoutError):
+                raise RpcError(
+                    f"{exc}. The {spec.name!r} backend runs every worker as a thread of one "
+                    "process: start the workers with rpcx.spawn(..., backend="
+                    f"{spec.name!r}) or threads, or pick a multi-process backend"
+                ) from exc
+        raise
+    workers = [WorkerInfo(n, r) for r, n in enumerate(names)]
+    agent = RpcAgent(
+        rank=rank,
+        workers=workers,
+        store=session,
+        transport=spec.factory(),
+        backend=spec.name,
+        options=options,
+        init_method=options.init_method,
+    )
+    calls.install(agent)
+    rref.install(agent)
+    agent.start()
+    agent.barrier("ready", join_timeout)
+    _context.register(agent)
+    if spec.capabilities.in_process:
+        _context.bind_agent(agent)
+        agent.services["world_key"] = world_key
+    else:
+        _context.set_process_agent(agent)
+        _register_atexit()
+    log.info("worker %r (rank %d of %d) joined on backend %r", name, rank, world_size, spec.name)
+
+
+def _check_not_initialized(name: str, spec: BackendSpec) -> None:
+    bound = _context._thread_agent.get()
+    if bound is not None and bound.is_running:
+        raise RpcError(
+            f"init_rpc({name!r}): this thread is already worker {bound.name!r}; "
+            "call rpcx.shutdown() first"
+        )
+    process_agent = _context._process_agent
+    if not spec.capabilities.in_process and process_agent is not None and process_agent.is_running:
+        raise RpcError(
+            f"init_rpc({name!r}): this process is already worker {process_agent.name!r}; "
+            "call rpcx.shutdown() first"
+        )
+
+
+def _rank_and_size(
+    spec: BackendSpec, options: RpcBackendOptions, rank: int, world_size: int | None
+) -> tuple[int, int]:
+    import os
+
+    if options.init_method.startswith("env://"):
+        if rank < 0 and "RANK" in os.environ:
+            rank = int(os.environ["RANK"])
+        if world_size is None and "WORLD_SIZE" in os.environ:
+            world_size = int(os.environ["WORLD_SIZE"])
+    if world_size is None or world_size < 1:
+        raise ValueError(
+            "init_rpc needs world_size >= 1 (or $WORLD_SIZE with env://); "
+            "dynamic membership is not supported yet"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"init_rpc needs 0 <= rank < world_size={world_size}, got rank={rank}")
+    return rank, world_size
+
+
+def shutdown(graceful: bool = True, timeout: float = 0) -> None:
+    """Leave the RPC world.
+
+    Graceful (the default): wait until this worker's own calls have finished and every
+    other live worker has called ``shutdown`` too, then stop. A dead worker does not make
+    this hang: it is skipped with a warning. ``timeout`` bounds the wait in seconds;
+    ``0`` waits as long as peers are alive (as torch does), logging progress every 30 s.
+
+    Non-graceful: fail this worker's pending calls and stop at once; peers see it leave.
+    """
+    agent = _context.current_agent()
+    agent.shutdown(graceful=graceful, timeout=timeout if timeout and timeout > 0 else None)
+    world_key = agent.services.get("world_key")
+    if world_key is not None:
+        rendezvous.release_in_process_store(world_key)
+    if _context._thread_agent.get() is agent:
+        _context.bind_agent(None)
+    log.info("worker %r shut down", agent.name)
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """The ``WorkerInfo`` of ``worker_name``, or of this worker when omitted."""
+    agent = _context.current_agent()
+    if worker_name is None:
+        return agent.info
+    return agent.resolve(worker_name)
+
+
+def get_worker_infos() -> list[WorkerInfo]:
+    """Every worker of the world, in rank order."""
+    return list(_context.current_agent().workers)
+
+
+def get_rpc_timeout() -> float:
+    """This worker's default call timeout in seconds (``0`` means none)."""
+    return _context.current_agent().rpc_timeout
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """Change this worker's default call timeout (torch has the same private helper)."""
+    if rpc_timeout < 0:
+        raise ValueError(f"rpc_timeout must be >= 0, got {rpc_timeout}")
+    _context.current_agent().rpc_timeout = float(rpc_timeout)
+
+
+def rpc_async(
+    to: str | int | WorkerInfo,
+    func: Any,
+    args: tuple[Any, ...] | list[Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RpcFuture[Any]:
+    """Run ``func(*args, **kwargs)`` on worker ``to``; return a future of the result.
+
+    ``to`` is a name, a rank or a ``WorkerInfo``; ``func`` any importable callable.
+    ``timeout`` in seconds: unset uses the default (``rpc_timeout``), ``0`` means none.
+    Arguments and results are copied (pickled, tensors out of band), never shared.
+    """
+    return _call("rpc_async", to, func, args, kwargs, timeout)
+
+
+def rpc_sync(
+    to: str | int | WorkerInfo,
+    func: Any,
+    args: tuple[Any, ...] | list[Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Any:
+    """Like :func:`rpc_async`, but wait for and return the result (or raise its error).
+
+    A remote exception is re-raised with its original type and message when it can be
+    rebuilt here (else as :class:`rpcx.RemoteException`); its ``__cause__`` holds the
+    remote traceback and a note names the worker.
+    """
+    return _call("rpc_sync", to, func, args, kwargs, timeout).wait()
+
+
+def remote(
+    to: str | int | WorkerInfo,
+    func: Any,
+    args: tuple[Any, ...] | list[Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> rref.RRef[Any]:
+    """Run ``func`` on ``to`` and return at once an :class:`RRef` to the result.
+
+    The value stays on ``to`` (its owner). Errors, including a timeout, surface on the
+    RRef's next use (``to_here``, a proxy call).
+    """
+    agent = _context.current_agent()
+    _check_callable(func)
+    return rref.create_remote(
+        agent, agent.resolve(to), func, tuple(args or ()), dict(kwargs or {}), timeout
+    )
+
+
+def _call(
+    api: str,
+    to: str | int | WorkerInfo,
+    func: Any,
+    args: tuple[Any, ...] | list[Any] | None,
+    kwargs: dict[str, Any] | None,
+    timeout: float,
+) -> RpcFuture[Any]:
+    agent = _context.current_agent()
+    _check_callable(func)
+    dst = agent.resolve(to)
+    payload = (func, tuple(args or ()), dict(kwargs or {}))
+    return agent.request(
+        dst, MessageKind.CALL, payload, timeout=agent.timeout_for(timeout), api=api, target=func
+    )
+
+
+def _check_callable(func: Any) -> None:
+    if not callable(func):
+        raise TypeError(f"func must be callable, got {type(func).__name__}")
+
+
+def _shutdown_at_exit() -> None:
+    agent = _context._process_agent
+    if agent is not None and agent.is_running:
+        log.warning(
+            "worker %r exits without rpcx.shutdown(); leaving without waiting for peers",
+            agent.name,
+        )
+        agent.shutdown(graceful=False)
+
+
+def _register_atexit() -> None:
+    global _atexit_registered
+    with _atexit_lock:
+        if not _atexit_registered:
+            atexit.register(_shutdown_at_exit)
+            _atexit_registered = True

@@ -1,0 +1,1 @@
+"""Built-in transports. Each module is one transport and its registration hook."""

@@ -1,0 +1,387 @@
+"""The gloo backend: frames over torch.distributed ``ProcessGroupGloo`` send/recv.
+
+The process group is private to rpcx, built on rpcx's own rendezvous store, never the
+default group, so a program can run ``dist.init_process_group`` for DDP beside it.
+
+Wire format, per frame, on one ordered gloo pair per peer:
+
+* a fixed-size *slot* (tag 0): ``mode, buffer count, body length``, then the body. Small
+  frames (most calls) fit entirely in the slot: one gloo message per frame.
+* otherwise the slot announces an *extended* frame: the body (buffer sizes and header)
+  follows as one message, then each tensor as its own message (tag 1), sent straight from
+  the tensor's memory.
+* ``BYE`` is the last slot a worker sends a peer. A receiving thread ends only on a BYE or
+  a broken connection: gloo offers no way to cancel a pending receive, and a process that
+  exits with one pending aborts. So a worker that leaves sends BYE, and a worker that gets
+  a BYE it did not expect answers with its own.
+
+One receiving thread per peer keeps per-peer order and lets a large frame from one peer
+not hold up the others. Sends are posted under a per-peer lock (so the messages of one
+frame stay together) and are not waited for; their buffers are kept alive until gloo
+reports them complete, with a byte cap as back-pressure.
+"""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import logging
+import os
+import re
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+from typing import Any, ClassVar
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from rpcx._memory import empty_bytes
+from rpcx.errors import PeerLostError
+from rpcx.hookspecs import hookimpl
+from rpcx.options import TensorPipeRpcBackendOptions
+from rpcx.transport import Capabilities, Frame, TransportContext
+
+__all__ = ["GlooRpcBackendOptions", "GlooTransport"]
+
+log = logging.getLogger("rpcx.backends.gloo")
+
+SLOT_BYTES = 4096  # small frames (most calls) travel whole in one slot
+RECEIVE_DEPTH = 4  # slot receives kept posted per peer
+_HEAD = struct.Struct("<BxxxIQ")  # mode, number of buffers, body length
+_INLINE, _EXTENDED, _BYE = 1, 2, 3
+_TAG_SLOT, _TAG_DATA = 0, 1
+# gloo fails (and closes the pair) when a receive outlasts this, so make it effectively
+# infinite: an idle peer is not a dead peer. Dead peers surface as closed connections.
+_PAIR_TIMEOUT = timedelta(days=3650)
+_INFLIGHT_CAP = 256 << 20  # bytes of unsent data per peer before senders wait
+_CPP_LOCATION = re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+
+
+class GlooRpcBackendOptions(TensorPipeRpcBackendOptions):
+    """Options of the gloo backend: torch's fields plus where to listen.
+
+    Args:
+        interface: network interface for gloo to use (like ``GLOO_SOCKET_IFNAME``).
+        hostname: address or hostname for gloo to bind to. By default rpcx picks the
+            local address that routes to the rendezvous host (``127.0.0.1`` when that host
+            is local), which avoids the usual "wrong interface" failures on clusters.
+    """
+
+    def __init__(
+        self, *, interface: str | None = None, hostname: str | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.interface = interface
+        self.hostname = hostname
+
+
+class _Peer:
+    """Send-side state for one peer."""
+
+    __slots__ = ("bye_sent", "gone", "inflight", "inflight_bytes", "lock", "thread")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inflight: collections.deque[tuple[list[Any], int, list[torch.Tensor]]] = (
+            collections.deque()
+        )
+        self.inflight_bytes = 0
+        self.bye_sent = False
+        self.gone = False
+        self.thread: threading.Thread | None = None
+
+
+class GlooTransport:
+    """Moves frames over a private gloo process group."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True)
+
+    def __init__(self) -> None:
+        self._ctx: TransportContext | None = None
+        self._pg: Any = None
+        self._peers: dict[int, _Peer] = {}
+        self._closing = False
+
+    # ------------------------------------------------------------------------ start
+
+    def start(self, ctx: TransportContext) -> None:
+        """Create the process group (connects the full mesh) and start receiving."""
+        self._ctx = ctx
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = _PAIR_TIMEOUT
+        opts._devices = [_device(ctx)]
+        self._pg = dist.ProcessGroupGloo(ctx.store, ctx.rank, ctx.world_size, opts)
+        for rank in range(ctx.world_size):
+            if rank != ctx.rank:
+                self._peers[rank] = _Peer()
+        for rank, peer in self._peers.items():
+            peer.thread = threading.Thread(
+                target=self._receive_loop,
+                args=(rank,),
+                name=f"rpcx-{ctx.names[ctx.rank]}-recv-{ctx.names[rank]}",
+                daemon=True,
+            )
+            peer.thread.start()
+
+    # ------------------------------------------------------------------------- send
+
+    def send(self, dst: int, frame: Frame) -> None:
+        """Post the frame's messages to ``dst``; does not wait for them to be written."""
+        peer = self._peers[dst]
+        sizes = [b.numel() * b.element_size() for b in frame.buffers]
+        header = frame.header
+        n = len(sizes)
+        inline_len = 8 * n + len(header) + sum(sizes)
+        slot = bytearray(SLOT_BYTES)
+        slot_tensor = torch.frombuffer(slot, dtype=torch.uint8)
+        tensors = [slot_tensor]
+        if _HEAD.size + inline_len <= SLOT_BYTES:
+            _HEAD.pack_into(slot, 0, _INLINE, n, inline_len)
+            struct.pack_into(f"<{n}Q", slot, _HEAD.size, *sizes)
+            offset = _HEAD.size + 8 * n
+            slot[offset : offset + len(header)] = header
+            offset += len(header)
+            for buffer, size in zip(frame.buffers, sizes):
+                if size:
+                    slot_tensor[offset : offset + size].copy_(_as_bytes(buffer))
+                offset += size
+            messages: list[tuple[int, torch.Tensor]] = [(_TAG_SLOT, slot_tensor)]
+        else:
+            body = bytearray(8 * n + len(header))
+            struct.pack_into(f"<{n}Q", body, 0, *sizes)
+            body[8 * n :] = header
+            _HEAD.pack_into(slot, 0, _EXTENDED, n, len(body))
+            messages = [(_TAG_SLOT, slot_tensor), (_TAG_DATA, torch.frombuffer(body, dtype=torch.uint8))]
+            messages += [(_TAG_DATA, _as_bytes(b)) for b, s in zip(frame.buffers, sizes) if s]
+            tensors = [t for _, t in messages]
+        self._post(dst, peer, messages, tensors, len(slot) + sum(sizes))
+
+    def _post(
+        self,
+        dst: int,
+        peer: _Peer,
+        messages: list[tuple[int, torch.Tensor]],
+        tensors: list[torch.Tensor],
+        nbytes: int,
+        bye: bool = False,
+    ) -> None:
+        with peer.lock:
+            if peer.bye_sent or (peer.gone and not bye):
+                raise PeerLostError("has shut down")
+            self._reap(peer)
+            while peer.inflight and peer.inflight_bytes + nbytes > _INFLIGHT_CAP:
+                self._wait_oldest(dst, peer)
+            try:
+                works = [self._pg.send([t], dst, tag) for tag, t in messages]
+            except RuntimeError as exc:
+                raise PeerLostError(f"is unreachable: {_clean(exc)}") from None
+            if bye:
+                peer.bye_sent = True
+            # A gloo Work owns its send buffer: dropping it early cancels the send.
+            peer.inflight.append((works, nbytes, tensors))
+            peer.inflight_bytes += nbytes
+
+    @staticmethod
+    def _reap(peer: _Peer) -> None:
+        # Sends on one pair complete in order, so the oldest entries finish first.
+        while peer.inflight and all(work.is_completed() for work in peer.inflight[0][0]):
+            _, nbytes, _ = peer.inflight.popleft()
+            peer.inflight_bytes -= nbytes
+
+    def _wait_oldest(self, dst: int, peer: _Peer) -> None:
+        works, nbytes, _ = peer.inflight.popleft()
+        peer.inflight_bytes -= nbytes
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as exc:
+            log.debug("send to rank %d failed: %s", dst, _clean(exc))
+
+    # ---------------------------------------------------------------------- receive
+
+    def _receive_loop(self, src: int) -> None:
+        ctx = self._ctx
+        assert ctx is not None
+        # Keep several slot receives posted, so gloo lands the next frames while this
+        # thread is busy with one (measured: 2x the frames per second of one at a time).
+        ring: collections.deque[tuple[bytearray, torch.Tensor, Any]] = collections.deque()
+        try:
+            for _ in range(RECEIVE_DEPTH):
+                ring.append(self._post_slot_receive(src))
+            while True:
+                slot, slot_tensor, work = ring.popleft()
+                work.wait()
+                mode, n, body_len = _HEAD.unpack_from(slot)
+                if mode == _BYE:
+                    self._on_bye(src)
+                    return
+                if mode == _INLINE:
+                    frame = _unpack_inline(slot, slot_tensor, n, body_len)
+                else:
+                    frame = self._receive_extended(src, n, body_len)
+                ring.append(self._post_slot_receive(src, slot, slot_tensor))
+                try:
+                    ctx.deliver(src, frame)
+                except Exception:
+                    log.exception("%s: delivering a frame from rank %d failed",
+                                  ctx.names[ctx.rank], src)
+        except RuntimeError as exc:
+            self._on_broken(src, exc)
+        finally:
+            ring.clear()  # receives still posted are dropped; nothing more will arrive
+
+    def _post_slot_receive(
+        self, src: int, slot: bytearray | None = None, slot_tensor: torch.Tensor | None = None
+    ) -> tuple[bytearray, torch.Tensor, Any]:
+        if slot is None or slot_tensor is None:
+            slot = bytearray(SLOT_BYTES)
+            slot_tensor = torch.frombuffer(slot, dtype=torch.uint8)
+        return slot, slot_tensor, self._pg.recv([slot_tensor], src, _TAG_SLOT)
+
+    def _receive_extended(self, src: int, n: int, body_len: int) -> Frame:
+        body = bytearray(body_len)
+        self._pg.recv([torch.frombuffer(body, dtype=torch.uint8)], src, _TAG_DATA).wait()
+        sizes = struct.unpack_from(f"<{n}Q", body, 0)
+        header = bytes(body[8 * n :])
+        buffers = [empty_bytes(size) for size in sizes]
+        works = [self._pg.recv([b], src, _TAG_DATA) for b in buffers if b.numel()]
+        for work in works:
+            work.wait()
+        return Frame(header, buffers)
+
+    def _on_bye(self, src: int) -> None:
+        ctx = self._ctx
+        assert ctx is not None
+        peer = self._peers[src]
+        with peer.lock:
+            peer.gone = True
+            answer = not peer.bye_sent
+        if answer:  # the peer left on its own: let its receiving thread for us finish too
+            self._send_bye(src, peer)
+        if not self._closing:
+            ctx.peer_lost(src, "has shut down")
+
+    def _on_broken(self, src: int, exc: BaseException) -> None:
+        ctx = self._ctx
+        assert ctx is not None
+        peer = self._peers[src]
+        with peer.lock:
+            peer.gone = True
+        reason = _clean(exc)
+        if "closed by peer" in reason.lower() or "connection reset" in reason.lower():
+            reason = "closed its connection (its process probably exited or crashed)"
+        ctx.peer_lost(src, f"is unreachable: {reason}")
+
+    # ------------------------------------------------------------------------ close
+
+    def close(self, timeout: float) -> None:
+        """Send BYE to every peer, wait for theirs, then release the process group."""
+        ctx = self._ctx
+        if ctx is None:
+            return
+        self._closing = True
+        for rank, peer in self._peers.items():
+            self._send_bye(rank, peer)
+        deadline = time.monotonic() + timeout
+        for peer in self._peers.values():
+            if peer.thread is not None:
+                peer.thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [ctx.names[r] for r, p in self._peers.items() if p.thread and p.thread.is_alive()]
+        for rank, peer in self._peers.items():
+            with peer.lock:
+                while peer.inflight:
+                    self._wait_oldest(rank, peer)
+        if stuck:
+            # Releasing the group now would abort the process; keep it until exit.
+            log.warning(
+                "%s: no goodbye from %s within %.1f s; their connections stay open",
+                ctx.names[ctx.rank], ", ".join(stuck), timeout,
+            )
+            return
+        self._pg = None
+
+    def _send_bye(self, rank: int, peer: _Peer) -> None:
+        slot = bytearray(SLOT_BYTES)
+        _HEAD.pack_into(slot, 0, _BYE, 0, 0)
+        tensor = torch.frombuffer(slot, dtype=torch.uint8)
+        try:
+            self._post(rank, peer, [(_TAG_SLOT, tensor)], [tensor], SLOT_BYTES, bye=True)
+        except PeerLostError:
+            pass
+        except RuntimeError as exc:
+            log.debug("goodbye to rank %d failed: %s", rank, _clean(exc))
+
+
+def _unpack_inline(slot: bytearray, slot_tensor: torch.Tensor, n: int, body_len: int) -> Frame:
+    sizes = struct.unpack_from(f"<{n}Q", slot, _HEAD.size)
+    offset = _HEAD.size + 8 * n
+    header_len = body_len - 8 * n - sum(sizes)
+    header = bytes(slot[offset : offset + header_len])
+    offset += header_len
+    buffers = []
+    for size in sizes:
+        buffers.append(slot_tensor[offset : offset + size].clone())
+        offset += size
+    return Frame(header, buffers)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous tensor's memory (no copy)."""
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
+
+
+def _clean(exc: BaseException) -> str:
+    """gloo's message without the C++ source location it starts with."""
+    return _CPP_LOCATION.sub("", str(exc)).strip()
+
+
+def _device(ctx: TransportContext) -> Any:
+    options = ctx.options
+    interface = getattr(options, "interface", None)
+    hostname = getattr(options, "hostname", None)
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface)
+    if hostname is None and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        hostname = _address_towards(ctx.init_method)
+    if hostname:
+        return dist.ProcessGroupGloo.create_device(hostname=hostname)
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+def _address_towards(init_method: str) -> str | None:
+    """The local address that routes to the rendezvous host, or None if unknown."""
+    url = urlparse(init_method)
+    if url.scheme == "tcp":
+        host = url.hostname
+    elif url.scheme == "env":
+        host = os.environ.get("MASTER_ADDR")
+    else:
+        return None
+    if not host:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_UDP)
+        family, _, _, _, address = infos[0]
+        if ipaddress.ip_address(address[0]).is_loopback:
+            return str(address[0])
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((address[0], 9))  # UDP connect sends nothing; it picks a route
+            return str(probe.getsockname()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@hookimpl
+def rpcx_register_backends(register: Any) -> None:
+    """Register the gloo backend."""
+    register(
+        "gloo",
+        GlooTransport,
+        description="torch.distributed gloo send/recv on a private process group",
+        options_type=GlooRpcBackendOptions,
+    )

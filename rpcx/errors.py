@@ -1,0 +1,149 @@
+"""The errors rpcx raises, and how remote exceptions travel back to the caller.
+
+Every rpcx error derives from :class:`RpcError`, itself a :class:`RuntimeError`, because
+torch.distributed.rpc raises ``RuntimeError`` and programs written for it catch that.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import traceback
+from dataclasses import dataclass
+
+__all__ = [
+    "BackendNotFoundError",
+    "PeerLostError",
+    "RemoteException",
+    "RemoteTraceback",
+    "RpcError",
+    "RpcNotInitializedError",
+    "RpcShutdownError",
+    "RpcTimeoutError",
+    "SerializationError",
+    "UnknownWorkerError",
+]
+
+
+class RpcError(RuntimeError):
+    """Base class of every error rpcx raises itself."""
+
+
+class RpcNotInitializedError(RpcError):
+    """An RPC API was used on a thread or process where ``init_rpc`` has not run."""
+
+
+class RpcShutdownError(RpcError):
+    """The local worker has shut down (or is shutting down) and cannot make this call."""
+
+
+class RpcTimeoutError(RpcError, TimeoutError):
+    """A call did not complete within its timeout. The message names the call and worker."""
+
+
+class UnknownWorkerError(RpcError, ValueError):
+    """The destination is not a worker of this RPC world."""
+
+
+class PeerLostError(RpcError, ConnectionError):
+    """The destination worker died, left, or became unreachable."""
+
+
+class SerializationError(RpcError, pickle.PicklingError):
+    """A call's function, arguments or result could not be pickled or unpickled."""
+
+
+class BackendNotFoundError(RpcError, ValueError):
+    """No installed backend has the requested name. The message lists the installed ones."""
+
+
+class RemoteTraceback(Exception):
+    """Carries the text of a traceback printed on another worker.
+
+    rpcx sets it as ``__cause__`` of a re-raised remote exception so that the printed
+    traceback shows where the error really happened.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n" + self.text
+
+
+class RemoteException(RpcError):
+    """A remote exception whose original type could not be rebuilt on the caller.
+
+    It keeps everything the original carried as text: ``exc_type`` (the qualified name of
+    the original class), ``remote_message``, ``worker`` and ``remote_traceback``.
+    """
+
+    def __init__(self, exc_type: str, remote_message: str, worker: str, remote_traceback: str):
+        super().__init__(f"{exc_type}: {remote_message} (raised on worker {worker!r})")
+        self.exc_type = exc_type
+        self.remote_message = remote_message
+        self.worker = worker
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            type(self),
+            (self.exc_type, self.remote_message, self.worker, self.remote_traceback),
+        )
+
+
+@dataclass(frozen=True)
+class RemoteErrorInfo:
+    """What a worker sends back when a call raised: enough to rebuild or describe it."""
+
+    exc_type: str
+    message: str
+    traceback: str
+    worker: str
+    pickled: bytes | None
+
+    @classmethod
+    def capture(cls, exc: BaseException, worker: str) -> RemoteErrorInfo:
+        """Describe ``exc``, raised on ``worker``, for the trip back to the caller."""
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        try:
+            pickled: bytes | None = pickle.dumps(exc, protocol=5)
+        except Exception:  # an exception carrying unpicklable state still gets reported
+            pickled = None
+        return cls(_qualified_name(type(exc)), str(exc), tb, worker, pickled)
+
+    def rebuild(self, call: str) -> BaseException:
+        """The exception to raise at the caller: the original type if it can be rebuilt."""
+        exc: BaseException | None = None
+        if self.pickled is not None:
+            try:
+                candidate = pickle.loads(self.pickled)
+            except Exception:  # class missing here, or an __init__ pickle cannot call
+                candidate = None
+            if isinstance(candidate, BaseException) and str(candidate) == self.message:
+                exc = candidate
+        if exc is None:
+            exc = RemoteException(self.exc_type, self.message, self.worker, self.traceback)
+        exc.__cause__ = RemoteTraceback(self.traceback)
+        _add_note(exc, f"raised on worker {self.worker!r} while running {call}")
+        return exc
+
+
+def _qualified_name(cls: type) -> str:
+    module = getattr(cls, "__module__", None)
+    if module in (None, "builtins"):
+        return cls.__qualname__
+    return f"{module}.{cls.__qualname__}"
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if sys.version_info >= (3, 11):
+        exc.add_note(note)
+    else:  # 3.10 has no add_note; keep the note where 3.11+ tooling looks for it
+        notes = list(getattr(exc, "__notes__", []))
+        notes.append(note)
+        try:
+            exc.__notes__ = notes  # type: ignore[attr-defined]
+        except AttributeError:
+            pass

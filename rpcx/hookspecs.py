@@ -1,0 +1,47 @@
+"""Every plugin hook rpcx calls, in one place.
+
+rpcx uses pluggy with the project name ``rpcx``. Third-party packages expose a module (or
+object) through the entry-point group ``rpcx``; rpcx registers it as a plugin and calls
+the hooks below. The built-in backends register through the very same hooks.
+
+A minimal backend plugin::
+
+    # my_backend/plugin.py
+    from rpcx.hookspecs import hookimpl
+
+    @hookimpl
+    def rpcx_register_backends(register):
+        register("mine", MyTransport, description="frames over my fabric")
+
+    # pyproject.toml
+    [project.entry-points.rpcx]
+    mine = "my_backend.plugin"
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from rpcx.registry import BackendRegistry
+
+__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
+
+PROJECT_NAME = "rpcx"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def rpcx_register_backends(register: BackendRegistry) -> None:
+    """Register transports.
+
+    Call ``register(name, factory, *, description="", options_type=RpcBackendOptions,
+    capabilities=None)`` once per backend. ``factory()`` must return a new object that
+    implements :class:`rpcx.transport.Transport`; ``capabilities`` defaults to the
+    factory's ``capabilities`` attribute. Names are lower-case; registering a name twice
+    is an error that names both plugins.
+    """

@@ -1,0 +1,25 @@
+"""The kinds of message in rpcx's protocol.
+
+Every message is one envelope, ``(kind, request_id, payload)``. Requests carry a non-zero
+request id and are answered by exactly one ``RESULT`` or ``ERROR`` with the same id;
+one-way messages carry id 0. Services register a handler per request kind with the agent.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["RESPONSE_KINDS", "MessageKind"]
+
+
+class MessageKind(enum.IntEnum):
+    """Message kinds. Values are part of the wire format: append, never renumber."""
+
+    RESULT = 1  # payload: the return value
+    ERROR = 2  # payload: errors.RemoteErrorInfo
+    CALL = 3  # payload: (func, args, kwargs)
+    REMOTE_CALL = 4  # payload: (rref_id, func, args, kwargs); the callee owns the value
+    RREF_FETCH = 5  # payload: rref_id; answered with the owner's value
+
+
+RESPONSE_KINDS = frozenset({MessageKind.RESULT, MessageKind.ERROR})

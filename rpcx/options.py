@@ -1,0 +1,176 @@
+"""Backend options with torch.distributed.rpc's names, fields and validation.
+
+Options objects are plain mutable objects, like torch's (programs set ``init_method`` on
+an existing object), and every backend accepts every options type: a backend reads the
+fields it understands. Device maps are validated here, once, for all backends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Union
+
+import torch
+
+__all__ = [
+    "DEFAULT_INIT_METHOD",
+    "DEFAULT_NUM_WORKER_THREADS",
+    "DEFAULT_RPC_TIMEOUT_SEC",
+    "DeviceLike",
+    "RpcBackendOptions",
+    "TensorPipeRpcBackendOptions",
+    "invert_device_map",
+    "normalize_device",
+    "normalize_device_map",
+]
+
+DEFAULT_RPC_TIMEOUT_SEC = 60.0
+DEFAULT_INIT_METHOD = "env://"
+DEFAULT_NUM_WORKER_THREADS = 16
+
+DeviceLike = Union[int, str, torch.device]
+DeviceMap = dict[torch.device, torch.device]
+
+
+class RpcBackendOptions:
+    """Options every backend understands.
+
+    Args:
+        rpc_timeout: default timeout of a call, in seconds; ``0`` means no timeout.
+        init_method: rendezvous URL, ``tcp://host:port``, ``env://`` or ``file://path``.
+        num_worker_threads: how many threads run incoming requests concurrently. rpcx
+            adds a thread while one of them blocks on a nested call, so nested calls
+            cannot deadlock a small pool.
+    """
+
+    def __init__(
+        self,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+        init_method: str = DEFAULT_INIT_METHOD,
+        num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
+    ) -> None:
+        self.rpc_timeout = float(rpc_timeout)
+        self.init_method = init_method
+        self.num_worker_threads = int(num_worker_threads)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` if a field holds a value no backend can use."""
+        if self.rpc_timeout < 0:
+            raise ValueError(f"rpc_timeout must be >= 0 seconds, got {self.rpc_timeout}")
+        if self.num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        if not isinstance(self.init_method, str) or "://" not in self.init_method:
+            raise ValueError(
+                f"init_method must be a URL such as 'tcp://host:port', 'env://' or "
+                f"'file:///path', got {self.init_method!r}"
+            )
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+
+class TensorPipeRpcBackendOptions(RpcBackendOptions):
+    """torch's TensorPipe options, understood by every rpcx backend.
+
+    ``device_maps`` maps a destination worker's name to ``{local device: remote device}``.
+    Responses travel along the inverse map. Maps must be one-to-one.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+        init_method: str = DEFAULT_INIT_METHOD,
+        device_maps: Mapping[str, Mapping[DeviceLike, DeviceLike]] | None = None,
+        devices: Iterable[DeviceLike] | None = None,
+        _transports: list[str] | None = None,
+        _channels: list[str] | None = None,
+    ) -> None:
+        super().__init__(rpc_timeout, init_method, num_worker_threads)
+        self.device_maps: dict[str, DeviceMap] = {}
+        self.devices: list[torch.device] = []
+        # Accepted for source compatibility with torch; rpcx picks its own channels.
+        self._transports = _transports
+        self._channels = _channels
+        for to, device_map in (device_maps or {}).items():
+            self.set_device_map(to, device_map)
+        if devices is not None:
+            self.set_devices(devices)
+
+    def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:
+        """Add ``{local: remote}`` entries for calls to worker ``to``.
+
+        Incremental: entries add to what is already set for ``to``. Raises ``ValueError``
+        if an entry conflicts with an existing one or two local devices would map to the
+        same remote device.
+        """
+        new = normalize_device_map(device_map)
+        merged = dict(self.device_maps.get(to, {}))
+        for src, dst in new.items():
+            if src in merged and merged[src] != dst:
+                raise ValueError(
+                    f"device map to {to!r}: {src} is already mapped to {merged[src]}, "
+                    f"cannot also map it to {dst} (maps must be one-to-one)"
+                )
+            merged[src] = dst
+        _check_one_to_one(merged, to)
+        self.device_maps[to] = merged
+
+    def set_devices(self, devices: Iterable[DeviceLike]) -> None:
+        """Set the local devices this worker sends from and receives on."""
+        normalized = [normalize_device(d) for d in devices]
+        if len(set(normalized)) != len(normalized):
+            raise ValueError(f"devices contains duplicates: {normalized}")
+        self.devices = normalized
+
+    def validate(self) -> None:
+        """Check the common fields and that every device map is one-to-one."""
+        super().validate()
+        for to, device_map in self.device_maps.items():
+            _check_one_to_one(device_map, to)
+
+
+def normalize_device(device: DeviceLike) -> torch.device:
+    """Turn ``1``, ``"cuda:1"`` or ``torch.device("cuda", 1)`` into ``torch.device("cuda:1")``."""
+    if isinstance(device, bool):
+        raise ValueError(f"not a device: {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device index must be >= 0, got {device}")
+        return torch.device("cuda", device)
+    try:
+        result = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"not a device: {device!r}") from exc
+    if result.type != "cpu" and result.index is None:
+        raise ValueError(f"device {device!r} needs an index, for example '{result.type}:0'")
+    return result
+
+
+def normalize_device_map(device_map: Mapping[DeviceLike, DeviceLike]) -> DeviceMap:
+    """Normalize every key and value of a device map and check it is one-to-one."""
+    if not isinstance(device_map, Mapping):
+        raise ValueError(f"a device map must be a dict, got {type(device_map).__name__}")
+    normalized = {normalize_device(k): normalize_device(v) for k, v in device_map.items()}
+    if len(normalized) != len(device_map):
+        raise ValueError(f"device map {dict(device_map)!r} names a local device twice")
+    _check_one_to_one(normalized, "this worker")
+    return normalized
+
+
+def invert_device_map(device_map: Mapping[torch.device, torch.device]) -> DeviceMap:
+    """The map a response takes: ``{remote: local}`` for ``{local: remote}``."""
+    return {dst: src for src, dst in device_map.items()}
+
+
+def _check_one_to_one(device_map: Mapping[torch.device, torch.device], to: str) -> None:
+    seen: dict[torch.device, torch.device] = {}
+    for src, dst in device_map.items():
+        if dst in seen:
+            raise ValueError(
+                f"device map to {to!r}: {seen[dst]} and {src} both map to {dst} "
+                "(maps must be one-to-one)"
+            )
+        seen[dst] = src

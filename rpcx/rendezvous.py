@@ -1,0 +1,187 @@
+"""Rendezvous: finding the other workers through a torch.distributed ``Store``.
+
+Multi-process backends use torch's rendezvous (``tcp://``, ``env://``, ``file://``); the
+loopback backend uses an in-memory store shared by the threads of one process. Every
+wait here is bounded or polls in bounded slices so it can notice dead peers and report
+progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from rpcx.errors import RpcError, RpcTimeoutError
+
+__all__ = [
+    "barrier",
+    "in_process_store",
+    "join_world",
+    "leave",
+    "open_store",
+    "prefixed",
+    "release_in_process_store",
+]
+
+log = logging.getLogger("rpcx.rendezvous")
+
+_POLL = 0.25  # seconds per store wait slice while watching for dead peers
+_REPORT_EVERY = 30.0
+_LEAVE_TIMEOUT = 10.0
+_NO_LIMIT = timedelta(days=7)  # torch stores need a finite timeout; waits here poll anyway
+
+_hub_lock = threading.Lock()
+_hub: dict[str, tuple[Any, int]] = {}  # world key -> (HashStore, users)
+
+
+def open_store(init_method: str, rank: int, world_size: int, timeout: float | None) -> Any:
+    """Connect to (or host) the rendezvous store of ``init_method``."""
+    store_timeout = timedelta(seconds=timeout) if timeout else _NO_LIMIT
+    try:
+        store, _, _ = next(
+            dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=store_timeout)
+        )
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise RpcError(
+            f"rendezvous at {init_method!r} failed for rank {rank} of {world_size}: {exc}"
+        ) from exc
+    store.set_timeout(_NO_LIMIT)
+    return store
+
+
+def in_process_store(key: str) -> Any:
+    """The in-memory store shared by every worker of the in-process world ``key``."""
+    with _hub_lock:
+        store, users = _hub.get(key, (None, 0))
+        if store is None:
+            store = dist.HashStore()
+            store.set_timeout(_NO_LIMIT)
+        _hub[key] = (store, users + 1)
+        return store
+
+
+def release_in_process_store(key: str) -> None:
+    """Drop one user of an in-process store; the last one frees it."""
+    with _hub_lock:
+        store, users = _hub.get(key, (None, 0))
+        if users <= 1:
+            _hub.pop(key, None)
+        else:
+            _hub[key] = (store, users - 1)
+
+
+def prefixed(store: Any, prefix: str) -> Any:
+    """A view of ``store`` whose keys all start with ``prefix/``."""
+    return dist.PrefixStore(prefix + "/", store)
+
+
+def join_world(
+    store: Any, name: str, rank: int, world_size: int, timeout: float | None
+) -> tuple[Any, list[str]]:
+    """Publish this worker's name, wait for every other, return (session store, names).
+
+    Each ``init_rpc`` on a store starts a new *session* (its own key prefix), so a world
+    can shut down and start again on the same rendezvous address.
+    """
+    joined = store.add("rpcx/joined", 1)
+    session = prefixed(store, f"rpcx/s{(joined - 1) // world_size}")
+    if session.add(f"rank/{rank}", 1) != 1:
+        raise RpcError(f"init_rpc: rank {rank} was claimed twice (worker {name!r} came second)")
+    session.set(f"name/{rank}", name)
+    _wait_for(
+        session,
+        [f"name/{r}" for r in range(world_size)],
+        timeout,
+        is_gone=lambda r: False,
+        what=f"init_rpc: worker {name!r} (rank {rank}) waiting for workers to join",
+        describe=lambda ranks: "ranks " + ", ".join(map(str, ranks)),
+    )
+    names = [session.get(f"name/{r}").decode() for r in range(world_size)]
+    seen: dict[str, int] = {}
+    for r, other in enumerate(names):
+        if other in seen:
+            raise RpcError(
+                f"init_rpc: worker name {other!r} is used by ranks {seen[other]} and {r}; "
+                "names must be unique"
+            )
+        seen[other] = r
+    return session, names
+
+
+def barrier(
+    store: Any,
+    tag: str,
+    rank: int,
+    world_size: int,
+    *,
+    timeout: float | None,
+    is_gone: Callable[[int], bool],
+    describe: Callable[[list[int]], str],
+    waiter: str,
+) -> None:
+    """Wait until every rank not known to be gone has called ``barrier`` with ``tag``."""
+    store.set(f"{tag}/{rank}", b"1")
+    _wait_for(
+        store,
+        [f"{tag}/{r}" for r in range(world_size)],
+        timeout,
+        is_gone=is_gone,
+        what=f"worker {waiter!r} waiting at {tag!r} for",
+        describe=describe,
+    )
+
+
+def leave(store: Any, rank: int, world_size: int, is_gone: Callable[[int], bool]) -> None:
+    """Last step of shutdown: rank 0 may host the store, so it waits for the others to go."""
+    try:
+        store.set(f"left/{rank}", b"1")
+        if rank == 0:
+            _wait_for(
+                store,
+                [f"left/{r}" for r in range(world_size)],
+                _LEAVE_TIMEOUT,
+                is_gone=is_gone,
+                what="rank 0 waiting for workers to leave",
+                describe=lambda ranks: ", ".join(map(str, ranks)),
+            )
+    except Exception as exc:  # the store host may already be gone; nothing left to do
+        log.debug("leaving the rendezvous store: %s", exc)
+
+
+def _wait_for(
+    store: Any,
+    keys: list[str],
+    timeout: float | None,
+    *,
+    is_gone: Callable[[int], bool],
+    what: str,
+    describe: Callable[[list[int]], str],
+) -> None:
+    """Wait until every ``keys[rank]`` exists or its rank is gone; keys are per rank."""
+    started = time.monotonic()
+    next_report = started + _REPORT_EVERY
+    missing = list(range(len(keys)))
+    while True:
+        missing = [r for r in missing if not is_gone(r) and not store.check([keys[r]])]
+        if not missing:
+            return
+        now = time.monotonic()
+        if timeout is not None and now - started >= timeout:
+            raise RpcTimeoutError(
+                f"{what}: gave up after {now - started:.1f} s; missing: {describe(missing)}"
+            )
+        if now >= next_report:
+            log.info("%s: still missing %s after %.0f s", what, describe(missing), now - started)
+            next_report = now + _REPORT_EVERY
+        slice_ = _POLL if timeout is None else min(_POLL, max(0.001, timeout - (now - started)))
+        try:
+            store.wait([keys[missing[0]]], timedelta(seconds=slice_))
+        except RuntimeError as exc:
+            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                raise RpcError(f"{what}: the rendezvous store failed: {exc}") from exc

@@ -1,0 +1,215 @@
+"""The codec: message envelopes to :class:`~rpcx.transport.Frame` and back.
+
+The only module that touches pickle. One pickling pass per message; tensors never enter
+pickle's byte stream: each becomes a reference to a slot in the frame's buffer list, with
+its dtype and shape, so a transport moves tensor memory as-is.
+
+Speed matters here (it is on every call), so the pickler runs Python code only for the
+types that need it: a per-pickler ``dispatch_table`` maps ``torch.Tensor`` and every
+registered *extension* type to a reduce function. Those functions, and the rebuild
+functions the pickle stream names, find the message being encoded or decoded through a
+thread-local context (set for the duration of one ``encode``/``decode_payload`` call).
+
+Services that need custom treatment of their objects on the wire (RRefs, later autograd)
+register an extension: a type, a reduce function run while encoding and a module-level
+rebuild function run while decoding.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rpcx.errors import SerializationError
+from rpcx.transport import Frame
+
+__all__ = [
+    "DecodeContext",
+    "EncodeContext",
+    "current_decode_context",
+    "current_encode_context",
+    "decode_envelope",
+    "decode_payload",
+    "encode",
+    "register_extension",
+]
+
+_ENVELOPE = struct.Struct("<BQ")  # message kind, request id
+_PROTOCOL = 5
+_DTYPES: dict[str, torch.dtype] = {
+    str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
+
+
+@dataclass
+class EncodeContext:
+    """Per-message state while encoding.
+
+    Attributes:
+        peer: the destination rank.
+        buffers: the tensor data that travels beside the header, in order.
+        tensors: the original tensors, in buffer order (services inspect them, for
+            example to record which ones require grad).
+    """
+
+    peer: int
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class DecodeContext:
+    """Per-message state while decoding.
+
+    Attributes:
+        peer: the source rank.
+        agent: the receiving agent, for extensions that rebuild objects bound to it.
+        buffers: the frame's tensor data.
+        tensors: the rebuilt tensors, in buffer order.
+    """
+
+    peer: int
+    agent: Any = None
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+class _Contexts(threading.local):
+    encoding: EncodeContext | None = None
+    decoding: DecodeContext | None = None
+
+
+_contexts = _Contexts()
+
+
+def current_encode_context() -> EncodeContext:
+    """The message being encoded on this thread (only valid inside a reduce function)."""
+    ctx = _contexts.encoding
+    if ctx is None:
+        raise SerializationError("this object can only be pickled by rpcx while sending it")
+    return ctx
+
+
+def current_decode_context() -> DecodeContext:
+    """The message being decoded on this thread (only valid inside a rebuild function)."""
+    ctx = _contexts.decoding
+    if ctx is None:
+        raise SerializationError("this object can only be unpickled by rpcx while receiving it")
+    return ctx
+
+
+# ------------------------------------------------------------------------------ tensors
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> Any:
+    if tensor.layout is not torch.strided or tensor.is_quantized:
+        return tensor.__reduce_ex__(_PROTOCOL)  # rare layouts: torch's own pickling, in band
+    if tensor.device.type != "cpu":
+        raise SerializationError(
+            f"cannot send a tensor on {tensor.device}: this rpcx version moves CPU tensors "
+            "only; call .cpu() before sending"
+        )
+    ctx = current_encode_context()
+    data = tensor.detach()
+    if not data.is_contiguous():
+        data = data.contiguous()
+    index = len(ctx.buffers)
+    ctx.buffers.append(data)
+    ctx.tensors.append(tensor)
+    is_param = type(tensor) is torch.nn.Parameter
+    return (
+        _rebuild_tensor,
+        (index, str(tensor.dtype), tuple(tensor.shape), tensor.requires_grad, is_param),
+    )
+
+
+def _rebuild_tensor(
+    index: int, dtype_name: str, shape: tuple[int, ...], requires_grad: bool, param: bool
+) -> torch.Tensor:
+    ctx = current_decode_context()
+    data = ctx.buffers[index]
+    dtype = _DTYPES[dtype_name]
+    if data.dtype is not dtype:
+        data = data.view(-1).view(dtype)
+    tensor = data.reshape(shape)
+    if param:
+        tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    elif requires_grad:
+        tensor.requires_grad_(True)
+    ctx.tensors.append(tensor)
+    return tensor
+
+
+_dispatch: dict[type, Callable[[Any], Any]] = dict(copyreg.dispatch_table)
+_dispatch[torch.Tensor] = _reduce_tensor
+_dispatch[torch.nn.Parameter] = _reduce_tensor
+
+
+def register_extension(cls: type, reduce: Callable[[Any, EncodeContext], Any]) -> None:
+    """Pickle instances of exactly ``cls`` with ``reduce(obj, ctx)``.
+
+    ``reduce`` returns what ``__reduce__`` would, ``(rebuild, args)``, where ``rebuild`` is
+    a module-level function; it can call :func:`current_decode_context` to reach the
+    receiving agent. ``args`` may hold tensors and other extension objects.
+    """
+    if cls in _dispatch and cls not in (torch.Tensor, torch.nn.Parameter):
+        existing = _dispatch[cls]
+        if getattr(existing, "__wrapped_reduce__", None) is not reduce:
+            raise ValueError(f"a codec extension for {cls.__qualname__} is already registered")
+
+    def dispatch(obj: Any) -> Any:
+        return reduce(obj, current_encode_context())
+
+    dispatch.__wrapped_reduce__ = reduce  # type: ignore[attr-defined]
+    _dispatch[cls] = dispatch
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def encode(kind: int, request_id: int, payload: Any, ctx: EncodeContext) -> Frame:
+    """Encode one envelope. Raises :class:`SerializationError` if ``payload`` cannot be pickled."""
+    file = io.BytesIO()
+    file.write(_ENVELOPE.pack(kind, request_id))
+    pickler = pickle.Pickler(file, _PROTOCOL)
+    pickler.dispatch_table = _dispatch
+    outer = _contexts.encoding
+    _contexts.encoding = ctx
+    try:
+        pickler.dump(payload)
+    except SerializationError:
+        raise
+    except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError, ...
+        raise SerializationError(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        _contexts.encoding = outer
+    return Frame(file.getvalue(), ctx.buffers)
+
+
+def decode_envelope(frame: Frame) -> tuple[int, int]:
+    """The ``(kind, request_id)`` of a frame; never fails on a well-formed frame."""
+    kind, request_id = _ENVELOPE.unpack_from(frame.header)
+    return kind, request_id
+
+
+def decode_payload(frame: Frame, ctx: DecodeContext) -> Any:
+    """Unpickle a frame's payload. Raises :class:`SerializationError` saying what failed."""
+    ctx.buffers = frame.buffers
+    outer = _contexts.decoding
+    _contexts.decoding = ctx
+    try:
+        return pickle.loads(memoryview(frame.header)[_ENVELOPE.size :])
+    except SerializationError:
+        raise
+    except Exception as exc:  # a missing module or class, a failing __setstate__, ...
+        raise SerializationError(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        _contexts.decoding = outer

@@ -1,0 +1,123 @@
+"""``rpcx.spawn``: start the workers of a program, on any backend.
+
+Like ``torch.multiprocessing.spawn`` (``fn(rank, *args)`` for each rank). For in-process
+backends (loopback) the ranks are threads of this process, and ``init_rpc`` called on
+them joins one private in-process world whatever ``init_method`` it is given; for every
+other backend they are processes, with the backend exported as ``$RPCX_BACKEND``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import threading
+import traceback
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing
+
+from rpcx import _context
+from rpcx.errors import RpcError
+from rpcx.registry import ENV_VAR, resolve_backend
+
+__all__ = ["SpawnContext", "WorkerFailedError", "spawn"]
+
+
+class WorkerFailedError(RpcError):
+    """A worker started by :func:`spawn` raised; ``rank`` says which, ``__cause__`` what."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    backend: str | None = None,
+    daemon: bool = False,
+    start_method: str = "spawn",
+) -> Any:
+    """Run ``fn(rank, *args)`` for ``rank`` in ``range(nprocs)`` on ``backend``'s kind of worker.
+
+    ``backend=None`` resolves the backend the way ``init_rpc`` does. Returns ``None`` when
+    ``join`` is true (raising if a worker raised), else a context with ``join()``.
+    """
+    spec = resolve_backend(backend, _context.spawn_backend.get())
+    if spec.capabilities.in_process:
+        context = SpawnContext(fn, args, nprocs, spec.name)
+        if not join:
+            return context
+        while not context.join():
+            pass
+        return None
+    return torch.multiprocessing.start_processes(
+        _process_entry,
+        args=(fn, args, spec.name),
+        nprocs=nprocs,
+        join=join,
+        daemon=daemon,
+        start_method=start_method,
+    )
+
+
+def _process_entry(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], backend: str) -> None:
+    os.environ[ENV_VAR] = backend
+    fn(rank, *args)
+
+
+class SpawnContext:
+    """The threads of an in-process world started by :func:`spawn`."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, backend: str):
+        self._cond = threading.Condition()
+        self._errors: dict[int, BaseException] = {}
+        self._finished: set[int] = set()
+        world = f"spawn-{uuid.uuid4().hex}"
+        self.threads: list[threading.Thread] = []
+        for rank in range(nprocs):
+            ctx = contextvars.copy_context()
+            ctx.run(_context.spawn_backend.set, backend)
+            ctx.run(_context.spawn_world.set, world)
+            thread = threading.Thread(
+                target=ctx.run,
+                args=(self._run, rank, fn, args),
+                name=f"rpcx-spawn-{rank}",
+                daemon=True,
+            )
+            self.threads.append(thread)
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, rank: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            fn(rank, *args)
+        except BaseException as exc:
+            with self._cond:
+                self._errors[rank] = exc
+        finally:
+            with self._cond:
+                self._finished.add(rank)
+                self._cond.notify_all()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the workers. True once all finished; raises if one of them raised.
+
+        Like torch's ``ProcessContext.join``: returns False if ``timeout`` passed first.
+        """
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._errors or len(self._finished) == len(self.threads), timeout
+            )
+            if self._errors:
+                rank = min(self._errors)
+                exc = self._errors[rank]
+                text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                raise WorkerFailedError(
+                    f"worker thread {rank} raised {type(exc).__name__}: {exc}\n\n{text}", rank
+                ) from exc
+            return len(self._finished) == len(self.threads)

@@ -1,0 +1,431 @@
+"""The conformance suite: what every rpcx backend must do, identically.
+
+Import it into a test module (``from rpcx.testing.conformance import *``) with the
+fixtures of :mod:`rpcx.testing.fixtures` active. Every test runs against the module's
+``rpc_world``: this process (or thread) is ``worker0``; ``worker1`` and ``worker2`` are
+other workers of the backend under test.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+import pytest
+import torch
+
+import rpcx
+from rpcx.testing import remote
+from rpcx.testing.world import World
+
+__all__ = [
+    "TestAsyncExecution",
+    "TestCalls",
+    "TestErrors",
+    "TestFutures",
+    "TestRRef",
+    "TestTensors",
+    "TestTimeouts",
+]
+
+W1, W2 = "worker1", "worker2"
+
+
+class TestCalls:
+    """rpc_sync / rpc_async / remote addressing, callables and nesting."""
+
+    def test_destination_by_name_rank_and_workerinfo(self, rpc_world: World) -> None:
+        info = rpcx.get_worker_info(W1)
+        assert info == rpcx.WorkerInfo(W1, 1)
+        for to in (W1, 1, info):
+            assert rpcx.rpc_sync(to, remote.worker_name) == W1
+
+    def test_worker_infos(self, rpc_world: World) -> None:
+        infos = rpcx.get_worker_infos()
+        assert [(i.name, i.id) for i in infos] == [(n, r) for r, n in enumerate(rpc_world.names)]
+        assert rpcx.get_worker_info() == rpcx.WorkerInfo("worker0", 0)
+        assert rpcx.rpc_sync(W2, rpcx.get_worker_info) == rpcx.WorkerInfo(W2, 2)
+
+    def test_kinds_of_callables(self, rpc_world: World) -> None:
+        assert torch.equal(rpcx.rpc_sync(W1, torch.add, args=(torch.ones(2), 3)), torch.full((2,), 4.0))
+        assert rpcx.rpc_sync(W1, remote.Static.triple, args=(5,)) == 15
+        counter = rpcx.rpc_sync(W1, remote.Counter, args=(7,))
+        assert isinstance(counter, remote.Counter) and counter.count == 7
+        assert rpcx.rpc_sync(W1, max, args=([3, 9, 4],)) == 9
+
+    def test_args_and_kwargs(self, rpc_world: World) -> None:
+        args, kwargs = rpcx.rpc_sync(W1, remote.echo_kwargs, args=[1, "two"], kwargs={"k": 3})
+        assert args == (1, "two") and kwargs == {"k": 3}
+        assert rpcx.rpc_sync(W1, remote.echo_kwargs) == ((), {})
+
+    def test_call_to_self(self, rpc_world: World) -> None:
+        assert rpcx.rpc_sync("worker0", remote.add, args=(2, 3)) == 5
+        assert rpcx.rpc_async(0, remote.worker_name).wait() == "worker0"
+
+    def test_nested_three_workers(self, rpc_world: World) -> None:
+        value, route = rpcx.rpc_sync(W1, remote.chain, args=([W2], 0))
+        assert (value, route) == (1, [W1, W2])
+
+    def test_nested_back_to_caller(self, rpc_world: World) -> None:
+        value, route = rpcx.rpc_sync(W1, remote.chain, args=(["worker0", W2, "worker0"], 10))
+        assert (value, route) == (13, [W1, "worker0", W2, "worker0"])
+
+    def test_nesting_deeper_than_the_request_pool(self, rpc_world: World) -> None:
+        # 40 hops between worker0 and worker1, each holding a request thread while it
+        # waits: 20 blocked threads per worker, more than the default pool of 16.
+        depth = 40
+        assert rpcx.rpc_sync(W1, remote.ping_pong, args=(depth, "worker0", W1)) == depth
+
+    def test_hundreds_of_concurrent_calls(self, rpc_world: World) -> None:
+        futures = [rpcx.rpc_async(W1 if i % 2 else W2, remote.add, args=(i, 1)) for i in range(400)]
+        assert [f.wait() for f in futures] == [i + 1 for i in range(400)]
+
+    def test_concurrent_calls_with_tensors(self, rpc_world: World) -> None:
+        tensors = [torch.full((64,), float(i)) for i in range(100)]
+        futures = [rpcx.rpc_async(W2, remote.add, args=(t, 1)) for t in tensors]
+        for i, fut in enumerate(futures):
+            assert torch.equal(fut.wait(), torch.full((64,), i + 1.0))
+
+    def test_unknown_destination(self, rpc_world: World) -> None:
+        for bad in ("no_such_worker", 17, rpcx.WorkerInfo("worker1", 2)):
+            with pytest.raises(rpcx.UnknownWorkerError, match="worker0, worker1, worker2"):
+                rpcx.rpc_sync(bad, remote.add, args=(1, 2))
+        with pytest.raises(rpcx.UnknownWorkerError):
+            rpcx.remote("nope", remote.add, args=(1, 2))
+        with pytest.raises(TypeError, match="must be callable"):
+            rpcx.rpc_sync(W1, 42)
+
+
+class TestFutures:
+    """rpc_async returns a real torch.futures.Future."""
+
+    def test_is_a_torch_future(self, rpc_world: World) -> None:
+        fut = rpcx.rpc_async(W1, remote.add, args=(1, 2))
+        assert isinstance(fut, torch.futures.Future)
+        assert fut.wait() == 3 and fut.done() and fut.value() == 3
+
+    def test_then_and_callbacks(self, rpc_world: World) -> None:
+        seen: list[int] = []
+        fut = rpcx.rpc_async(W1, remote.add, args=(1, 2))
+        chained = fut.then(lambda f: f.wait() * 10)
+        fut.add_done_callback(lambda f: seen.append(f.value()))
+        assert chained.wait() == 30
+        fut.wait()
+        assert seen == [3]
+
+    def test_collect_all_and_wait_all(self, rpc_world: World) -> None:
+        futures = [rpcx.rpc_async(W1, remote.add, args=(i, i)) for i in range(5)]
+        done = torch.futures.collect_all(futures).wait()
+        assert [f.value() for f in done] == [0, 2, 4, 6, 8]
+        assert torch.futures.wait_all([rpcx.rpc_async(W2, remote.add, args=(1, 1))]) == [2]
+
+    def test_callback_may_call_rpc(self, rpc_world: World) -> None:
+        fut = rpcx.rpc_async(W1, remote.add, args=(1, 1)).then(
+            lambda f: rpcx.rpc_async(W2, remote.add, args=(f.wait(), 1))
+        )
+        assert fut.wait().wait() == 3
+
+
+class TestAsyncExecution:
+    """@rpcx.functions.async_execution: the reply comes when the returned future does."""
+
+    def test_async_function(self, rpc_world: World) -> None:
+        assert rpcx.rpc_sync(W1, remote.async_add_via, args=(W2, 1, 2)) == 4
+        assert rpcx.rpc_async(W1, remote.async_add_via, args=("worker0", 1, 2)).wait() == 4
+
+    def test_async_static_method(self, rpc_world: World) -> None:
+        assert rpcx.rpc_sync(W1, remote.Static.async_triple, args=(3,)) == 9
+
+    def test_async_with_remote(self, rpc_world: World) -> None:
+        rref = rpcx.remote(W1, remote.async_add_via, args=(W2, 2, 3))
+        assert rref.to_here() == 6
+
+    def test_async_method_through_rref_proxies(self, rpc_world: World) -> None:
+        rref = rpcx.remote(W1, remote.Counter, args=(4,))
+        assert rref.rpc_sync().async_double() == 8
+        assert rref.rpc_async().async_double().wait() == 8
+        assert rref.remote().async_double().to_here() == 8
+
+    def test_async_function_must_return_a_future(self, rpc_world: World) -> None:
+        with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+            rpcx.rpc_sync(W1, remote.async_returns_wrong_type)
+
+    def test_torch_decorator_is_honoured(self, rpc_world: World) -> None:
+        # Programs that still decorate with torch's async_execution keep working.
+        from torch.distributed.rpc import functions as torch_functions
+
+        assert hasattr(torch_functions.async_execution(remote.echo), "_wrapped_async_rpc_function")
+
+
+class TestTimeouts:
+    """Per-call and default timeouts; errors name the call, worker and time."""
+
+    def test_per_call_timeout(self, rpc_world: World) -> None:
+        key = uuid.uuid4().hex
+        try:
+            with pytest.raises(rpcx.RpcTimeoutError) as info:
+                rpcx.rpc_sync(W1, remote.wait_for_release, args=(key,), timeout=0.2)
+            message = str(info.value)
+            assert "rpc_sync(rpcx.testing.remote.wait_for_release)" in message
+            assert "'worker1'" in message and "timeout 0.2 s" in message
+            assert isinstance(info.value, TimeoutError)
+        finally:
+            rpcx.rpc_sync(W1, remote.release, args=(key,))
+
+    def test_async_timeout_goes_to_the_future(self, rpc_world: World) -> None:
+        key = uuid.uuid4().hex
+        try:
+            fut = rpcx.rpc_async(W2, remote.wait_for_release, args=(key,), timeout=0.2)
+            with pytest.raises(rpcx.RpcTimeoutError, match=r"rpc_async\(.*wait_for_release\)"):
+                fut.wait()
+        finally:
+            rpcx.rpc_sync(W2, remote.release, args=(key,))
+
+    def test_default_timeout(self, rpc_world: World) -> None:
+        key = uuid.uuid4().hex
+        default = rpcx.get_rpc_timeout()
+        rpcx._set_rpc_timeout(0.3)
+        try:
+            with pytest.raises(rpcx.RpcTimeoutError, match="timeout 0.3 s"):
+                rpcx.rpc_sync(W1, remote.wait_for_release, args=(key,))
+        finally:
+            rpcx._set_rpc_timeout(default)
+            rpcx.rpc_sync(W1, remote.release, args=(key,))
+        assert rpcx.get_rpc_timeout() == default
+
+    def test_zero_means_no_timeout(self, rpc_world: World) -> None:
+        key, other = uuid.uuid4().hex, uuid.uuid4().hex
+        default = rpcx.get_rpc_timeout()
+        rpcx._set_rpc_timeout(0.05)
+        try:
+            blocked = rpcx.rpc_async(W1, remote.wait_for_release, args=(key, 30.0), timeout=0)
+            # Let more than the 0.05 s default pass, measured by a call that times out.
+            with pytest.raises(rpcx.RpcTimeoutError):
+                rpcx.rpc_sync(W2, remote.wait_for_release, args=(other,), timeout=0.2)
+            assert not blocked.done()
+            rpcx.rpc_sync(W1, remote.release, args=(key,), timeout=10)
+            assert blocked.wait() is True
+        finally:
+            rpcx._set_rpc_timeout(default)
+            rpcx.rpc_sync(W2, remote.release, args=(other,), timeout=10)
+
+    def test_remote_timeout_surfaces_at_to_here(self, rpc_world: World) -> None:
+        key = uuid.uuid4().hex
+        try:
+            rref = rpcx.remote(W1, remote.wait_for_release, args=(key,), timeout=0.2)
+            with pytest.raises(rpcx.RpcTimeoutError, match=r"remote\(.*wait_for_release\)"):
+                rref.to_here()
+        finally:
+            rpcx.rpc_sync(W1, remote.release, args=(key,))
+
+
+class TestErrors:
+    """Remote exceptions keep their type, message, worker and traceback."""
+
+    def test_builtin_exception_type_and_message(self, rpc_world: World) -> None:
+        with pytest.raises(ValueError) as info:
+            rpcx.rpc_sync(W1, remote.raise_value_error, args=("bad value",))
+        exc = info.value
+        assert type(exc) is ValueError and str(exc) == "bad value"
+        assert isinstance(exc.__cause__, rpcx.RemoteTraceback)
+        assert "raise_value_error" in exc.__cause__.text
+        assert "Traceback" in exc.__cause__.text
+        assert any("'worker1'" in note and "raise_value_error" in note
+                   for note in getattr(exc, "__notes__", []))
+
+    def test_custom_exception_type(self, rpc_world: World) -> None:
+        with pytest.raises(remote.CustomError, match="custom"):
+            rpcx.rpc_async(W2, remote.raise_custom, args=("custom",)).wait()
+
+    def test_unrebuildable_exception(self, rpc_world: World) -> None:
+        with pytest.raises(rpcx.RemoteException) as info:
+            rpcx.rpc_sync(W1, remote.raise_unrebuildable)
+        exc = info.value
+        assert exc.exc_type == "rpcx.testing.remote.UnrebuildableError"
+        assert exc.remote_message == "broken: cannot be rebuilt"
+        assert exc.worker == W1
+        assert "raise_unrebuildable" in exc.remote_traceback
+        assert "broken: cannot be rebuilt" in str(exc) and W1 in str(exc)
+
+    def test_unpicklable_argument_fails_at_the_caller(self, rpc_world: World) -> None:
+        with pytest.raises(rpcx.SerializationError, match=r"rpc_sync\(.*echo\) to worker 'worker1'"):
+            rpcx.rpc_sync(W1, remote.echo, args=(lambda: 1,))
+        with pytest.raises(rpcx.SerializationError):
+            rpcx.rpc_async(W1, remote.echo, args=(lambda: 1,))
+
+    def test_unpicklable_result(self, rpc_world: World) -> None:
+        with pytest.raises(rpcx.SerializationError, match="could not pickle the result"):
+            rpcx.rpc_sync(W1, remote.unpicklable_result)
+
+    def test_function_missing_on_callee(self, rpc_world: World) -> None:
+        with pytest.raises(rpcx.SerializationError) as info:
+            rpcx.rpc_sync(W2, remote.UnloadableOnCallee())
+        message = str(info.value)
+        assert "'worker2' could not unpickle the request" in message
+        assert "rpcx_testing_module_that_does_not_exist" in message
+
+    def test_error_does_not_break_later_calls(self, rpc_world: World) -> None:
+        with pytest.raises(ValueError):
+            rpcx.rpc_sync(W1, remote.raise_value_error, args=("x",))
+        assert rpcx.rpc_sync(W1, remote.add, args=(1, 1)) == 2
+
+
+_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.complex64, torch.complex128,
+]
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...] = (3, 4)) -> torch.Tensor:
+    if dtype is torch.bool:
+        return torch.arange(12).reshape(shape) % 3 == 0
+    if dtype.is_complex:
+        return torch.complex(torch.arange(12.0), -torch.arange(12.0)).reshape(shape).to(dtype)
+    return (torch.arange(12) - 5).reshape(shape).to(dtype)
+
+
+class TestTensors:
+    """Tensor values survive the trip exactly, as copies."""
+
+    @pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+    def test_every_dtype(self, rpc_world: World, dtype: torch.dtype) -> None:
+        tensor = _sample(dtype)
+        out = rpcx.rpc_sync(W1, remote.echo, args=(tensor,))
+        assert out.dtype == dtype and out.shape == tensor.shape
+        assert torch.equal(out, tensor)
+
+    def test_zero_dim_and_empty(self, rpc_world: World) -> None:
+        scalar = torch.tensor(3.5, dtype=torch.float64)
+        empty = torch.empty(0, 5, dtype=torch.int32)
+        out_scalar, out_empty = rpcx.rpc_sync(W1, remote.echo, args=((scalar, empty),))
+        assert out_scalar.dim() == 0 and out_scalar.item() == 3.5
+        assert out_empty.shape == (0, 5) and out_empty.dtype == torch.int32
+
+    def test_non_contiguous_views(self, rpc_world: World) -> None:
+        base = torch.arange(60.0).reshape(6, 10)
+        views = [base.t(), base[:, 2:7:2], base[1::2], base.expand(2, 6, 10)[1]]
+        outs = rpcx.rpc_sync(W2, remote.echo, args=(views,))
+        for view, out in zip(views, outs):
+            assert torch.equal(out, view) and out.shape == view.shape
+
+    def test_large_tensor(self, rpc_world: World) -> None:
+        tensor = torch.randn(16 << 20)  # 64 MiB
+        out = rpcx.rpc_sync(W1, remote.echo, args=(tensor,), timeout=120)
+        assert torch.equal(out, tensor)
+
+    def test_arguments_are_copies(self, rpc_world: World) -> None:
+        for to in (W1, "worker0"):
+            tensor = torch.zeros(4)
+            out = rpcx.rpc_sync(to, remote.mutate_and_return, args=(tensor,))
+            assert torch.equal(tensor, torch.zeros(4)), "the caller's tensor changed"
+            assert torch.equal(out, torch.ones(4))
+
+    def test_results_are_copies(self, rpc_world: World) -> None:
+        tensor = torch.zeros(3)
+        out = rpcx.rpc_sync(W1, remote.echo, args=(tensor,))
+        out.add_(5)
+        assert torch.equal(tensor, torch.zeros(3))
+
+    def test_nested_containers(self, rpc_world: World) -> None:
+        payload = {
+            "a": [torch.ones(2), (torch.zeros(1, dtype=torch.int64), {"deep": torch.eye(2)})],
+            "b": {"c": [torch.tensor([True, False])], "n": 5, "s": "text"},
+        }
+        out = rpcx.rpc_sync(W1, remote.echo, args=(payload,))
+        assert out.keys() == payload.keys() and out["b"]["n"] == 5 and out["b"]["s"] == "text"
+        assert torch.equal(out["a"][0], payload["a"][0])
+        assert torch.equal(out["a"][1][0], payload["a"][1][0])
+        assert torch.equal(out["a"][1][1]["deep"], torch.eye(2))
+        assert torch.equal(out["b"]["c"][0], payload["b"]["c"][0])
+
+    def test_same_tensor_twice_arrives_as_one(self, rpc_world: World) -> None:
+        tensor = torch.ones(3)
+        assert rpcx.rpc_sync(W1, remote.same_object, args=(tensor, tensor)) is True
+        assert rpcx.rpc_sync(W1, remote.same_object, args=(tensor, tensor.clone())) is False
+
+    def test_requires_grad_and_parameter_type(self, rpc_world: World) -> None:
+        leaf = torch.ones(2, requires_grad=True)
+        param = torch.nn.Parameter(torch.zeros(3))
+        assert rpcx.rpc_sync(W1, remote.describe_tensor, args=(leaf,)) == (
+            "torch.float32", (2,), True, "Tensor")
+        assert rpcx.rpc_sync(W1, remote.describe_tensor, args=(param,)) == (
+            "torch.float32", (3,), True, "Parameter")
+        out = rpcx.rpc_sync(W1, remote.echo, args=(param,))
+        assert isinstance(out, torch.nn.Parameter) and torch.equal(out, param)
+
+
+class TestRRef:
+    """remote(), RRef identity, values and proxies (the lifetime protocol is separate)."""
+
+    def test_remote_and_to_here(self, rpc_world: World) -> None:
+        rref = rpcx.remote(W1, remote.add, args=(torch.ones(2), 1))
+        assert torch.equal(rref.to_here(), torch.full((2,), 2.0))
+        assert rref.owner() == rpcx.WorkerInfo(W1, 1) and rref.owner_name() == W1
+        assert not rref.is_owner()
+        assert rref.confirmed_by_owner()  # to_here succeeded, so the owner has it
+
+    def test_local_owner_rref(self, rpc_world: World) -> None:
+        value = torch.arange(3)
+        rref = rpcx.RRef(value)
+        assert rref.is_owner() and rref.confirmed_by_owner()
+        assert rref.local_value() is value and rref.to_here() is value
+        assert rref.owner_name() == "worker0"
+
+    def test_local_value_only_on_owner(self, rpc_world: World) -> None:
+        rref = rpcx.remote(W1, remote.Counter, args=(1,))
+        with pytest.raises(rpcx.RpcError, match=re.escape("owned by 'worker1'")):
+            rref.local_value()
+        assert rpcx.rpc_sync(W1, remote.rref_local_value, args=(rref,)).count == 1
+
+    def test_proxies(self, rpc_world: World) -> None:
+        rref = rpcx.remote(W2, remote.Counter, args=(10,))
+        assert rref.rpc_sync().increment(5) == 15
+        assert rref.rpc_async().increment(1).wait() == 16
+        result = rref.remote().value()
+        assert result.owner_name() == W2 and result.to_here() == 16
+        with pytest.raises(KeyError, match="counter failure"):
+            rref.rpc_sync().fail()
+
+    def test_rref_passed_to_a_third_worker(self, rpc_world: World) -> None:
+        rref = rpcx.remote(W1, remote.Counter, args=(3,))
+        assert rpcx.rpc_sync(W2, remote.rref_info, args=(rref,)) == (W1, False)
+        assert rpcx.rpc_sync(W1, remote.rref_info, args=(rref,)) == (W1, True)
+        assert rpcx.rpc_sync(W2, remote.rref_increment, args=(rref, 2)) == 5
+        assert rref.to_here().count == 5
+
+    def test_rref_returned_from_a_call(self, rpc_world: World) -> None:
+        rref = rpcx.rpc_sync(W1, remote.make_rref, args=(torch.ones(2),))
+        assert rref.owner_name() == W1
+        assert torch.equal(rref.to_here(), torch.ones(2))
+        assert torch.equal(rpcx.rpc_sync(W2, remote.rref_to_here, args=(rref,)), torch.ones(2))
+
+    def test_local_rref_sent_to_others(self, rpc_world: World) -> None:
+        rref = rpcx.RRef(remote.Counter(8))
+        assert rpcx.rpc_sync(W1, remote.rref_info, args=(rref,)) == ("worker0", False)
+        assert rpcx.rpc_sync(W1, remote.rref_increment, args=(rref, 1)) == 9
+        assert rref.local_value().count == 9
+
+    def test_rrefs_in_containers(self, rpc_world: World) -> None:
+        rrefs = [rpcx.remote(W1 if i % 2 else W2, remote.add, args=(i, 0)) for i in range(4)]
+        out = rpcx.rpc_sync(W1, remote.echo, args=({"refs": rrefs},))
+        assert [r.to_here() for r in out["refs"]] == [0, 1, 2, 3]
+
+    def test_remote_failure_surfaces_on_next_use(self, rpc_world: World) -> None:
+        rref = rpcx.remote(W1, remote.raise_value_error, args=("creation failed",))
+        with pytest.raises(ValueError, match="creation failed"):
+            rref.to_here()
+        with pytest.raises(ValueError, match="creation failed"):
+            rref.rpc_sync().anything()
+        assert not rref.confirmed_by_owner()
+
+    def test_remote_to_self(self, rpc_world: World) -> None:
+        rref = rpcx.remote("worker0", remote.Counter, args=(2,))
+        assert rref.is_owner()
+        assert rref.to_here().count == 2
+        assert rref.rpc_sync().increment(1) == 3
+
+    def test_rref_cannot_be_pickled_outside_a_call(self, rpc_world: World) -> None:
+        import pickle
+
+        with pytest.raises(rpcx.RpcError, match="only be pickled by rpcx"):
+            pickle.dumps(rpcx.RRef(1))

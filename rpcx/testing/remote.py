@@ -1,0 +1,227 @@
+"""Functions and classes the conformance suite runs on other workers.
+
+They live in the package so every worker process can import them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+import rpcx
+from rpcx.functions import async_execution
+
+# ------------------------------------------------------------------------------ plain
+
+
+def add(a: Any, b: Any) -> Any:
+    """``a + b``."""
+    return a + b
+
+
+def echo(value: Any) -> Any:
+    """Return the argument unchanged."""
+    return value
+
+
+def echo_kwargs(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Return positional and keyword arguments."""
+    return args, kwargs
+
+
+def worker_name() -> str:
+    """The name of the worker this runs on."""
+    return rpcx.get_worker_info().name
+
+
+def mutate_and_return(tensor: torch.Tensor) -> torch.Tensor:
+    """Add 1 in place to the received tensor and return it."""
+    tensor.add_(1)
+    return tensor
+
+
+def same_object(a: Any, b: Any) -> bool:
+    """Whether the two arguments arrived as one object."""
+    return a is b
+
+
+def describe_tensor(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], bool, str]:
+    """dtype, shape, requires_grad and Python type of a received tensor."""
+    return str(tensor.dtype), tuple(tensor.shape), tensor.requires_grad, type(tensor).__name__
+
+
+def active_threads() -> int:
+    """Number of threads alive on this worker."""
+    return threading.active_count()
+
+
+class Static:
+    """Holds a static method for calls by qualified name."""
+
+    @staticmethod
+    def triple(x: Any) -> Any:
+        """``3 * x``."""
+        return 3 * x
+
+    @staticmethod
+    @async_execution
+    def async_triple(x: Any) -> torch.futures.Future[Any]:
+        """``3 * x``, from an already completed future."""
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result(3 * x)
+        return future
+
+
+# ---------------------------------------------------------------------------- nesting
+
+
+def chain(path: list[str], value: int) -> tuple[int, list[str]]:
+    """Call the next worker of ``path`` with ``value + 1``; return the value and the route."""
+    me = rpcx.get_worker_info().name
+    if not path:
+        return value, [me]
+    result, route = rpcx.rpc_sync(path[0], chain, args=(path[1:], value + 1))
+    return result, [me, *route]
+
+
+def ping_pong(depth: int, a: str, b: str) -> int:
+    """Bounce between workers ``a`` and ``b`` ``depth`` times, each hop blocking on the next."""
+    if depth == 0:
+        return 0
+    me = rpcx.get_worker_info().name
+    other = b if me == a else a
+    return 1 + int(rpcx.rpc_sync(other, ping_pong, args=(depth - 1, a, b)))
+
+
+@async_execution
+def async_add_via(to: str, a: Any, b: Any) -> torch.futures.Future[Any]:
+    """``a + b + 1``: adds on ``to`` without holding a thread here while waiting."""
+    return rpcx.rpc_async(to, add, args=(a, b)).then(lambda fut: fut.wait() + 1)
+
+
+@async_execution
+def async_returns_wrong_type() -> Any:
+    """Breaks the @async_execution contract."""
+    return 42
+
+
+# ----------------------------------------------------------------------- blocking calls
+
+_gates: dict[str, threading.Event] = {}
+_gates_lock = threading.Lock()
+
+
+def _gate(key: str) -> threading.Event:
+    with _gates_lock:
+        return _gates.setdefault(key, threading.Event())
+
+
+def wait_for_release(key: str, bound: float = 30.0) -> bool:
+    """Block until :func:`release` is called with ``key`` (at most ``bound`` seconds)."""
+    return _gate(key).wait(bound)
+
+
+def release(key: str) -> None:
+    """Let every :func:`wait_for_release` with ``key`` return."""
+    _gate(key).set()
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class CustomError(Exception):
+    """An exception type every worker can import, so it can be rebuilt."""
+
+
+class UnrebuildableError(Exception):
+    """Its ``__init__`` takes two arguments, so pickle cannot recreate it from ``args``."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        super().__init__(f"{what}: {detail}")
+
+
+def raise_value_error(message: str) -> None:
+    """Raise ``ValueError(message)``."""
+    raise ValueError(message)
+
+
+def raise_custom(message: str) -> None:
+    """Raise :class:`CustomError`."""
+    raise CustomError(message)
+
+
+def raise_unrebuildable() -> None:
+    """Raise an exception the caller cannot rebuild."""
+    raise UnrebuildableError("broken", "cannot be rebuilt")
+
+
+def unpicklable_result() -> Any:
+    """Return something pickle refuses."""
+    return threading.Lock()
+
+
+class UnloadableOnCallee:
+    """Pickles as a reference to a module that no worker has, like a missing function."""
+
+    def __reduce__(self) -> Any:
+        return (__import__, ("rpcx_testing_module_that_does_not_exist",))
+
+    def __call__(self) -> None:  # callable, so the API accepts it
+        """Never runs: unpickling fails first."""
+
+
+# ------------------------------------------------------------------------------ RRefs
+
+
+class Counter:
+    """A stateful object to hold behind an RRef."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.count = start
+
+    def increment(self, by: int = 1) -> int:
+        """Add ``by``; return the new count."""
+        self.count += by
+        return self.count
+
+    def value(self) -> int:
+        """The current count."""
+        return self.count
+
+    @async_execution
+    def async_double(self) -> torch.futures.Future[int]:
+        """``2 * count``, through a future."""
+        future: torch.futures.Future[int] = torch.futures.Future()
+        future.set_result(2 * self.count)
+        return future
+
+    def fail(self) -> None:
+        """Raise ``KeyError``."""
+        raise KeyError("counter failure")
+
+
+def make_rref(value: Any) -> rpcx.RRef[Any]:
+    """Create an RRef owned by this worker and return it to the caller."""
+    return rpcx.RRef(value)
+
+
+def rref_to_here(rref: rpcx.RRef[Any]) -> Any:
+    """Fetch the RRef's value on this worker."""
+    return rref.to_here()
+
+
+def rref_info(rref: rpcx.RRef[Any]) -> tuple[str, bool]:
+    """Owner name and whether this worker owns it."""
+    return rref.owner_name(), rref.is_owner()
+
+
+def rref_increment(rref: rpcx.RRef[Counter], by: int) -> int:
+    """Increment a remote Counter from this worker through the proxy."""
+    return int(rref.rpc_sync().increment(by))
+
+
+def rref_local_value(rref: rpcx.RRef[Any]) -> Any:
+    """Call local_value() here (fails unless this worker owns the RRef)."""
+    return rref.local_value()

@@ -1,0 +1,120 @@
+"""Start and stop RPC worlds for tests: this process is worker 0 (the driver).
+
+The other workers run :func:`_serve`: they join and then wait in a graceful
+``shutdown()`` until the driver shuts down, serving its calls meanwhile. On in-process
+backends they are threads; otherwise they are processes (``spawn`` start method).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import rpcx
+from rpcx.registry import resolve_backend
+
+__all__ = ["World", "start_world", "world"]
+
+log = logging.getLogger("rpcx.testing")
+
+_JOIN_TIMEOUT = 60.0
+
+
+def _options(init_method: str, options: dict[str, Any]) -> rpcx.TensorPipeRpcBackendOptions:
+    return rpcx.TensorPipeRpcBackendOptions(init_method=init_method, **options)
+
+
+def _serve(rank: int, size: int, init_method: str, backend: str, options: dict[str, Any]) -> None:
+    rpcx.init_rpc(
+        f"worker{rank}", backend=backend, rank=rank, world_size=size,
+        rpc_backend_options=_options(init_method, options),
+    )
+    rpcx.shutdown()
+
+
+@dataclass
+class World:
+    """A running world whose worker 0 is the calling thread (or process)."""
+
+    backend: str
+    size: int
+    init_method: str
+    names: list[str]
+    multi_process: bool
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _processes: list[Any] = field(default_factory=list)
+    _tmpdir: tempfile.TemporaryDirectory[str] | None = None
+
+    def close(self, graceful: bool = True) -> None:
+        """Shut the driver down (the others follow) and reap every worker."""
+        try:
+            rpcx.shutdown(graceful=graceful, timeout=_JOIN_TIMEOUT)
+        finally:
+            for thread in self._threads:
+                thread.join(_JOIN_TIMEOUT)
+            for process in self._processes:
+                process.join(_JOIN_TIMEOUT)
+                if process.is_alive():
+                    log.warning("worker process %s did not exit; killing it", process.pid)
+                    process.kill()
+                    process.join(5)
+            if self._tmpdir is not None:
+                self._tmpdir.cleanup()
+
+
+def start_world(backend: str, size: int = 3, **options: Any) -> World:
+    """Start ``size`` workers named ``worker0..``; this thread becomes ``worker0``.
+
+    ``options`` are ``TensorPipeRpcBackendOptions`` fields (``rpc_timeout``, ...).
+    """
+    spec = resolve_backend(backend)
+    tmpdir = tempfile.TemporaryDirectory(prefix="rpcx-world-")
+    init_method = "file://" + os.path.join(tmpdir.name, "rendezvous")
+    world = World(
+        backend=spec.name, size=size, init_method=init_method,
+        names=[f"worker{r}" for r in range(size)],
+        multi_process=spec.capabilities.multi_process and not spec.capabilities.in_process,
+        _tmpdir=tmpdir,
+    )
+    args = (size, init_method, spec.name, options)
+    if world.multi_process:
+        context = multiprocessing.get_context("spawn")
+        for rank in range(1, size):
+            process = context.Process(target=_serve, args=(rank, *args), daemon=True)
+            process.start()
+            world._processes.append(process)
+    else:
+        for rank in range(1, size):
+            thread = threading.Thread(
+                target=_serve, args=(rank, *args), name=f"rpcx-test-worker{rank}", daemon=True
+            )
+            thread.start()
+            world._threads.append(thread)
+    try:
+        rpcx.init_rpc(
+            "worker0", backend=spec.name, rank=0, world_size=size,
+            rpc_backend_options=_options(init_method, options),
+        )
+    except BaseException:
+        for process in world._processes:
+            process.kill()
+        tmpdir.cleanup()
+        raise
+    return world
+
+
+@contextmanager
+def world(backend: str, size: int = 3, **options: Any) -> Iterator[World]:
+    """``with world("gloo") as w:`` -- a world that is closed when the block ends."""
+    started = start_world(backend, size, **options)
+    try:
+        yield started
+    finally:
+        started.close()

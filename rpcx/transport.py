@@ -1,0 +1,114 @@
+"""The transport contract: the only thing a backend implements.
+
+A transport moves :class:`Frame` objects between ranks. It never unpickles, never sees a
+Python object other than a frame, and knows nothing of calls, RRefs or autograd. What it
+needs at start (addresses, shared-memory names) it exchanges through the store it is
+handed in its :class:`TransportContext`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+    from rpcx.options import RpcBackendOptions
+
+__all__ = ["Capabilities", "Frame", "Transport", "TransportContext"]
+
+
+@dataclass(slots=True)
+class Frame:
+    """One message on the wire: an opaque header and the tensors that travel beside it.
+
+    ``buffers`` are contiguous tensors. A transport must deliver the same bytes, in the same
+    order; it may deliver them with another dtype or shape (gloo delivers flat ``uint8``
+    tensors) because the codec records each tensor's dtype and shape in the header.
+    """
+
+    header: bytes
+    buffers: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Total size of the header and every buffer, in bytes."""
+        return len(self.header) + sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport can do; shown by ``python -m rpcx backends``.
+
+    Attributes:
+        multi_process: workers may live in different processes.
+        multi_host: workers may live on different machines.
+        in_process: every worker is a thread of one process (rendezvous happens in memory).
+        cuda_direct: CUDA tensors travel device to device; otherwise they are staged
+            through host memory.
+    """
+
+    multi_process: bool
+    multi_host: bool
+    in_process: bool = False
+    cuda_direct: bool = False
+
+    def summary(self) -> str:
+        """A short comma-separated list of the true flags."""
+        flags = [name for name, value in vars(self).items() if value]
+        return ", ".join(flags) if flags else "-"
+
+
+@dataclass
+class TransportContext:
+    """Everything a transport gets when it starts.
+
+    Attributes:
+        rank, world_size, names: this worker's rank, the world's size, every worker's name.
+        store: a torch.distributed ``Store`` private to this transport (already prefixed).
+        options: the options object passed to ``init_rpc``.
+        init_method: the rendezvous URL in use.
+        deliver: call with ``(src_rank, frame)`` for every frame received. It may be called
+            from any thread; frames from one source must be delivered in the order sent.
+        peer_lost: call with ``(rank, reason)`` when a peer dies or leaves, once per peer.
+    """
+
+    rank: int
+    world_size: int
+    names: list[str]
+    store: Store
+    options: RpcBackendOptions
+    init_method: str
+    deliver: Callable[[int, Frame], None]
+    peer_lost: Callable[[int, str], None]
+
+
+class Transport(Protocol):
+    """Moves frames between ranks. One instance per worker.
+
+    Implementations provide a class attribute ``capabilities`` and three methods.
+    """
+
+    capabilities: ClassVar[Capabilities]
+
+    def start(self, ctx: TransportContext) -> None:
+        """Connect to every peer. Returns once frames can be sent to any rank."""
+
+    def send(self, dst: int, frame: Frame) -> None:
+        """Send ``frame`` to rank ``dst`` (never this worker's own rank).
+
+        Thread-safe. Frames sent by one thread to one destination arrive in order. The
+        caller gives up ownership of the frame's buffers. Raises ``PeerLostError`` if the
+        peer is known to be gone.
+        """
+
+    def close(self, timeout: float) -> None:
+        """Tell every peer this worker is leaving and release all resources.
+
+        Waits at most ``timeout`` seconds for peers to acknowledge, then gives up with a
+        logged warning. Frames from peers that arrive before their goodbye are delivered.
+        """

@@ -1,0 +1,3 @@
+"""The conformance suite, run on every selected backend (see rpcx.testing)."""
+
+from rpcx.testing.conformance import *  # noqa: F403
