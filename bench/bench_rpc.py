@@ -138,8 +138,12 @@ def run_system(system: str, quick: bool) -> dict[str, float]:
 
 
 def _table(all_results: dict[str, dict[str, float]]) -> str:
-    metrics = [("rtt_us", "rpc_sync rtt (us)", False), ("async_per_s", "rpc_async (calls/s)", True),
-               ("echo_GBps", "64 MiB echo (GB/s)", True), ("remote_us", "remote+to_here (us)", False)]
+    metrics = [
+        ("rtt_us", "rpc_sync rtt (us)", False),
+        ("async_per_s", "rpc_async (calls/s)", True),
+        ("echo_GBps", "64 MiB echo (GB/s)", True),
+        ("remote_us", "remote+to_here (us)", False),
+    ]
     base = all_results.get("torch")
     lines = [f"{'system':<10}" + "".join(f"{label:>28}" for _, label, _ in metrics)]
     for system, results in all_results.items():

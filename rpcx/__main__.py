@@ -23,7 +23,8 @@ def _backends(names_only: bool) -> int:
         rows.append((name + marker, spec.capabilities.summary(), spec.plugin, spec.description))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        print("  ".join(cells) + "  " + row[3])
     for plugin, error in sorted(plugin_errors().items()):
         print(f"\nplugin {plugin!r} failed to load: {error}", file=sys.stderr)
     print(f"\nSelect with init_rpc(backend=...) or ${ENV_VAR}.")

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-__all__ = ["empty_bytes", "copy_of"]
+__all__ = ["copy_of", "empty_bytes"]
 
 log = logging.getLogger("rpcx.memory")
 

@@ -63,7 +63,7 @@ _PROGRESS_EVERY = 30.0  # seconds between "still waiting" log lines during long 
 class Deferred:
     """Returned by a handler whose reply comes later: the reply is this future's outcome."""
 
-    future: torch.futures.Future[Any]
+    future: torch._C.Future[Any]
 
 
 def describe_callable(func: Any) -> str:
@@ -126,6 +126,7 @@ class RpcAgent:
         self._idle = threading.Condition(self._lock)  # notified when _pending empties
         self._lost: dict[int, str] = {}
         self._state = _RUNNING
+        self.stopping = threading.Event()  # set when shutdown() starts
         self._pool = WorkerPool(
             options.num_worker_threads, f"rpcx-{self.name}-pool", self._bind_thread
         )
@@ -337,7 +338,7 @@ class RpcAgent:
         else:
             self._reply(src, rid, result)
 
-    def _reply_with(self, src: int, rid: int, future: torch.futures.Future[Any]) -> None:
+    def _reply_with(self, src: int, rid: int, future: torch._C.Future[Any]) -> None:
         try:
             value = future.wait()
         except BaseException as exc:
@@ -434,6 +435,7 @@ class RpcAgent:
         if self._state != _RUNNING:
             return
         self._state = _STOPPING
+        self.stopping.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             if graceful:
@@ -481,6 +483,7 @@ class RpcAgent:
         self._pool.shutdown(close_timeout)
         self._timer.close()
         rendezvous.leave(self._store, self.rank, self.world_size, self._lost.__contains__)
+        self._store = None  # the last reference may host the rendezvous server: release it
         _context.forget(self)
 
     # ------------------------------------------------------------------------ helpers

@@ -6,6 +6,7 @@ torch.distributed.rpc raises ``RuntimeError`` and programs written for it catch 
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 import traceback
@@ -143,7 +144,5 @@ def _add_note(exc: BaseException, note: str) -> None:
     else:  # 3.10 has no add_note; keep the note where 3.11+ tooling looks for it
         notes = list(getattr(exc, "__notes__", []))
         notes.append(note)
-        try:
+        with contextlib.suppress(AttributeError):
             exc.__notes__ = notes  # type: ignore[attr-defined]
-        except AttributeError:
-            pass

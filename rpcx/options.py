@@ -28,7 +28,7 @@ DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_INIT_METHOD = "env://"
 DEFAULT_NUM_WORKER_THREADS = 16
 
-DeviceLike = Union[int, str, torch.device]
+DeviceLike = Union[int, str, torch.device]  # noqa: UP007  (an alias, evaluated on 3.10)
 DeviceMap = dict[torch.device, torch.device]
 
 

@@ -15,7 +15,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous as torch_rendezvous
 
 from rpcx.errors import RpcError, RpcTimeoutError
 
@@ -45,7 +47,7 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float | No
     store_timeout = timedelta(seconds=timeout) if timeout else _NO_LIMIT
     try:
         store, _, _ = next(
-            dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=store_timeout)
+            torch_rendezvous(init_method, rank=rank, world_size=world_size, timeout=store_timeout)
         )
     except (RuntimeError, ValueError, OSError) as exc:
         raise RpcError(
@@ -60,7 +62,7 @@ def in_process_store(key: str) -> Any:
     with _hub_lock:
         store, users = _hub.get(key, (None, 0))
         if store is None:
-            store = dist.HashStore()
+            store = HashStore()
             store.set_timeout(_NO_LIMIT)
         _hub[key] = (store, users + 1)
         return store
@@ -78,7 +80,7 @@ def release_in_process_store(key: str) -> None:
 
 def prefixed(store: Any, prefix: str) -> Any:
     """A view of ``store`` whose keys all start with ``prefix/``."""
-    return dist.PrefixStore(prefix + "/", store)
+    return PrefixStore(prefix + "/", store)
 
 
 def join_world(

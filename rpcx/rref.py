@@ -229,7 +229,7 @@ class _Proxy:
         def invoke(*args: Any, **kwargs: Any) -> Any:
             rref._raise_if_creation_failed()
             agent = rref._agent
-            payload = (_invoke_on_owner, (rref, name, args, kwargs), {})
+            payload: tuple[Any, ...] = (_invoke_on_owner, (rref, name, args, kwargs), {})
             describe = _method_describer(name)
             if api == "remote":
                 return create_remote(agent, rref._owner, _invoke_on_owner,
@@ -354,7 +354,7 @@ def _reduce_rref(rref: RRef[Any], ctx: EncodeContext) -> Any:
 
 def _rebuild_rref(rref_id: RRefId, owner_rank: int, owner_name: str) -> RRef[Any]:
     agent: RpcAgent = current_decode_context().agent
-    return RRef._make(agent, tuple(rref_id), WorkerInfo(owner_name, owner_rank), None)
+    return RRef._make(agent, (rref_id[0], rref_id[1]), WorkerInfo(owner_name, owner_rank), None)
 
 
 register_extension(RRef, _reduce_rref)

@@ -111,7 +111,7 @@ def current_decode_context() -> DecodeContext:
 
 def _reduce_tensor(tensor: torch.Tensor) -> Any:
     if tensor.layout is not torch.strided or tensor.is_quantized:
-        return tensor.__reduce_ex__(_PROTOCOL)  # rare layouts: torch's own pickling, in band
+        return tensor.__reduce_ex__(_PROTOCOL)  # type: ignore[no-untyped-call]  # rare layouts: torch's own pickling, in band
     if tensor.device.type != "cpu":
         raise SerializationError(
             f"cannot send a tensor on {tensor.device}: this rpcx version moves CPU tensors "

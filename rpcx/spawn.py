@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing
+from torch.multiprocessing.spawn import start_processes
 
 from rpcx import _context
 from rpcx.errors import RpcError
@@ -55,7 +55,7 @@ def spawn(
         while not context.join():
             pass
         return None
-    return torch.multiprocessing.start_processes(
+    return start_processes(  # type: ignore[no-untyped-call]
         _process_entry,
         args=(fn, args, spec.name),
         nprocs=nprocs,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch.distributed.distributed_c10d import Store
 
     from rpcx.options import RpcBackendOptions
 

@@ -19,6 +19,8 @@ class WorkerInfo:
     """
 
     __slots__ = ("_id", "_name")
+    _id: int
+    _name: str
 
     def __init__(self, name: str, id: int) -> None:
         object.__setattr__(self, "_name", str(name))

@@ -111,7 +111,7 @@ class GlooTransport:
     def start(self, ctx: TransportContext) -> None:
         """Create the process group (connects the full mesh) and start receiving."""
         self._ctx = ctx
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = _PAIR_TIMEOUT
         opts._devices = [_device(ctx)]
         self._pg = dist.ProcessGroupGloo(ctx.store, ctx.rank, ctx.world_size, opts)
@@ -145,7 +145,7 @@ class GlooTransport:
             offset = _HEAD.size + 8 * n
             slot[offset : offset + len(header)] = header
             offset += len(header)
-            for buffer, size in zip(frame.buffers, sizes):
+            for buffer, size in zip(frame.buffers, sizes, strict=True):
                 if size:
                     slot_tensor[offset : offset + size].copy_(_as_bytes(buffer))
                 offset += size
@@ -155,8 +155,13 @@ class GlooTransport:
             struct.pack_into(f"<{n}Q", body, 0, *sizes)
             body[8 * n :] = header
             _HEAD.pack_into(slot, 0, _EXTENDED, n, len(body))
-            messages = [(_TAG_SLOT, slot_tensor), (_TAG_DATA, torch.frombuffer(body, dtype=torch.uint8))]
-            messages += [(_TAG_DATA, _as_bytes(b)) for b, s in zip(frame.buffers, sizes) if s]
+            messages = [
+                (_TAG_SLOT, slot_tensor),
+                (_TAG_DATA, torch.frombuffer(body, dtype=torch.uint8)),
+            ]
+            messages += [
+                (_TAG_DATA, _as_bytes(b)) for b, s in zip(frame.buffers, sizes, strict=True) if s
+            ]
             tensors = [t for _, t in messages]
         self._post(dst, peer, messages, tensors, len(slot) + sum(sizes))
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import uuid
+from typing import Any
+
 import pytest
 import torch
 
@@ -46,7 +48,8 @@ class TestCalls:
         assert rpcx.rpc_sync(W2, rpcx.get_worker_info) == rpcx.WorkerInfo(W2, 2)
 
     def test_kinds_of_callables(self, rpc_world: World) -> None:
-        assert torch.equal(rpcx.rpc_sync(W1, torch.add, args=(torch.ones(2), 3)), torch.full((2,), 4.0))
+        added = rpcx.rpc_sync(W1, torch.add, args=(torch.ones(2), 3))
+        assert torch.equal(added, torch.full((2,), 4.0))
         assert rpcx.rpc_sync(W1, remote.Static.triple, args=(5,)) == 15
         counter = rpcx.rpc_sync(W1, remote.Counter, args=(7,))
         assert isinstance(counter, remote.Counter) and counter.count == 7
@@ -113,7 +116,9 @@ class TestFutures:
         assert seen == [3]
 
     def test_collect_all_and_wait_all(self, rpc_world: World) -> None:
-        futures = [rpcx.rpc_async(W1, remote.add, args=(i, i)) for i in range(5)]
+        futures: list[torch.futures.Future[int]] = [
+            rpcx.rpc_async(W1, remote.add, args=(i, i)) for i in range(5)
+        ]
         done = torch.futures.collect_all(futures).wait()
         assert [f.value() for f in done] == [0, 2, 4, 6, 8]
         assert torch.futures.wait_all([rpcx.rpc_async(W2, remote.add, args=(1, 1))]) == [2]
@@ -146,14 +151,15 @@ class TestAsyncExecution:
         assert rref.remote().async_double().to_here() == 8
 
     def test_async_function_must_return_a_future(self, rpc_world: World) -> None:
-        with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+        with pytest.raises(TypeError, match=r"must return a torch\.futures\.Future"):
             rpcx.rpc_sync(W1, remote.async_returns_wrong_type)
 
     def test_torch_decorator_is_honoured(self, rpc_world: World) -> None:
         # Programs that still decorate with torch's async_execution keep working.
         from torch.distributed.rpc import functions as torch_functions
 
-        assert hasattr(torch_functions.async_execution(remote.echo), "_wrapped_async_rpc_function")
+        wrapped = torch_functions.async_execution(remote.echo)  # type: ignore[no-untyped-call]
+        assert rpcx.functions.is_async_execution(wrapped)
 
 
 class TestTimeouts:
@@ -185,7 +191,7 @@ class TestTimeouts:
         default = rpcx.get_rpc_timeout()
         rpcx._set_rpc_timeout(0.3)
         try:
-            with pytest.raises(rpcx.RpcTimeoutError, match="timeout 0.3 s"):
+            with pytest.raises(rpcx.RpcTimeoutError, match=r"timeout 0\.3 s"):
                 rpcx.rpc_sync(W1, remote.wait_for_release, args=(key,))
         finally:
             rpcx._set_rpc_timeout(default)
@@ -247,7 +253,8 @@ class TestErrors:
         assert "broken: cannot be rebuilt" in str(exc) and W1 in str(exc)
 
     def test_unpicklable_argument_fails_at_the_caller(self, rpc_world: World) -> None:
-        with pytest.raises(rpcx.SerializationError, match=r"rpc_sync\(.*echo\) to worker 'worker1'"):
+        expected = r"rpc_sync\(.*echo\) to worker 'worker1'"
+        with pytest.raises(rpcx.SerializationError, match=expected):
             rpcx.rpc_sync(W1, remote.echo, args=(lambda: 1,))
         with pytest.raises(rpcx.SerializationError):
             rpcx.rpc_async(W1, remote.echo, args=(lambda: 1,))
@@ -305,7 +312,7 @@ class TestTensors:
         base = torch.arange(60.0).reshape(6, 10)
         views = [base.t(), base[:, 2:7:2], base[1::2], base.expand(2, 6, 10)[1]]
         outs = rpcx.rpc_sync(W2, remote.echo, args=(views,))
-        for view, out in zip(views, outs):
+        for view, out in zip(views, outs, strict=True):
             assert torch.equal(out, view) and out.shape == view.shape
 
     def test_large_tensor(self, rpc_world: World) -> None:
@@ -327,7 +334,7 @@ class TestTensors:
         assert torch.equal(tensor, torch.zeros(3))
 
     def test_nested_containers(self, rpc_world: World) -> None:
-        payload = {
+        payload: dict[str, Any] = {
             "a": [torch.ones(2), (torch.zeros(1, dtype=torch.int64), {"deep": torch.eye(2)})],
             "b": {"c": [torch.tensor([True, False])], "n": 5, "s": "text"},
         }

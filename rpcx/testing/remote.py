@@ -225,3 +225,13 @@ def rref_increment(rref: rpcx.RRef[Counter], by: int) -> int:
 def rref_local_value(rref: rpcx.RRef[Any]) -> Any:
     """Call local_value() here (fails unless this worker owns the RRef)."""
     return rref.local_value()
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def crash_process(code: int = 3) -> None:
+    """End this worker's process at once, as a crash would (no shutdown, no cleanup)."""
+    import os
+
+    os._exit(code)

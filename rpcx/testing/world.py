@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rpcx
+from rpcx import _context
 from rpcx.registry import resolve_backend
 
 __all__ = ["World", "start_world", "world"]
@@ -55,7 +56,8 @@ class World:
     def close(self, graceful: bool = True) -> None:
         """Shut the driver down (the others follow) and reap every worker."""
         try:
-            rpcx.shutdown(graceful=graceful, timeout=_JOIN_TIMEOUT)
+            if _context.maybe_current_agent() is not None:
+                rpcx.shutdown(graceful=graceful, timeout=_JOIN_TIMEOUT)
         finally:
             for thread in self._threads:
                 thread.join(_JOIN_TIMEOUT)
@@ -69,14 +71,18 @@ class World:
                 self._tmpdir.cleanup()
 
 
-def start_world(backend: str, size: int = 3, **options: Any) -> World:
+def start_world(
+    backend: str, size: int = 3, init_method: str | None = None, **options: Any
+) -> World:
     """Start ``size`` workers named ``worker0..``; this thread becomes ``worker0``.
 
+    ``init_method`` defaults to a fresh ``file://`` rendezvous (no ports needed);
     ``options`` are ``TensorPipeRpcBackendOptions`` fields (``rpc_timeout``, ...).
     """
     spec = resolve_backend(backend)
     tmpdir = tempfile.TemporaryDirectory(prefix="rpcx-world-")
-    init_method = "file://" + os.path.join(tmpdir.name, "rendezvous")
+    if init_method is None:
+        init_method = "file://" + os.path.join(tmpdir.name, "rendezvous")
     world = World(
         backend=spec.name, size=size, init_method=init_method,
         names=[f"worker{r}" for r in range(size)],
@@ -111,9 +117,11 @@ def start_world(backend: str, size: int = 3, **options: Any) -> World:
 
 
 @contextmanager
-def world(backend: str, size: int = 3, **options: Any) -> Iterator[World]:
+def world(
+    backend: str, size: int = 3, init_method: str | None = None, **options: Any
+) -> Iterator[World]:
     """``with world("gloo") as w:`` -- a world that is closed when the block ends."""
-    started = start_world(backend, size, **options)
+    started = start_world(backend, size, init_method, **options)
     try:
         yield started
     finally:

@@ -1,0 +1,69 @@
+"""The test matrix: ``nox -s tests`` runs the suite once per built-in backend.
+
+Sessions: tests(backend), examples(backend), demo, lint, typecheck, bench.
+Every session installs through constraints.txt, which pins torch==2.13.0.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.error_on_missing_interpreters = True
+
+PYTHON = "3.11"  # torch==2.13.0's CPU wheel on this project's machines is for 3.11
+BACKENDS = ["loopback", "gloo"]
+CONSTRAINTS = ("-c", "constraints.txt")
+
+
+def _install(session: nox.Session, extras: str = "") -> None:
+    session.install(*CONSTRAINTS, "torch==2.13.0")
+    session.install(*CONSTRAINTS, "-e", f".[{extras}]" if extras else ".")
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("backend", BACKENDS)
+def tests(session: nox.Session, backend: str) -> None:
+    """Unit tests plus the conformance suite, lifecycle tests and examples on ``backend``."""
+    _install(session, "test")
+    session.run(
+        "pytest", "-n", "2", "--dist", "loadfile", f"--rpcx-backend={backend}",
+        *session.posargs,
+    )
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("backend", BACKENDS)
+def examples(session: nox.Session, backend: str) -> None:
+    """Run the example programs on ``backend``."""
+    _install(session)
+    for script in ("examples/demo.py", "examples/torch_style.py"):
+        session.run("python", script, env={"RPCX_BACKEND": backend})
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The README's demo: three workers on the default backend."""
+    _install(session)
+    session.run("python", "examples/demo.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over rpcx/."""
+    _install(session, "typecheck")
+    session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """rpcx backends against torch.distributed.rpc, side by side (not a test)."""
+    _install(session, "bench")
+    session.run("python", "bench/bench_rpc.py", *session.posargs)

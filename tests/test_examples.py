@@ -1,0 +1,58 @@
+"""The examples run unchanged on every selected backend (and the torch-style one on torch)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def _run(script: pathlib.Path, backend: str | None, timeout: float = 240) -> str:
+    env = dict(os.environ)
+    env.pop("RPCX_BACKEND", None)
+    if backend is not None:
+        env["RPCX_BACKEND"] = backend
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
+        env=env, cwd=script.parent,
+    )
+    assert out.returncode == 0, f"{script.name} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+def test_demo(rpcx_backend: str) -> None:
+    out = _run(EXAMPLES / "demo.py", rpcx_backend)
+    assert f"on the {rpcx_backend!r} backend" in out
+    found = re.search(r"sum of squares over 2 workers: (\S+) \(local check: (\S+)\)", out)
+    assert found and found.group(1) == found.group(2), out
+    assert "accumulator on worker1: [3.0, 3.0, 3.0, 3.0]" in out
+    assert "remote error kept its type: ValueError(cannot take the square root of -4.0)" in out
+    assert out.rstrip().endswith("done")
+
+
+@pytest.fixture(scope="module")
+def torch_output(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The torch-style example run on torch.distributed.rpc itself, imports swapped back."""
+    pytest.importorskip("numpy", reason="torch's own TensorPipe init_rpc needs numpy")
+    source = (EXAMPLES / "torch_style.py").read_text()
+    source = source.replace("import rpcx as mp ", "import torch.multiprocessing as mp ")
+    source = source.replace("import rpcx as rpc ", "import torch.distributed.rpc as rpc ")
+    source = source.replace("from rpcx import", "from torch.distributed.rpc import")
+    assert "rpcx" not in source.split("# was:")[0].split("---")[-1]
+    script = tmp_path_factory.mktemp("torch") / "torch_style_on_torch.py"
+    script.write_text(source)
+    return _run(script, None)
+
+
+def test_torch_program_runs_with_only_its_imports_changed(
+    rpcx_backend: str, torch_output: str
+) -> None:
+    out = _run(EXAMPLES / "torch_style.py", rpcx_backend)
+    assert out == torch_output
+    assert "observer rewards: [45.0, 60.0]; agent total: 105.0" in out

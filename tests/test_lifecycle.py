@@ -1,0 +1,239 @@
+"""init_rpc / shutdown life cycle, failures and rendezvous, on each selected backend."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+import rpcx
+from rpcx import _context
+from rpcx.registry import resolve_backend
+from rpcx.testing import remote
+from rpcx.testing.world import world
+
+
+def _multi_process(backend: str) -> bool:
+    caps = resolve_backend(backend).capabilities
+    return caps.multi_process and not caps.in_process
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _in_thread(fn, *args):  # type: ignore[no-untyped-def]
+    """Run ``fn`` on a new thread that carries this thread's worker; return its result."""
+    ctx = contextvars.copy_context()
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = ctx.run(fn, *args)
+        except BaseException as exc:  # handed back to the test thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_calls_before_init_fail_clearly() -> None:
+    code = (
+        "import rpcx\n"
+        "for call in (lambda: rpcx.rpc_sync('w', print), rpcx.get_worker_info, rpcx.shutdown):\n"
+        "    try:\n        call()\n"
+        "    except rpcx.RpcNotInitializedError as exc:\n        print('OK', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3, out.stderr
+    assert all(line.startswith("OK ") and "rpcx.init_rpc" in line for line in lines)
+
+
+def test_calls_after_shutdown_fail_clearly(rpcx_backend: str) -> None:
+    with world(rpcx_backend, size=1) as w:
+        assert rpcx.rpc_sync("worker0", remote.add, args=(1, 2)) == 3
+        w.close()
+        for call in (
+            lambda: rpcx.rpc_sync("worker0", remote.add, args=(1, 2)),
+            lambda: rpcx.rpc_async("worker0", remote.add, args=(1, 2)),
+            lambda: rpcx.remote("worker0", remote.add, args=(1, 2)),
+            rpcx.get_worker_info,
+        ):
+            with pytest.raises(rpcx.RpcShutdownError, match="'worker0' has shut down"):
+                call()
+
+
+def test_init_twice_fails_and_reinit_after_shutdown_works(rpcx_backend: str) -> None:
+    # file:// cannot be reused (torch's FileStore needs a fresh file), so use tcp://.
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    if not _multi_process(rpcx_backend):
+        init_method = f"file:///reinit-{uuid.uuid4().hex}"
+    with world(rpcx_backend, size=1, init_method=init_method) as w:
+        with pytest.raises(rpcx.RpcError, match="already worker 'worker0'"):
+            rpcx.init_rpc("again", backend=rpcx_backend, rank=0, world_size=1,
+                          rpc_backend_options=rpcx.RpcBackendOptions(init_method=init_method))
+        w.close()
+        # The same rendezvous address can host a new session.
+        rpcx.init_rpc("again", backend=rpcx_backend, rank=0, world_size=1,
+                      rpc_backend_options=rpcx.RpcBackendOptions(init_method=init_method))
+        try:
+            assert rpcx.rpc_sync("again", remote.worker_name) == "again"
+        finally:
+            rpcx.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("", "1 to 127 characters"), ("x" * 128, "1 to 127 characters"), ("a b", "may only contain")],
+)
+def test_invalid_worker_names(name: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        rpcx.init_rpc(name, backend="loopback", rank=0, world_size=1)
+
+
+def test_bad_rank_and_world_size() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        rpcx.init_rpc("w", backend="loopback", rank=0)
+    with pytest.raises(ValueError, match="0 <= rank < world_size=2"):
+        rpcx.init_rpc("w", backend="loopback", rank=2, world_size=2)
+
+
+def test_unknown_backend_lists_installed() -> None:
+    with pytest.raises(rpcx.BackendNotFoundError, match="installed backends: gloo, loopback"):
+        rpcx.init_rpc("w", backend="carrier-pigeon", rank=0, world_size=1)
+
+
+def test_duplicate_names_are_rejected() -> None:
+    # Rendezvous is shared by every backend; loopback lets one test run both workers.
+    init = f"file:///rpcx-dup-{uuid.uuid4().hex}"
+    errors: list[BaseException] = []
+
+    def join(rank: int) -> None:
+        try:
+            rpcx.init_rpc("same", backend="loopback", rank=rank, world_size=2,
+                          rpc_backend_options=rpcx.RpcBackendOptions(init_method=init))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(errors) == 2
+    assert all("'same' is used by ranks 0 and 1" in str(e) for e in errors)
+
+
+def test_missing_peers_time_out_with_a_hint() -> None:
+    started = time.monotonic()
+    with pytest.raises(rpcx.RpcError, match=r"missing: ranks 1.*rpcx\.spawn"):
+        rpcx.init_rpc("alone", backend="loopback", rank=0, world_size=2,
+                      rpc_backend_options=rpcx.RpcBackendOptions(
+                          rpc_timeout=0.5, init_method=f"file:///alone-{uuid.uuid4().hex}"))
+    assert time.monotonic() - started < 10
+
+
+def test_graceful_shutdown_waits_for_outstanding_calls(rpcx_backend: str) -> None:
+    key = uuid.uuid4().hex
+    with world(rpcx_backend, size=2) as w:
+        pending = rpcx.rpc_async("worker1", remote.wait_for_release, args=(key, 30.0))
+        agent = _context.current_agent()
+
+        def release_once_shutdown_started() -> None:
+            assert agent.stopping.wait(30), "shutdown never started"
+            rpcx.rpc_sync("worker1", remote.release, args=(key,))
+
+        thread, box = _in_thread(release_once_shutdown_started)
+        w.close()
+        thread.join(30)
+        assert "error" not in box, box
+        assert pending.wait() is True
+
+
+def test_non_graceful_shutdown_cancels_pending_calls(rpcx_backend: str) -> None:
+    key = uuid.uuid4().hex
+    with world(rpcx_backend, size=2) as w:
+        pending = rpcx.rpc_async("worker1", remote.wait_for_release, args=(key, 2.0))
+        w.close(graceful=False)
+        with pytest.raises(rpcx.RpcShutdownError, match=r"cancelled: worker 'worker0' shut down"):
+            pending.wait()
+
+
+def test_spawn_runs_loopback_workers_as_threads() -> None:
+    seen: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def work(rank: int, tag: str) -> None:
+        with lock:
+            seen.append((rank, threading.current_thread().name))
+        assert tag == "t"
+
+    rpcx.spawn(work, args=("t",), nprocs=3, backend="loopback")
+    assert sorted(r for r, _ in seen) == [0, 1, 2]
+    assert all(name.startswith("rpcx-spawn-") for _, name in seen)
+
+
+def test_spawn_reports_the_failing_worker() -> None:
+    def work(rank: int) -> None:
+        if rank == 1:
+            raise KeyError("rank one failed")
+
+    with pytest.raises(rpcx.WorkerFailedError, match="worker thread 1 raised KeyError") as info:
+        rpcx.spawn(work, nprocs=2, backend="loopback")
+    assert info.value.rank == 1 and isinstance(info.value.__cause__, KeyError)
+
+
+# ----------------------------------------------------------- multi-process backends
+
+
+def test_dead_peer_fails_pending_calls_and_later_calls_fast(
+    rpcx_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not _multi_process(rpcx_backend):
+        pytest.skip("workers of an in-process backend cannot crash on their own")
+    key = uuid.uuid4().hex
+    caplog.set_level(logging.WARNING, logger="rpcx")
+    with world(rpcx_backend, size=3) as w:
+        pending = rpcx.rpc_async("worker1", remote.wait_for_release, args=(key, 30.0))
+        rpcx.rpc_async("worker1", remote.crash_process)
+        with pytest.raises(rpcx.PeerLostError, match=r"worker 'worker1' .*unreachable") as info:
+            pending.wait()
+        assert "wait_for_release" in str(info.value)
+        assert ".cc:" not in str(info.value), "a C++ source location leaked into the error"
+        started = time.monotonic()
+        with pytest.raises(rpcx.PeerLostError, match="worker1"):
+            rpcx.rpc_sync("worker1", remote.add, args=(1, 1))
+        assert time.monotonic() - started < 1.0, "calls to a dead worker must fail fast"
+        assert rpcx.rpc_sync("worker2", remote.add, args=(1, 1)) == 2  # others still work
+        started = time.monotonic()
+        w.close()  # graceful: must skip the dead worker, not hang
+        assert time.monotonic() - started < 30
+    assert any("worker1" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "env"])
+def test_tcp_and_env_rendezvous(
+    rpcx_backend: str, scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not _multi_process(rpcx_backend):
+        pytest.skip("in-process backends ignore the rendezvous address")
+    port = _free_port()
+    if scheme == "env":
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        init_method = "env://"
+    else:
+        init_method = f"tcp://127.0.0.1:{port}"
+    with world(rpcx_backend, size=2, init_method=init_method):
+        assert rpcx.rpc_sync("worker1", remote.worker_name) == "worker1"
