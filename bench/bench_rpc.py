@@ -18,7 +18,6 @@ written to ``bench/results/<date>.json``. Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -95,7 +94,8 @@ def _measure(rpc: Any, quick: bool) -> dict[str, float]:
     results["async_per_s"] = statistics.median(rates)
 
     tensor = torch.ones(ECHO_BYTES // 4, dtype=torch.float32)
-    rpc.rpc_sync("w1", echo, args=(tensor,))
+    for _ in range(5):  # fresh connections need a few large transfers to reach full speed
+        rpc.rpc_sync("w1", echo, args=(tensor,))
     times = []
     for _ in range(max(3, int(10 * scale))):
         start = time.perf_counter()
@@ -160,23 +160,48 @@ def _table(all_results: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def _summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per system and metric, the median over rounds."""
+    systems = list(rounds[0])
+    return {
+        system: {
+            key: statistics.median(r[system][key] for r in rounds) for key in rounds[0][system]
+        }
+        for system in systems
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--systems", default="torch,gloo,loopback")
-    parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternate the systems this many times (the machine's noise "
+                             "affects them alike); figures are medians over rounds")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations per round")
     args = parser.parse_args()
-    all_results: dict[str, dict[str, float]] = {}
-    for system in args.systems.split(","):
-        if system == "torch":
-            with contextlib.suppress(ImportError):
-                import numpy  # noqa: F401  torch's TensorPipe init fails without it
-        print(f"running {system} ...", file=sys.stderr, flush=True)
-        all_results[system] = run_system(system, args.quick)
-    print(_table(all_results))
+    systems = args.systems.split(",")
+    if "torch" in systems:
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            print("torch.distributed.rpc needs numpy for init_rpc: pip install numpy",
+                  file=sys.stderr)
+            return 2
+    rounds: list[dict[str, dict[str, float]]] = []
+    for round_index in range(args.rounds):
+        results: dict[str, dict[str, float]] = {}
+        for system in systems:
+            print(f"round {round_index + 1}/{args.rounds}: {system} ...", file=sys.stderr,
+                  flush=True)
+            results[system] = run_system(system, args.quick)
+        rounds.append(results)
+    summary = _summarize(rounds)
+    print(_table(summary))
     out_dir = pathlib.Path(__file__).parent / "results"
     out_dir.mkdir(exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    record = {"torch": torch.__version__, "cpus": os.cpu_count(), "results": all_results}
+    record = {"torch": torch.__version__, "cpus": os.cpu_count(), "median": summary,
+              "rounds": rounds}
     (out_dir / f"{stamp}.json").write_text(json.dumps(record, indent=2))
     return 0
 

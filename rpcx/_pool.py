@@ -41,8 +41,9 @@ class WorkerPool:
         self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
         )
-        self._idle = threading.Semaphore(0)  # one token per idle, unclaimed thread
         self._lock = threading.Lock()
+        self._queued = 0  # items in the queue not yet taken by a thread
+        self._waiting = 0  # threads blocked in queue.get()
         self._threads: set[threading.Thread] = set()
         self._blocked = 0
         self._spawned = 0
@@ -57,20 +58,17 @@ class WorkerPool:
         """Run ``fn(*args)`` on a pool thread. Exceptions are logged, not raised."""
         if self._closed:
             raise RpcShutdownError(f"{self._name}: the request pool has shut down")
-        self._queue.put((fn, args))
-        if self._idle.acquire(blocking=False):
-            return
         with self._lock:
-            if len(self._threads) < self._size + self._blocked:
-                self._spawn_locked()
+            self._queued += 1
+            self._queue.put((fn, args))
+            self._spawn_if_needed_locked()
 
     @contextmanager
     def blocking(self) -> Iterator[None]:
         """Mark the calling pool thread as blocked on a nested call while inside the block."""
         with self._lock:
             self._blocked += 1
-            if not self._queue.empty() and len(self._threads) < self._size + self._blocked:
-                self._spawn_locked()
+            self._spawn_if_needed_locked()
         try:
             yield
         finally:
@@ -94,6 +92,12 @@ class WorkerPool:
             log.warning("%s: %d request threads still busy after %.1f s: %s",
                         self._name, len(stuck), timeout, ", ".join(stuck))
 
+    def _spawn_if_needed_locked(self) -> None:
+        # Every queued item needs a thread that is waiting for work; start one more if
+        # there are fewer, within the bound (size, plus one per blocked thread).
+        if self._queued > self._waiting and len(self._threads) < self._size + self._blocked:
+            self._spawn_locked()
+
     def _spawn_locked(self) -> None:
         self._spawned += 1
         thread = threading.Thread(
@@ -107,7 +111,13 @@ class WorkerPool:
         self._on_thread_start()
         me = threading.current_thread()
         while True:
+            with self._lock:
+                self._waiting += 1
             item = self._queue.get()
+            with self._lock:
+                self._waiting -= 1
+                if item is not _STOP:
+                    self._queued -= 1
             if item is _STOP:
                 break
             fn, args = item
@@ -120,6 +130,5 @@ class WorkerPool:
                 if not self._closed and len(self._threads) > self._size + self._blocked:
                     self._threads.discard(me)  # a compensating thread no longer needed
                     return
-            self._idle.release()
         with self._lock:
             self._threads.discard(me)

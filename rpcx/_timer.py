@@ -91,7 +91,7 @@ class DeadlineTimer:
                 self._cond.release()
                 try:
                     self._on_expire(key)
-                except Exception:
+                except BaseException:  # the timer must outlive any callback
                     log.exception("%s: error while expiring a deadline", self._name)
                 finally:
                     self._cond.acquire()

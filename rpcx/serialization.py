@@ -118,7 +118,8 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
             "only; call .cpu() before sending"
         )
     ctx = current_encode_context()
-    data = tensor.detach()
+    # Lazily conjugated or negated views must be materialized before a raw byte view.
+    data = tensor.detach().resolve_conj().resolve_neg()
     if not data.is_contiguous():
         data = data.contiguous()
     index = len(ctx.buffers)
@@ -148,9 +149,23 @@ def _rebuild_tensor(
     return tensor
 
 
-_dispatch: dict[type, Callable[[Any], Any]] = dict(copyreg.dispatch_table)
-_dispatch[torch.Tensor] = _reduce_tensor
-_dispatch[torch.nn.Parameter] = _reduce_tensor
+_dispatch: dict[type, Callable[[Any], Any]] = {}
+_own: dict[type, Callable[[Any], Any]] = {
+    torch.Tensor: _reduce_tensor,
+    torch.nn.Parameter: _reduce_tensor,
+}
+_copyreg_size = -1
+
+
+def _dispatch_table() -> dict[type, Callable[[Any], Any]]:
+    """copyreg's reducers (re-read when one is added) with ours on top."""
+    global _copyreg_size
+    if len(copyreg.dispatch_table) != _copyreg_size:
+        _dispatch.clear()
+        _dispatch.update(copyreg.dispatch_table)
+        _dispatch.update(_own)
+        _copyreg_size = len(copyreg.dispatch_table)
+    return _dispatch
 
 
 def register_extension(cls: type, reduce: Callable[[Any, EncodeContext], Any]) -> None:
@@ -160,8 +175,8 @@ def register_extension(cls: type, reduce: Callable[[Any, EncodeContext], Any]) -
     a module-level function; it can call :func:`current_decode_context` to reach the
     receiving agent. ``args`` may hold tensors and other extension objects.
     """
-    if cls in _dispatch and cls not in (torch.Tensor, torch.nn.Parameter):
-        existing = _dispatch[cls]
+    if cls in _own and cls not in (torch.Tensor, torch.nn.Parameter):
+        existing = _own[cls]
         if getattr(existing, "__wrapped_reduce__", None) is not reduce:
             raise ValueError(f"a codec extension for {cls.__qualname__} is already registered")
 
@@ -169,7 +184,9 @@ def register_extension(cls: type, reduce: Callable[[Any, EncodeContext], Any]) -
         return reduce(obj, current_encode_context())
 
     dispatch.__wrapped_reduce__ = reduce  # type: ignore[attr-defined]
-    _dispatch[cls] = dispatch
+    global _copyreg_size
+    _own[cls] = dispatch
+    _copyreg_size = -1  # rebuild the table on next use
 
 
 # ----------------------------------------------------------------------------- messages
@@ -180,7 +197,7 @@ def encode(kind: int, request_id: int, payload: Any, ctx: EncodeContext) -> Fram
     file = io.BytesIO()
     file.write(_ENVELOPE.pack(kind, request_id))
     pickler = pickle.Pickler(file, _PROTOCOL)
-    pickler.dispatch_table = _dispatch
+    pickler.dispatch_table = _dispatch_table()
     outer = _contexts.encoding
     _contexts.encoding = ctx
     try:

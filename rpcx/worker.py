@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -11,6 +12,7 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_\-:]+")
 MAX_NAME_LENGTH = 128
 
 
+@functools.total_ordering
 class WorkerInfo:
     """The name and id (rank) of a worker in the RPC world.
 
@@ -44,7 +46,9 @@ class WorkerInfo:
             return NotImplemented
         return self._id == other._id and self._name == other._name
 
-    def __lt__(self, other: WorkerInfo) -> bool:
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, WorkerInfo):
+            return NotImplemented
         return (self._id, self._name) < (other._id, other._name)
 
     def __hash__(self) -> int:

@@ -1,0 +1,372 @@
+"""Unit tests for rpcx.serialization, the codec, used directly without an agent.
+
+Covers envelopes, tensors travelling out of band (every dtype family, odd shapes and
+strides, frames re-delivered as flat uint8 copies the way the gloo transport delivers
+them), pickle memoization, autograd flags, errors, and codec extensions.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from rpcx.errors import SerializationError
+from rpcx.serialization import (
+    DecodeContext,
+    EncodeContext,
+    current_decode_context,
+    current_encode_context,
+    decode_envelope,
+    decode_payload,
+    encode,
+    register_extension,
+)
+from rpcx.transport import Frame
+
+KIND = 3
+RID = 42
+
+
+def round_trip(payload: Any, *, peer: int = 1) -> Any:
+    frame = encode(KIND, RID, payload, EncodeContext(peer))
+    return decode_payload(frame, DecodeContext(peer))
+
+
+def as_gloo_delivers(frame: Frame) -> Frame:
+    """The frame a byte-moving transport delivers: flat uint8 copies of every buffer."""
+    return Frame(frame.header, [b.reshape(-1).view(torch.uint8).clone() for b in frame.buffers])
+
+
+def assert_same_tensor(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert type(got) is torch.Tensor
+    assert got.dtype == want.dtype
+    assert got.shape == want.shape
+    assert got.device.type == "cpu"
+    assert torch.equal(got, want)
+
+
+def sample_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, generator=gen)
+    return {
+        "float32": torch.randn(3, 4, generator=gen),
+        "float64": torch.randn(5, dtype=torch.float64, generator=gen),
+        "float16": torch.randn(2, 3, generator=gen).half(),
+        "bfloat16": torch.randn(7, generator=gen).bfloat16(),
+        "int64": torch.arange(-10, 10),
+        "int32": torch.arange(12, dtype=torch.int32).reshape(3, 4),
+        "int8": torch.tensor([-128, 0, 127], dtype=torch.int8),
+        "uint8": torch.tensor([0, 1, 255], dtype=torch.uint8),
+        "bool": torch.tensor([[True, False, True], [False, False, True]]),
+        "complex64": torch.randn(4, dtype=torch.complex64, generator=gen),
+        "complex128": torch.randn(2, 2, dtype=torch.complex128, generator=gen),
+        "zero_dim": torch.tensor(3.5),
+        "zero_dim_bool": torch.tensor(True),
+        "empty": torch.empty(0),
+        "empty_2d": torch.empty(0, 3, dtype=torch.int16),
+        "transposed": base.t(),
+        "strided": base[::2, 1::2],
+        "expanded": torch.arange(3.0).expand(4, 3),
+        "offset_view": base[2:],
+    }
+
+
+# ------------------------------------------------------------------------------ envelope
+
+
+@pytest.mark.parametrize(("kind", "rid"), [(0, 0), (1, 1), (255, 2**64 - 1), (7, 123456789)])
+def test_envelope_round_trip(kind: int, rid: int) -> None:
+    frame = encode(kind, rid, None, EncodeContext(0))
+    assert decode_envelope(frame) == (kind, rid)
+    assert decode_payload(frame, DecodeContext(0)) is None
+
+
+def test_envelope_reads_without_unpickling() -> None:
+    frame = encode(KIND, RID, object(), EncodeContext(0))
+    broken = Frame(frame.header[:9] + b"not a pickle", frame.buffers)
+    assert decode_envelope(broken) == (KIND, RID)
+
+
+def test_plain_payload_round_trip() -> None:
+    payload = {"args": (1, 2.5, "x", None, [True, b"bytes"]), "kwargs": {"k": {1, 2}}}
+    assert round_trip(payload) == payload
+
+
+def test_encode_context_records_peer_and_frame_uses_its_buffers() -> None:
+    ctx = EncodeContext(5)
+    frame = encode(KIND, RID, torch.ones(2), ctx)
+    assert ctx.peer == 5
+    assert frame.buffers is ctx.buffers
+
+
+# ------------------------------------------------------------------------------- tensors
+
+
+@pytest.mark.parametrize("name", list(sample_tensors()))
+def test_tensor_round_trip(name: str) -> None:
+    tensor = sample_tensors()[name]
+    assert_same_tensor(round_trip(tensor), tensor)
+
+
+@pytest.mark.parametrize("name", list(sample_tensors()))
+def test_tensor_round_trip_through_flat_uint8_buffers(name: str) -> None:
+    tensor = sample_tensors()[name]
+    frame = encode(KIND, RID, [tensor], EncodeContext(1))
+    delivered = as_gloo_delivers(frame)
+    assert all(b.dtype == torch.uint8 and b.dim() == 1 for b in delivered.buffers)
+    (got,) = decode_payload(delivered, DecodeContext(1))
+    assert_same_tensor(got, tensor)
+
+
+def test_all_sample_tensors_in_one_message_through_uint8_buffers() -> None:
+    tensors = sample_tensors()
+    frame = encode(KIND, RID, tensors, EncodeContext(1))
+    assert len(frame.buffers) == len(tensors)
+    got = decode_payload(as_gloo_delivers(frame), DecodeContext(1))
+    assert got.keys() == tensors.keys()
+    for name, want in tensors.items():
+        assert_same_tensor(got[name], want)
+
+
+def test_buffers_are_contiguous() -> None:
+    tensors = sample_tensors()
+    frame = encode(KIND, RID, list(tensors.values()), EncodeContext(0))
+    assert all(b.is_contiguous() for b in frame.buffers)
+
+
+def test_tensor_data_travels_as_buffers_not_in_header() -> None:
+    tensor = torch.zeros(1024 * 1024, dtype=torch.uint8)  # 1 MiB
+    frame = encode(KIND, RID, {"t": tensor}, EncodeContext(0))
+    assert len(frame.header) < 512
+    assert len(frame.buffers) == 1
+    assert frame.buffers[0].numel() * frame.buffers[0].element_size() == 1024 * 1024
+    assert frame.nbytes == len(frame.header) + 1024 * 1024
+
+
+def test_decoded_tensor_does_not_alias_the_sender() -> None:
+    tensor = torch.arange(4.0)
+    frame = encode(KIND, RID, tensor, EncodeContext(0))
+    got = decode_payload(as_gloo_delivers(frame), DecodeContext(0))
+    got.add_(1)
+    assert torch.equal(tensor, torch.arange(4.0))
+
+
+def test_same_tensor_twice_is_one_buffer_and_one_object() -> None:
+    tensor = torch.arange(6.0)
+    frame = encode(KIND, RID, [tensor, {"again": tensor}], EncodeContext(0))
+    assert len(frame.buffers) == 1
+    first, inner = decode_payload(as_gloo_delivers(frame), DecodeContext(0))
+    assert first is inner["again"]
+    assert torch.equal(first, tensor)
+
+
+def test_distinct_equal_tensors_stay_distinct() -> None:
+    a, b = torch.ones(3), torch.ones(3)
+    frame = encode(KIND, RID, (a, b), EncodeContext(0))
+    assert len(frame.buffers) == 2
+    got_a, got_b = decode_payload(frame, DecodeContext(0))
+    assert got_a is not got_b
+
+
+def test_requires_grad_preserved() -> None:
+    leaf = torch.randn(3, requires_grad=True)
+    non_leaf = leaf * 2
+    plain = torch.randn(3)
+    got_leaf, got_non_leaf, got_plain = round_trip((leaf, non_leaf, plain))
+    assert got_leaf.requires_grad and got_leaf.is_leaf
+    assert got_non_leaf.requires_grad and got_non_leaf.is_leaf  # history does not travel
+    assert not got_plain.requires_grad
+    assert torch.equal(got_leaf.detach(), leaf.detach())
+    assert torch.equal(got_non_leaf.detach(), non_leaf.detach())
+
+
+def test_requires_grad_preserved_through_uint8_buffers() -> None:
+    leaf = torch.randn(2, 3, requires_grad=True)
+    frame = encode(KIND, RID, leaf, EncodeContext(0))
+    got = decode_payload(as_gloo_delivers(frame), DecodeContext(0))
+    assert got.requires_grad
+    got.sum().backward()
+    assert torch.equal(got.grad, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_parameter_preserved(requires_grad: bool) -> None:
+    param = torch.nn.Parameter(torch.randn(2, 2), requires_grad=requires_grad)
+    frame = encode(KIND, RID, {"p": param}, EncodeContext(0))
+    got = decode_payload(as_gloo_delivers(frame), DecodeContext(0))["p"]
+    assert type(got) is torch.nn.Parameter
+    assert got.requires_grad is requires_grad
+    assert torch.equal(got.detach(), param.detach())
+
+
+def test_module_state_round_trip() -> None:
+    module = torch.nn.Linear(3, 2)
+    got = round_trip(module)
+    assert isinstance(got, torch.nn.Linear)
+    assert type(got.weight) is torch.nn.Parameter
+    assert torch.equal(got.weight.detach(), module.weight.detach())
+    assert torch.equal(got.bias.detach(), module.bias.detach())
+
+
+def test_contexts_list_tensors_in_buffer_order() -> None:
+    a, b = torch.ones(2), torch.zeros(3, dtype=torch.int32)
+    enc = EncodeContext(0)
+    frame = encode(KIND, RID, {"first": a, "second": b, "again": a}, enc)
+    assert len(enc.tensors) == 2
+    assert enc.tensors[0] is a and enc.tensors[1] is b
+    dec = DecodeContext(0)
+    got = decode_payload(frame, dec)
+    assert len(dec.tensors) == 2
+    assert dec.tensors[0] is got["first"] and dec.tensors[1] is got["second"]
+    assert dec.buffers is frame.buffers
+
+
+def test_non_cpu_tensor_refused_naming_the_device() -> None:
+    tensor = torch.empty(2, device="meta")
+    with pytest.raises(SerializationError, match="meta") as info:
+        encode(KIND, RID, [tensor], EncodeContext(0))
+    assert ".cpu()" in str(info.value)
+
+
+def test_sparse_tensor_round_trip_in_band() -> None:
+    dense = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    got = round_trip(dense.to_sparse())
+    assert got.layout is torch.sparse_coo
+    assert torch.equal(got.to_dense(), dense)
+
+
+# -------------------------------------------------------------------------------- errors
+
+
+def test_unpicklable_payload_raises_serialization_error() -> None:
+    with pytest.raises(SerializationError) as info:
+        encode(KIND, RID, {"f": lambda: None}, EncodeContext(0))
+    assert isinstance(info.value, RuntimeError)
+    assert info.value.__cause__ is not None
+
+
+def test_unpicklable_lock_raises_serialization_error() -> None:
+    import threading
+
+    with pytest.raises(SerializationError, match="lock"):
+        encode(KIND, RID, threading.Lock(), EncodeContext(0))
+
+
+def test_encode_failure_leaves_no_context_behind() -> None:
+    with pytest.raises(SerializationError):
+        encode(KIND, RID, [torch.ones(1), lambda: None], EncodeContext(0))
+    with pytest.raises(SerializationError):
+        current_encode_context()
+
+
+def test_missing_module_raises_serialization_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = "rpcx_test_vanishing_module"
+    module = types.ModuleType(name)
+
+    class Vanishing:
+        pass
+
+    Vanishing.__module__ = name
+    Vanishing.__qualname__ = "Vanishing"
+    module.Vanishing = Vanishing  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, name, module)
+    frame = encode(KIND, RID, {"obj": Vanishing()}, EncodeContext(0))
+    monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(SerializationError, match=name):
+        decode_payload(frame, DecodeContext(0))
+    with pytest.raises(SerializationError):
+        current_decode_context()
+
+
+def test_corrupt_header_raises_serialization_error() -> None:
+    frame = encode(KIND, RID, [1, 2, 3], EncodeContext(0))
+    with pytest.raises(SerializationError):
+        decode_payload(Frame(frame.header[:-3], frame.buffers), DecodeContext(0))
+
+
+def test_contexts_outside_codec_raise() -> None:
+    with pytest.raises(SerializationError, match="pickled"):
+        current_encode_context()
+    with pytest.raises(SerializationError, match="unpickled"):
+        current_decode_context()
+
+
+def test_plain_pickle_of_a_tensor_is_unaffected() -> None:
+    tensor = torch.arange(3)
+    assert torch.equal(pickle.loads(pickle.dumps(tensor)), tensor)
+
+
+# ---------------------------------------------------------------------------- extensions
+
+
+class Handle:
+    """A custom class with a codec extension: it travels as (name, tensor, peer)."""
+
+    def __init__(self, name: str, data: torch.Tensor, peer: int = -1, agent: Any = None):
+        self.name = name
+        self.data = data
+        self.peer = peer
+        self.agent = agent
+
+
+def reduce_handle(obj: Handle, ctx: EncodeContext) -> Any:
+    return rebuild_handle, (obj.name, obj.data, ctx.peer)
+
+
+def rebuild_handle(name: str, data: torch.Tensor, sender_saw_peer: int) -> Handle:
+    ctx = current_decode_context()
+    return Handle(name, data, peer=ctx.peer * 1000 + sender_saw_peer, agent=ctx.agent)
+
+
+register_extension(Handle, reduce_handle)
+
+
+def test_extension_round_trip_uses_both_contexts() -> None:
+    data = torch.arange(5.0)
+    agent = object()
+    enc = EncodeContext(peer=2)
+    frame = encode(KIND, RID, {"h": Handle("x", data)}, enc)
+    assert len(enc.tensors) == 1 and enc.tensors[0] is data
+    dec = DecodeContext(peer=7, agent=agent)
+    got = decode_payload(as_gloo_delivers(frame), dec)["h"]
+    assert type(got) is Handle
+    assert got.name == "x"
+    assert torch.equal(got.data, data)
+    assert got.peer == 7 * 1000 + 2
+    assert got.agent is agent
+    assert dec.tensors[0] is got.data
+
+
+def test_extension_registration_is_idempotent_for_the_same_reduce() -> None:
+    register_extension(Handle, reduce_handle)  # same function again: allowed
+    assert round_trip(Handle("y", torch.ones(1))).name == "y"
+
+
+def test_extension_cannot_be_replaced() -> None:
+    def other(obj: Handle, ctx: EncodeContext) -> Any:
+        return rebuild_handle, (obj.name, obj.data, 0)
+
+    with pytest.raises(ValueError, match="Handle"):
+        register_extension(Handle, other)
+    assert round_trip(Handle("z", torch.ones(1)), peer=3).peer == 3 * 1000 + 3
+
+
+def test_rebuild_function_outside_decode_raises() -> None:
+    with pytest.raises(SerializationError):
+        rebuild_handle("x", torch.ones(1), 0)
+
+
+def test_conjugate_view_round_trip_through_uint8_buffers() -> None:
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    lazy = z.conj()
+    assert lazy.is_conj()
+    frame = encode(KIND, RID, lazy, EncodeContext(0))
+    got = decode_payload(as_gloo_delivers(frame), DecodeContext(0))
+    assert_same_tensor(got.resolve_conj(), lazy.resolve_conj())
