@@ -26,7 +26,7 @@ def _backends(names_only: bool) -> int:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
         print("  ".join(cells) + "  " + row[3])
     for plugin, error in sorted(plugin_errors().items()):
-        print(f"\nplugin {plugin!r} failed to load: {error}", file=sys.stderr)
+        print(f"\nplugin {plugin!r} {error}", file=sys.stderr)
     print(f"\nSelect with init_rpc(backend=...) or ${ENV_VAR}.")
     return 0
 

@@ -85,13 +85,13 @@ def maybe_current_agent() -> RpcAgent | None:
     agent of the process (a one-worker loopback world used from helper threads).
     """
     agent = _thread_agent.get()
-    if agent is not None and agent.is_running:
-        return agent
+    if agent is not None:  # a thread bound to a worker stays that worker, even shut down
+        return agent if agent.is_running else None
     process_agent = _process_agent
     if process_agent is not None and process_agent.is_running:
         return process_agent
     running = _running
-    if len(running) == 1 and agent is None:
+    if len(running) == 1:
         return running[0]
     return None
 

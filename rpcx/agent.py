@@ -23,7 +23,7 @@ import torch
 
 from rpcx import _context, rendezvous
 from rpcx._memory import copy_of
-from rpcx._pool import WorkerPool
+from rpcx._pool import WorkerPool, current_pool
 from rpcx._timer import DeadlineTimer
 from rpcx.errors import (
     PeerLostError,
@@ -57,6 +57,7 @@ Handler = Callable[[WorkerInfo, Any], Any]
 
 _RUNNING, _STOPPING, _CLOSED = "running", "stopping", "closed"
 _PROGRESS_EVERY = 30.0  # seconds between "still waiting" log lines during long waits
+_CLOSE_TIMEOUT = 10.0  # bound on each teardown step when shutdown() has no timeout
 
 
 @dataclass(frozen=True)
@@ -386,10 +387,14 @@ class RpcAgent:
                 self._idle.notify_all()
         if pending is None:
             return
-        if exception is None:
-            pending.future.set_result(value)
-        else:
-            pending.future.set_exception(exception(pending))
+        outcome = None if exception is None else exception(pending)
+        if pending.future.has_callbacks and current_pool() is not self._pool:
+            try:
+                self._pool.submit(_settle, pending.future, value, outcome)
+                return
+            except RpcShutdownError:
+                pass  # the pool is gone: run the callbacks here
+        _settle(pending.future, value, outcome)
 
     def _expire(self, rid: int) -> None:
         self._complete(rid, exception=self._timeout_error)
@@ -413,7 +418,9 @@ class RpcAgent:
                 return
             self._lost[rank] = text
             victims = [rid for rid, p in self._pending.items() if p.dst.id == rank]
-        level = logging.DEBUG if self._state != _RUNNING else logging.WARNING
+        # A peer that leaves while we shut down is expected; one that dies never is.
+        expected = self._state != _RUNNING and "unreachable" not in reason
+        level = logging.DEBUG if expected else logging.WARNING
         log.log(level, "%s: %s; failing %d pending calls", self.name, text, len(victims))
         for rid in victims:
             self._complete(rid, exception=lambda p: self._lost_error(p, text))
@@ -475,14 +482,21 @@ class RpcAgent:
                     f"worker {self.name!r} shut down"
                 ),
             )
-        close_timeout = min(_remaining(deadline) or 10.0, 10.0)
+        # Without a deadline, each teardown step still gets a bound of its own.
+        def budget(default: float) -> float:
+            left = _remaining(deadline)
+            return default if left is None else min(left, default)
+
         try:
-            self._transport.close(close_timeout)
+            self._transport.close(budget(_CLOSE_TIMEOUT))
         except Exception:
             log.exception("%s: error while closing the transport", self.name)
-        self._pool.shutdown(close_timeout)
+        self._pool.shutdown(budget(_CLOSE_TIMEOUT))
         self._timer.close()
-        rendezvous.leave(self._store, self.rank, self.world_size, self._lost.__contains__)
+        rendezvous.leave(
+            self._store, self.rank, self.world_size, self._lost.__contains__,
+            timeout=budget(rendezvous.LEAVE_TIMEOUT),
+        )
         self._store = None  # the last reference may host the rendezvous server: release it
         _context.forget(self)
 
@@ -493,6 +507,13 @@ class RpcAgent:
 
     def _describe_ranks(self, ranks: list[int]) -> str:
         return ", ".join(self.workers[r].name for r in ranks)
+
+
+def _settle(future: RpcFuture[Any], value: Any, exception: BaseException | None) -> None:
+    if exception is None:
+        future.set_result(value)
+    else:
+        future.set_exception(exception)
 
 
 def _remaining(deadline: float | None) -> float | None:

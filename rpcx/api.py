@@ -109,6 +109,7 @@ def init_rpc(
         _context.bind_agent(agent)
         agent.services["world_key"] = world_key
     else:
+        _context.bind_agent(None)  # drop a stale in-process binding of this thread
         _context.set_process_agent(agent)
         _register_atexit()
     log.info("worker %r (rank %d of %d) joined on backend %r", name, rank, world_size, spec.name)
@@ -164,8 +165,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     world_key = agent.services.get("world_key")
     if world_key is not None:
         rendezvous.release_in_process_store(world_key)
-    if _context._thread_agent.get() is agent:
-        _context.bind_agent(None)
+    # The thread stays bound to the (now shut down) worker, so later calls say so.
     log.info("worker %r shut down", agent.name)
 
 

@@ -8,19 +8,39 @@ calls cannot exhaust it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 from rpcx._pool import current_pool
 
-__all__ = ["RpcFuture", "wait"]
+__all__ = ["RpcFuture", "add_internal_callback", "wait"]
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 
 class RpcFuture(torch.futures.Future[T]):
-    """``torch.futures.Future`` returned by ``rpc_async`` and friends."""
+    """``torch.futures.Future`` returned by ``rpc_async`` and friends.
+
+    It notes whether user code attached callbacks (``then``, ``add_done_callback``):
+    such a future is completed on a request-pool thread rather than on the transport's
+    receiving thread, so a callback that blocks, even on another call to the same
+    worker, cannot stall the connection it waits on.
+    """
+
+    has_callbacks = False
+
+    def then(self, callback: Callable[[torch.futures.Future[T]], S]) -> torch.futures.Future[S]:
+        """Like ``torch.futures.Future.then``."""
+        self.has_callbacks = True
+        return super().then(callback)
+
+    def add_done_callback(self, callback: Callable[[torch.futures.Future[T]], None]) -> None:
+        """Like ``torch.futures.Future.add_done_callback``."""
+        self.has_callbacks = True
+        super().add_done_callback(callback)
 
     def wait(self) -> T:
         """Block until the value is ready and return it, or raise the call's error."""
@@ -29,6 +49,13 @@ class RpcFuture(torch.futures.Future[T]):
             return super().wait()
         with pool.blocking():
             return super().wait()
+
+
+def add_internal_callback(
+    future: torch._C.Future[Any], callback: Callable[[Any], None]
+) -> None:
+    """Attach a callback of rpcx's own (non-blocking), leaving ``has_callbacks`` alone."""
+    torch._C.Future.add_done_callback(future, callback)
 
 
 def wait(future: torch.futures.Future[Any]) -> Any:

@@ -118,7 +118,7 @@ def _load() -> dict[str, BackendSpec]:
             try:
                 plugins.append((f"{ep.name} ({ep.value})", ep.load()))
             except Exception as exc:  # a broken plugin must not break rpcx
-                _errors[ep.name] = f"{type(exc).__name__}: {exc}"
+                _errors[ep.name] = f"failed to load: {type(exc).__name__}: {exc}"
                 log.warning("rpcx plugin %r (%s) failed to load: %s", ep.name, ep.value, exc)
         registry = BackendRegistry()
         for plugin_name, plugin in plugins:
@@ -130,7 +130,7 @@ def _load() -> dict[str, BackendSpec]:
             try:
                 impl.function(register=registry)
             except Exception as exc:
-                _errors[impl.plugin_name] = f"{type(exc).__name__}: {exc}"
+                _errors[impl.plugin_name] = f"failed to register: {type(exc).__name__}: {exc}"
                 log.warning("rpcx plugin %s failed to register: %s", impl.plugin_name, exc)
         _loaded = registry.specs()
         return _loaded
@@ -147,7 +147,7 @@ def backend_names() -> list[str]:
 
 
 def plugin_errors() -> dict[str, str]:
-    """Plugins that failed to load or register, with the error."""
+    """Plugins that failed, with what failed ("failed to load: ImportError: ...")."""
     _load()
     return dict(_errors)
 

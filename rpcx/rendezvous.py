@@ -35,7 +35,7 @@ log = logging.getLogger("rpcx.rendezvous")
 
 _POLL = 0.25  # seconds per store wait slice while watching for dead peers
 _REPORT_EVERY = 30.0
-_LEAVE_TIMEOUT = 10.0
+LEAVE_TIMEOUT = 10.0
 _NO_LIMIT = timedelta(days=7)  # torch stores need a finite timeout; waits here poll anyway
 
 _hub_lock = threading.Lock()
@@ -139,7 +139,13 @@ def barrier(
     )
 
 
-def leave(store: Any, rank: int, world_size: int, is_gone: Callable[[int], bool]) -> None:
+def leave(
+    store: Any,
+    rank: int,
+    world_size: int,
+    is_gone: Callable[[int], bool],
+    timeout: float = LEAVE_TIMEOUT,
+) -> None:
     """Last step of shutdown: rank 0 may host the store, so it waits for the others to go."""
     try:
         store.set(f"left/{rank}", b"1")
@@ -147,7 +153,7 @@ def leave(store: Any, rank: int, world_size: int, is_gone: Callable[[int], bool]
             _wait_for(
                 store,
                 [f"left/{r}" for r in range(world_size)],
-                _LEAVE_TIMEOUT,
+                timeout,
                 is_gone=is_gone,
                 what="rank 0 waiting for workers to leave",
                 describe=lambda ranks: ", ".join(map(str, ranks)),

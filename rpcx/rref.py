@@ -26,7 +26,7 @@ from rpcx import _context
 from rpcx.agent import Deferred, RpcAgent, describe_callable
 from rpcx.errors import RpcError
 from rpcx.functions import async_execution, is_async_execution
-from rpcx.futures import RpcFuture, wait
+from rpcx.futures import RpcFuture, add_internal_callback, wait
 from rpcx.messages import MessageKind
 from rpcx.serialization import EncodeContext, current_decode_context, register_extension
 from rpcx.worker import WorkerInfo
@@ -97,6 +97,7 @@ class RRef(Generic[T]):
         self._id = rref_id
         self._owner = owner
         self._created = created  # the remote() call that creates the value, if we made it
+        self._confirmed = False  # set once a fetch succeeded: the owner has the value
 
     # ------------------------------------------------------------------- identity
 
@@ -115,6 +116,8 @@ class RRef(Generic[T]):
     def confirmed_by_owner(self) -> bool:
         """True once the owner is known to hold this reference's value slot."""
         if self.is_owner():
+            return True
+        if self._confirmed:
             return True
         created = self._created
         return created is not None and created.done() and not _failed(created)
@@ -141,6 +144,7 @@ class RRef(Generic[T]):
             return self.local_value()
         self._raise_if_creation_failed()
         value: T = _first_failure_or(self._created, self._fetch(timeout)).wait()
+        self._confirmed = True
         return value
 
     def _fetch(self, timeout: float) -> RpcFuture[Any]:
@@ -202,8 +206,8 @@ def _first_failure_or(
                 if not result.done():
                     result.set_result(value)
 
-    guard.add_done_callback(lambda f: settle(f, True))
-    main.add_done_callback(lambda f: settle(f, False))
+    add_internal_callback(guard, lambda f: settle(f, True))
+    add_internal_callback(main, lambda f: settle(f, False))
     return result
 
 

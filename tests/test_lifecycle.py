@@ -168,6 +168,21 @@ def test_non_graceful_shutdown_cancels_pending_calls(rpcx_backend: str) -> None:
         w.close(graceful=False)
         with pytest.raises(rpcx.RpcShutdownError, match=r"cancelled: worker 'worker0' shut down"):
             pending.wait()
+        # This thread is still worker0 (shut down), never another worker of the process.
+        with pytest.raises(rpcx.RpcShutdownError, match="'worker0' has shut down"):
+            rpcx.rpc_sync("worker1", remote.add, args=(1, 1))
+
+
+def test_graceful_shutdown_timeout_bounds_the_wait(rpcx_backend: str) -> None:
+    key = uuid.uuid4().hex
+    with world(rpcx_backend, size=2) as w:
+        pending = rpcx.rpc_async("worker1", remote.wait_for_release, args=(key, 3.0))
+        started = time.monotonic()
+        rpcx.shutdown(timeout=0.5)  # our own call never finishes in time
+        assert time.monotonic() - started < 2.5
+        with pytest.raises(rpcx.RpcShutdownError, match="cancelled"):
+            pending.wait()
+        w.close()
 
 
 def test_spawn_runs_loopback_workers_as_threads() -> None:

@@ -16,9 +16,10 @@ Wire format, per frame, on one ordered gloo pair per peer:
   a BYE it did not expect answers with its own.
 
 One receiving thread per peer keeps per-peer order and lets a large frame from one peer
-not hold up the others. Sends are posted under a per-peer lock (so the messages of one
-frame stay together) and are not waited for; their buffers are kept alive until gloo
-reports them complete, with a byte cap as back-pressure.
+not hold up the others; it keeps ``RECEIVE_DEPTH`` slot receives posted so gloo can land
+frames while it is busy. Sends are posted under a per-peer lock (so the messages of one
+frame stay together) and waited for outside it: a gloo send Work only completes when
+waited on, and a sender whose peer has no receive posted waits for one (back-pressure).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ _TAG_SLOT, _TAG_DATA = 0, 1
 # gloo fails (and closes the pair) when a receive outlasts this, so make it effectively
 # infinite: an idle peer is not a dead peer. Dead peers surface as closed connections.
 _PAIR_TIMEOUT = timedelta(days=3650)
-_INFLIGHT_CAP = 256 << 20  # bytes of unsent data per peer before senders wait
+_BYE_TIMEOUT = timedelta(seconds=10)
 _CPP_LOCATION = re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
 
 
@@ -80,16 +81,12 @@ class GlooRpcBackendOptions(TensorPipeRpcBackendOptions):
 
 
 class _Peer:
-    """Send-side state for one peer."""
+    """Per-peer state: the send lock, the goodbye flags, the receiving thread."""
 
-    __slots__ = ("bye_sent", "gone", "inflight", "inflight_bytes", "lock", "thread")
+    __slots__ = ("bye_sent", "gone", "lock", "thread")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.inflight: collections.deque[tuple[list[Any], int, list[torch.Tensor]]] = (
-            collections.deque()
-        )
-        self.inflight_bytes = 0
         self.bye_sent = False
         self.gone = False
         self.thread: threading.Thread | None = None
@@ -130,7 +127,12 @@ class GlooTransport:
     # ------------------------------------------------------------------------- send
 
     def send(self, dst: int, frame: Frame) -> None:
-        """Post the frame's messages to ``dst``; does not wait for them to be written."""
+        """Send ``frame`` to ``dst``; returns once gloo has written it.
+
+        Waiting matters twice over: gloo sends straight from the tensors' memory, so the
+        caller may change them as soon as this returns (arguments are copies), and a
+        gloo send Work only completes when waited on, so no other thread can reap it.
+        """
         peer = self._peers[dst]
         sizes = [b.numel() * b.element_size() for b in frame.buffers]
         header = frame.header
@@ -138,7 +140,6 @@ class GlooTransport:
         inline_len = 8 * n + len(header) + sum(sizes)
         slot = bytearray(SLOT_BYTES)
         slot_tensor = torch.frombuffer(slot, dtype=torch.uint8)
-        tensors = [slot_tensor]
         if _HEAD.size + inline_len <= SLOT_BYTES:
             _HEAD.pack_into(slot, 0, _INLINE, n, inline_len)
             struct.pack_into(f"<{n}Q", slot, _HEAD.size, *sizes)
@@ -162,49 +163,33 @@ class GlooTransport:
             messages += [
                 (_TAG_DATA, _as_bytes(b)) for b, s in zip(frame.buffers, sizes, strict=True) if s
             ]
-            tensors = [t for _, t in messages]
-        self._post(dst, peer, messages, tensors, len(slot) + sum(sizes))
+        self._wait(self._post(dst, peer, messages))
 
     def _post(
-        self,
-        dst: int,
-        peer: _Peer,
-        messages: list[tuple[int, torch.Tensor]],
-        tensors: list[torch.Tensor],
-        nbytes: int,
-        bye: bool = False,
-    ) -> None:
+        self, dst: int, peer: _Peer, messages: list[tuple[int, torch.Tensor]], bye: bool = False
+    ) -> list[Any]:
+        # Posting under the peer's lock keeps the messages of one frame together.
         with peer.lock:
             if peer.bye_sent or (peer.gone and not bye):
                 raise PeerLostError("has shut down")
-            self._reap(peer)
-            while peer.inflight and peer.inflight_bytes + nbytes > _INFLIGHT_CAP:
-                self._wait_oldest(dst, peer)
             try:
-                works = [self._pg.send([t], dst, tag) for tag, t in messages]
+                works = [self._pg.send([tensor], dst, tag) for tag, tensor in messages]
             except RuntimeError as exc:
                 raise PeerLostError(f"is unreachable: {_clean(exc)}") from None
             if bye:
                 peer.bye_sent = True
-            # A gloo Work owns its send buffer: dropping it early cancels the send.
-            peer.inflight.append((works, nbytes, tensors))
-            peer.inflight_bytes += nbytes
+            return works
 
     @staticmethod
-    def _reap(peer: _Peer) -> None:
-        # Sends on one pair complete in order, so the oldest entries finish first.
-        while peer.inflight and all(work.is_completed() for work in peer.inflight[0][0]):
-            _, nbytes, _ = peer.inflight.popleft()
-            peer.inflight_bytes -= nbytes
-
-    def _wait_oldest(self, dst: int, peer: _Peer) -> None:
-        works, nbytes, _ = peer.inflight.popleft()
-        peer.inflight_bytes -= nbytes
+    def _wait(works: list[Any], timeout: timedelta | None = None) -> None:
         try:
             for work in works:
-                work.wait()
+                if timeout is None:
+                    work.wait()
+                else:
+                    work.wait(timeout)
         except RuntimeError as exc:
-            log.debug("send to rank %d failed: %s", dst, _clean(exc))
+            raise PeerLostError(f"is unreachable: {_clean(exc)}") from None
 
     # ---------------------------------------------------------------------- receive
 
@@ -267,7 +252,7 @@ class GlooTransport:
             peer.gone = True
             answer = not peer.bye_sent
         if answer:  # the peer left on its own: let its receiving thread for us finish too
-            self._send_bye(src, peer)
+            self._send_bye(src, peer, _BYE_TIMEOUT)
         if not self._closing:
             ctx.peer_lost(src, "has shut down")
 
@@ -290,17 +275,14 @@ class GlooTransport:
         if ctx is None:
             return
         self._closing = True
-        for rank, peer in self._peers.items():
-            self._send_bye(rank, peer)
         deadline = time.monotonic() + timeout
+        for rank, peer in self._peers.items():
+            left = max(0.001, deadline - time.monotonic())
+            self._send_bye(rank, peer, timedelta(seconds=left))
         for peer in self._peers.values():
             if peer.thread is not None:
                 peer.thread.join(max(0.0, deadline - time.monotonic()))
         stuck = [ctx.names[r] for r, p in self._peers.items() if p.thread and p.thread.is_alive()]
-        for rank, peer in self._peers.items():
-            with peer.lock:
-                while peer.inflight:
-                    self._wait_oldest(rank, peer)
         if stuck:
             # Releasing the group now would abort the process; keep it until exit.
             log.warning(
@@ -310,16 +292,15 @@ class GlooTransport:
             return
         self._pg = None
 
-    def _send_bye(self, rank: int, peer: _Peer) -> None:
+    def _send_bye(self, rank: int, peer: _Peer, timeout: timedelta) -> None:
         slot = bytearray(SLOT_BYTES)
         _HEAD.pack_into(slot, 0, _BYE, 0, 0)
         tensor = torch.frombuffer(slot, dtype=torch.uint8)
         try:
-            self._post(rank, peer, [(_TAG_SLOT, tensor)], [tensor], SLOT_BYTES, bye=True)
-        except PeerLostError:
-            pass
-        except RuntimeError as exc:
-            log.debug("goodbye to rank %d failed: %s", rank, _clean(exc))
+            # Bounded: a peer that stopped reading must not hold up leaving.
+            self._wait(self._post(rank, peer, [(_TAG_SLOT, tensor)], bye=True), timeout)
+        except PeerLostError as exc:
+            log.debug("goodbye to rank %d not delivered: %s", rank, exc)
 
 
 def _unpack_inline(slot: bytearray, slot_tensor: torch.Tensor, n: int, body_len: int) -> Frame:

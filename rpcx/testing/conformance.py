@@ -123,6 +123,13 @@ class TestFutures:
         assert [f.value() for f in done] == [0, 2, 4, 6, 8]
         assert torch.futures.wait_all([rpcx.rpc_async(W2, remote.add, args=(1, 1))]) == [2]
 
+    def test_callback_may_block_on_the_same_worker(self, rpc_world: World) -> None:
+        # The callback waits for a reply from the worker whose reply triggered it.
+        fut = rpcx.rpc_async(W1, remote.add, args=(1, 1)).then(
+            lambda f: rpcx.rpc_sync(W1, remote.add, args=(f.wait(), 1), timeout=20)
+        )
+        assert fut.wait() == 3
+
     def test_callback_may_call_rpc(self, rpc_world: World) -> None:
         fut = rpcx.rpc_async(W1, remote.add, args=(1, 1)).then(
             lambda f: rpcx.rpc_async(W2, remote.add, args=(f.wait(), 1))
@@ -326,6 +333,12 @@ class TestTensors:
             out = rpcx.rpc_sync(to, remote.mutate_and_return, args=(tensor,))
             assert torch.equal(tensor, torch.zeros(4)), "the caller's tensor changed"
             assert torch.equal(out, torch.ones(4))
+
+    def test_large_arguments_are_copied_before_rpc_async_returns(self, rpc_world: World) -> None:
+        tensor = torch.zeros(8 << 20)  # 32 MiB: too large to travel inline
+        future = rpcx.rpc_async(W1, remote.tensor_sum, args=(tensor,), timeout=120)
+        tensor.fill_(1.0)  # the call has been made: this must not reach the callee
+        assert future.wait() == 0.0
 
     def test_results_are_copies(self, rpc_world: World) -> None:
         tensor = torch.zeros(3)

@@ -42,6 +42,11 @@ def mutate_and_return(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def tensor_sum(tensor: torch.Tensor) -> float:
+    """The sum of a received tensor."""
+    return float(tensor.sum())
+
+
 def same_object(a: Any, b: Any) -> bool:
     """Whether the two arguments arrived as one object."""
     return a is b
