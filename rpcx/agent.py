@@ -56,6 +56,13 @@ log = logging.getLogger("rpcx.agent")
 Handler = Callable[[WorkerInfo, Any], Any]
 
 _RUNNING, _STOPPING, _CLOSED = "running", "stopping", "closed"
+
+
+class _Delivering(threading.local):
+    active = False  # True while this thread delivers a frame (a transport's thread)
+
+
+_delivering = _Delivering()
 _PROGRESS_EVERY = 30.0  # seconds between "still waiting" log lines during long waits
 _CLOSE_TIMEOUT = 10.0  # bound on each teardown step when shutdown() has no timeout
 
@@ -287,9 +294,11 @@ class RpcAgent:
         kind, rid = decode_envelope(frame)
         if kind == MessageKind.RESULT or kind == MessageKind.ERROR:
             token = _context._thread_agent.set(self)  # callbacks run as this worker
+            _delivering.active = True
             try:
                 self._on_response(src, kind, rid, frame)
             finally:
+                _delivering.active = False
                 _context._thread_agent.reset(token)
             return
         try:
@@ -367,6 +376,18 @@ class RpcAgent:
         self._send_reply(src, rid, encode(MessageKind.ERROR, rid, info, EncodeContext(src)))
 
     def _send_reply(self, src: int, rid: int, frame: Frame) -> None:
+        if _delivering.active:
+            # A Deferred completed while a frame was being delivered. Sending may wait
+            # for the peer to post a receive, and a receiving thread must never wait on
+            # its peer (two of them doing so could deadlock): send from the pool.
+            try:
+                self._pool.submit(self._send_reply_now, src, rid, frame)
+                return
+            except RpcShutdownError:
+                pass
+        self._send_reply_now(src, rid, frame)
+
+    def _send_reply_now(self, src: int, rid: int, frame: Frame) -> None:
         try:
             self._send(src, frame)
         except Exception as exc:  # the caller is gone; its side reports that
