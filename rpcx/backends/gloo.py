@@ -51,9 +51,10 @@ __all__ = ["GlooRpcBackendOptions", "GlooTransport"]
 log = logging.getLogger("rpcx.backends.gloo")
 
 SLOT_BYTES = 4096  # small frames (most calls) travel whole in one slot
-# Slot receives kept posted per peer. A gloo send completes only once the peer has a
-# receive posted, so this is also how far a sender may run ahead: 4 gave ~4k small
-# rpc_async/s, 64 gives ~9k (torch: ~9k) for 256 KiB of buffers per peer.
+# Slot receives posted per peer (at least half of them at any time). A gloo send
+# completes only once the peer has a receive posted, so this is also how far a sender
+# may run ahead: 4 gave ~4k small rpc_async/s, 64 gives ~9k (torch: ~9k), for 256 KiB
+# of buffers per peer.
 RECEIVE_DEPTH = 64
 _HEAD = struct.Struct("<BxxxIQ")  # mode, number of buffers, body length
 _INLINE, _EXTENDED, _BYE = 1, 2, 3
@@ -83,13 +84,35 @@ class GlooRpcBackendOptions(TensorPipeRpcBackendOptions):
         self.hostname = hostname
 
 
-class _Peer:
-    """Per-peer state: the send lock, the goodbye flags, the receiving thread."""
+class _Ring:
+    """The slot receives posted for one peer, in posting order, and the slots owed one.
 
-    __slots__ = ("bye_sent", "gone", "lock", "thread")
+    Posting a receive costs ~15 us. The receiving thread does not re-post after each
+    frame; it notes the slot as owed, and the next thread to finish a send to that peer
+    (whose frame is then already on its way) posts what is owed. So in a call and its
+    reply neither re-post delays the other side. The receiving thread re-posts itself
+    only when fewer than half the receives remain posted.
+    """
+
+    __slots__ = ("closed", "lock", "owed", "posted")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.posted: collections.deque[tuple[bytearray, torch.Tensor, Any]] = (
+            collections.deque()
+        )
+        self.owed: list[tuple[bytearray, torch.Tensor]] = []
+        self.closed = False
+
+
+class _Peer:
+    """Per-peer state: the send lock, the goodbye flags, the receive ring and thread."""
+
+    __slots__ = ("bye_sent", "gone", "lock", "ring", "thread")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ring = _Ring()
         self.bye_sent = False
         self.gone = False
         self.thread: threading.Thread | None = None
@@ -167,6 +190,8 @@ class GlooTransport:
                 (_TAG_DATA, _as_bytes(b)) for b, s in zip(frame.buffers, sizes, strict=True) if s
             ]
         self._wait(self._post(dst, peer, messages))
+        if peer.ring.owed:  # our frame is out: now post the receives this peer is owed
+            self._repost(dst, peer.ring)
 
     def _post(
         self, dst: int, peer: _Peer, messages: list[tuple[int, torch.Tensor]], bye: bool = False
@@ -199,14 +224,18 @@ class GlooTransport:
     def _receive_loop(self, src: int) -> None:
         ctx = self._ctx
         assert ctx is not None
-        # Keep several slot receives posted, so gloo lands the next frames while this
-        # thread is busy with one (measured: 2x the frames per second of one at a time).
-        ring: collections.deque[tuple[bytearray, torch.Tensor, Any]] = collections.deque()
-        try:
+        ring = self._peers[src].ring
+        with ring.lock:
             for _ in range(RECEIVE_DEPTH):
-                ring.append(self._post_slot_receive(src))
+                slot = bytearray(SLOT_BYTES)
+                ring.owed.append((slot, torch.frombuffer(slot, dtype=torch.uint8)))
+        self._repost(src, ring)
+        try:
             while True:
-                slot, slot_tensor, work = ring.popleft()
+                with ring.lock:
+                    if not ring.posted:  # cannot happen while the ring is kept half full
+                        raise AssertionError("gloo receive ring is empty")
+                    slot, slot_tensor, work = ring.posted.popleft()
                 work.wait()
                 mode, n, body_len = _HEAD.unpack_from(slot)
                 if mode == _BYE:
@@ -216,25 +245,31 @@ class GlooTransport:
                     frame = _unpack_inline(slot, slot_tensor, n, body_len)
                 else:
                     frame = self._receive_extended(src, n, body_len)
+                with ring.lock:
+                    ring.owed.append((slot, slot_tensor))
+                    low = len(ring.posted) < RECEIVE_DEPTH // 2
+                if low:
+                    self._repost(src, ring)
                 try:
                     ctx.deliver(src, frame)
                 except Exception:
                     log.exception("%s: delivering a frame from rank %d failed",
                                   ctx.names[ctx.rank], src)
-                # Re-post after delivering: posting costs ~15 us and need not delay a call.
-                ring.append(self._post_slot_receive(src, slot, slot_tensor))
         except RuntimeError as exc:
             self._on_broken(src, exc)
         finally:
-            ring.clear()  # receives still posted are dropped; nothing more will arrive
+            with ring.lock:  # receives still posted are dropped; nothing more will arrive
+                ring.closed = True
+                ring.posted.clear()
+                ring.owed.clear()
 
-    def _post_slot_receive(
-        self, src: int, slot: bytearray | None = None, slot_tensor: torch.Tensor | None = None
-    ) -> tuple[bytearray, torch.Tensor, Any]:
-        if slot is None or slot_tensor is None:
-            slot = bytearray(SLOT_BYTES)
-            slot_tensor = torch.frombuffer(slot, dtype=torch.uint8)
-        return slot, slot_tensor, self._pg.recv([slot_tensor], src, _TAG_SLOT)
+    def _repost(self, src: int, ring: _Ring) -> None:
+        """Post the slot receives ``ring`` is owed, in order."""
+        with ring.lock:
+            while ring.owed and not ring.closed:
+                slot, slot_tensor = ring.owed.pop()
+                work = self._pg.recv([slot_tensor], src, _TAG_SLOT)
+                ring.posted.append((slot, slot_tensor, work))
 
     def _receive_extended(self, src: int, n: int, body_len: int) -> Frame:
         body = bytearray(body_len)
