@@ -9,6 +9,7 @@ other workers of the backend under test.
 from __future__ import annotations
 
 import re
+import threading
 import uuid
 from typing import Any
 
@@ -108,11 +109,18 @@ class TestFutures:
 
     def test_then_and_callbacks(self, rpc_world: World) -> None:
         seen: list[int] = []
+        called = threading.Event()
         fut = rpcx.rpc_async(W1, remote.add, args=(1, 2))
         chained = fut.then(lambda f: f.wait() * 10)
-        fut.add_done_callback(lambda f: seen.append(f.value()))
+
+        def record(f: torch.futures.Future[int]) -> None:
+            seen.append(f.value())
+            called.set()
+
+        fut.add_done_callback(record)
         assert chained.wait() == 30
-        fut.wait()
+        # As with torch, wait() may return before every callback has finished running.
+        assert called.wait(10)
         assert seen == [3]
 
     def test_collect_all_and_wait_all(self, rpc_world: World) -> None:
