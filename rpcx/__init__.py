@@ -9,6 +9,7 @@ from rpcx import functions
 from rpcx.api import (
     UNSET_RPC_TIMEOUT,
     _set_rpc_timeout,
+    debug_info,
     get_rpc_timeout,
     get_worker_info,
     get_worker_infos,
@@ -72,6 +73,7 @@ __all__ = [
     "_set_rpc_timeout",
     "available_backends",
     "backend_names",
+    "debug_info",
     "functions",
     "get_rpc_timeout",
     "get_worker_info",

@@ -65,6 +65,8 @@ class _Delivering(threading.local):
 _delivering = _Delivering()
 _PROGRESS_EVERY = 30.0  # seconds between "still waiting" log lines during long waits
 _CLOSE_TIMEOUT = 10.0  # bound on each teardown step when shutdown() has no timeout
+_GOODBYE_MIN = 2.0  # the goodbye exchange gets at least this long, deadline or not
+_DRAIN_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,13 @@ class RpcAgent:
         self._store = store
         self._transport = transport
         self._handlers: dict[int, Handler] = {}
+        self._inline_kinds: set[int] = set()
+        # Graceful shutdown, once every worker has stopped calling: each hook sends what
+        # it still owes its peers, waits for the acknowledgements, returns how many
+        # messages that took. Repeated, world-wide, until nobody sends anything.
+        self.on_drain: list[Callable[[], int]] = []
+        self.on_close: list[Callable[[], None]] = []  # the transport has closed
+        self.on_peer_lost: list[Callable[[int], None]] = []  # a peer died or left
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._lock = threading.Lock()
@@ -193,9 +202,21 @@ class RpcAgent:
         known = ", ".join(w.name for w in self.workers)
         raise UnknownWorkerError(f"unknown destination worker {to!r}; the workers are: {known}")
 
-    def register_handler(self, kind: MessageKind, handler: Handler) -> None:
-        """Run ``handler`` for every request of ``kind`` this worker receives."""
+    def register_handler(
+        self, kind: MessageKind, handler: Handler, *, in_order: bool = False
+    ) -> None:
+        """Run ``handler`` for every message of ``kind`` this worker receives.
+
+        Handlers run on the request pool, concurrently. ``in_order=True`` runs the
+        handler on the thread delivering the frame instead, so messages from one peer
+        are handled in the order sent. Only for rpcx's own bookkeeping: such a handler
+        must not block or run user code. (Whatever it sends goes out from the pool.)
+        """
         self._handlers[int(kind)] = handler
+        if in_order:
+            self._inline_kinds.add(int(kind))
+        else:
+            self._inline_kinds.discard(int(kind))
 
     def timeout_for(self, timeout: float | None) -> float | None:
         """Seconds for a call's ``timeout`` argument: negative/None = default, 0 = none."""
@@ -255,8 +276,9 @@ class RpcAgent:
                 f"RPC on worker {self.name!r} has shut down"
             )
         rid = next(self._ids)
+        ctx = EncodeContext(dst.id)
         try:
-            frame = encode(kind, rid, payload, EncodeContext(dst.id))
+            frame = encode(kind, rid, payload, ctx)
         except SerializationError as exc:
             raise SerializationError(
                 f"{api}({describe_target(target)}) to worker {dst.name!r}: "
@@ -274,12 +296,39 @@ class RpcAgent:
             return future
         if timeout is not None:
             self._timer.schedule(started + timeout, rid)
+        self._transmit(dst.id, frame, ctx, rid)
+        return future
+
+    def notify(self, dst: WorkerInfo, kind: MessageKind, payload: Any) -> None:
+        """Send a one-way message (no reply, no future); failures are only logged."""
+        if self._state == _CLOSED:
+            return
+        ctx = EncodeContext(dst.id)
+        self._transmit(dst.id, encode(kind, 0, payload, ctx), ctx, 0)
+
+    def _transmit(self, dst: int, frame: Frame, ctx: EncodeContext, rid: int) -> None:
+        """Run the frame's before-send hooks and send it; failures fail request ``rid``."""
+        if _delivering.active and dst != self.rank:
+            # A thread delivering a frame must never send: a send can wait for the peer
+            # to post a receive, and two delivering threads could wait on each other.
+            try:
+                self._pool.submit(self._transmit_now, dst, frame, ctx, rid)
+                return
+            except RpcShutdownError:
+                pass
+        self._transmit_now(dst, frame, ctx, rid)
+
+    def _transmit_now(self, dst: int, frame: Frame, ctx: EncodeContext, rid: int) -> None:
         try:
-            self._send(dst.id, frame)
+            for hook in ctx.before_send:
+                hook()
+            self._send(dst, frame)
         except Exception as exc:
             reason = exc.args[0] if isinstance(exc, PeerLostError) and exc.args else str(exc)
-            self._complete(rid, exception=lambda p: self._lost_error(p, reason))
-        return future
+            if rid:
+                self._complete(rid, exception=lambda p: self._lost_error(p, reason))
+            else:
+                log.debug("%s: one-way message to rank %d not sent: %s", self.name, dst, reason)
 
     def _send(self, dst: int, frame: Frame) -> None:
         if dst == self.rank:
@@ -292,13 +341,16 @@ class RpcAgent:
 
     def _on_frame(self, src: int, frame: Frame) -> None:
         kind, rid = decode_envelope(frame)
-        if kind == MessageKind.RESULT or kind == MessageKind.ERROR:
+        if kind == MessageKind.RESULT or kind == MessageKind.ERROR or kind in self._inline_kinds:
             token = _context._thread_agent.set(self)  # callbacks run as this worker
-            _delivering.active = True
+            was_delivering, _delivering.active = _delivering.active, True
             try:
-                self._on_response(src, kind, rid, frame)
+                if kind == MessageKind.RESULT or kind == MessageKind.ERROR:
+                    self._on_response(src, kind, rid, frame)
+                else:
+                    self._serve(src, kind, rid, frame)
             finally:
-                _delivering.active = False
+                _delivering.active = was_delivering
                 _context._thread_agent.reset(token)
             return
         try:
@@ -359,39 +411,23 @@ class RpcAgent:
     def _reply(self, src: int, rid: int, value: Any) -> None:
         if rid == 0:
             return
+        ctx = EncodeContext(src)
         try:
-            frame = encode(MessageKind.RESULT, rid, value, EncodeContext(src))
+            frame = encode(MessageKind.RESULT, rid, value, ctx)
         except SerializationError as exc:
             self._reply_error(
                 src, rid, SerializationError(f"could not pickle the result: {exc}")
             )
             return
-        self._send_reply(src, rid, frame)
+        self._transmit(src, frame, ctx, 0)  # a failed reply is the caller's to notice
 
     def _reply_error(self, src: int, rid: int, exc: BaseException) -> None:
         if rid == 0:
             log.warning("%s: one-way message from rank %d failed: %r", self.name, src, exc)
             return
         info = RemoteErrorInfo.capture(exc, self.name)
-        self._send_reply(src, rid, encode(MessageKind.ERROR, rid, info, EncodeContext(src)))
-
-    def _send_reply(self, src: int, rid: int, frame: Frame) -> None:
-        if _delivering.active:
-            # A Deferred completed while a frame was being delivered. Sending may wait
-            # for the peer to post a receive, and a receiving thread must never wait on
-            # its peer (two of them doing so could deadlock): send from the pool.
-            try:
-                self._pool.submit(self._send_reply_now, src, rid, frame)
-                return
-            except RpcShutdownError:
-                pass
-        self._send_reply_now(src, rid, frame)
-
-    def _send_reply_now(self, src: int, rid: int, frame: Frame) -> None:
-        try:
-            self._send(src, frame)
-        except Exception as exc:  # the caller is gone; its side reports that
-            log.debug("%s: could not reply to rank %d (request %d): %s", self.name, src, rid, exc)
+        ctx = EncodeContext(src)
+        self._transmit(src, encode(MessageKind.ERROR, rid, info, ctx), ctx, 0)
 
     # ----------------------------------------------------------- completion & failure
 
@@ -432,6 +468,14 @@ class RpcAgent:
         return PeerLostError(f"{pending.call} to worker {pending.dst.name!r} failed: {reason}")
 
     def _on_peer_lost(self, rank: int, reason: str) -> None:
+        # Transports call this from their receiving threads, which must not send.
+        was_delivering, _delivering.active = _delivering.active, True
+        try:
+            self._peer_lost(rank, reason)
+        finally:
+            _delivering.active = was_delivering
+
+    def _peer_lost(self, rank: int, reason: str) -> None:
         name = self.workers[rank].name
         text = f"worker {name!r} (rank {rank}) {reason}"
         with self._lock:
@@ -445,6 +489,11 @@ class RpcAgent:
         log.log(level, "%s: %s; failing %d pending calls", self.name, text, len(victims))
         for rid in victims:
             self._complete(rid, exception=lambda p: self._lost_error(p, text))
+        for hook in self.on_peer_lost:
+            try:
+                hook(rank)
+            except Exception:
+                log.exception("%s: peer-lost hook failed", self.name)
 
     def lost_peers(self) -> dict[str, str]:
         """Workers known to be gone, with the reason, by name."""
@@ -469,10 +518,31 @@ class RpcAgent:
             if graceful:
                 self._wait_until_idle(deadline)
                 self.barrier("shutdown", _remaining(deadline))
+                self._drain(deadline)
         except Exception as exc:
             log.warning("%s: graceful shutdown incomplete: %s", self.name, exc)
         finally:
             self._close(deadline)
+
+    def _drain(self, deadline: float | None) -> None:
+        """Let services settle what they owe each other (RRef deletions, say).
+
+        Handling one worker's messages can make another send more (freeing a value can
+        release the RRefs inside it), so this runs in rounds, each ending in a barrier,
+        until a round in which no worker sent anything.
+        """
+        for round_ in range(_DRAIN_ROUNDS):
+            sent = 0
+            for hook in self.on_drain:
+                sent += hook()
+            self._wait_until_idle(deadline)
+            tag = f"drained/{round_}"
+            self._store.set(f"{tag}/sent/{self.rank}", str(sent))
+            self.barrier(tag, _remaining(deadline))
+            live = [r for r in range(self.world_size) if r not in self._lost]
+            if all(int(self._store.get(f"{tag}/sent/{r}")) == 0 for r in live):
+                return
+        log.warning("%s: services still busy after %d drain rounds", self.name, _DRAIN_ROUNDS)
 
     def _wait_until_idle(self, deadline: float | None) -> None:
         started = time.monotonic()
@@ -509,11 +579,18 @@ class RpcAgent:
             return default if left is None else min(left, default)
 
         try:
-            self._transport.close(budget(_CLOSE_TIMEOUT))
+            # Saying goodbye always gets a moment, even past the deadline: a gloo process
+            # that exits with a receive still pending aborts.
+            self._transport.close(max(budget(_CLOSE_TIMEOUT), _GOODBYE_MIN))
         except Exception:
             log.exception("%s: error while closing the transport", self.name)
         self._pool.shutdown(budget(_CLOSE_TIMEOUT))
         self._timer.close()
+        for hook in self.on_close:
+            try:
+                hook()
+            except Exception:
+                log.exception("%s: close hook failed", self.name)
         rendezvous.leave(
             self._store, self.rank, self.world_size, self._lost.__contains__,
             timeout=budget(rendezvous.LEAVE_TIMEOUT),

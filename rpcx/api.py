@@ -18,6 +18,7 @@ from rpcx.worker import WorkerInfo, validate_worker_name
 
 __all__ = [
     "UNSET_RPC_TIMEOUT",
+    "debug_info",
     "get_rpc_timeout",
     "get_worker_info",
     "get_worker_infos",
@@ -180,6 +181,29 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 def get_worker_infos() -> list[WorkerInfo]:
     """Every worker of the world, in rank order."""
     return list(_context.current_agent().workers)
+
+
+def debug_info() -> dict[str, Any]:
+    """What this worker holds and waits for, to find leaks and stuck calls.
+
+    Keys: ``worker``, ``rank``, ``backend``, ``pending_calls`` (calls this worker made
+    that have not completed), ``request_threads``, ``lost_peers`` (name: reason), and
+    ``rrefs``: ``owned`` (entries in the owner table), ``owned_values`` (those whose value
+    exists), ``references_to_owned`` (references registered for them, on any worker),
+    ``user_rrefs`` / ``owner_rrefs`` (live RRef objects here for values elsewhere / here),
+    ``pending_forks`` and ``pending_deletes`` (reference bookkeeping not yet acknowledged).
+    Call it on another worker with ``rpcx.rpc_sync(name, rpcx.debug_info)``.
+    """
+    agent = _context.current_agent()
+    return {
+        "worker": agent.name,
+        "rank": agent.rank,
+        "backend": agent.backend,
+        "pending_calls": agent.pending_count,
+        "request_threads": agent.request_threads,
+        "lost_peers": agent.lost_peers(),
+        "rrefs": rref.service(agent).stats(),
+    }
 
 
 def get_rpc_timeout() -> float:

@@ -8,8 +8,9 @@ calls cannot exhaust it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
@@ -43,12 +44,44 @@ class RpcFuture(torch.futures.Future[T]):
         super().add_done_callback(callback)
 
     def wait(self) -> T:
-        """Block until the value is ready and return it, or raise the call's error."""
+        """Block until the value is ready and return it, or raise the call's error.
+
+        The error raised is a copy of the one the future holds (same type, message,
+        notes and cause): see :func:`_raise_detached`.
+        """
         pool = current_pool()
-        if pool is None or self.done():
-            return super().wait()
-        with pool.blocking():
-            return super().wait()
+        try:
+            if pool is None or self.done():
+                return super().wait()
+            with pool.blocking():
+                return super().wait()
+        except BaseException as exc:
+            _raise_detached(exc)
+
+    def value(self) -> T:
+        """The value of a completed future, or a copy of its error."""
+        try:
+            return super().value()
+        except BaseException as exc:
+            _raise_detached(exc)
+
+
+def _raise_detached(exc: BaseException) -> NoReturn:
+    """Raise a copy of an error held by a future, never the held object itself.
+
+    A torch future keeps its error in C++, out of sight of Python's garbage collector.
+    Raising that object attaches the frames it passes through (with their locals: the
+    future, RRefs, whole models) to it, and raising it inside an ``except`` block links
+    it to the exception being handled: reference cycles through C++ that are never
+    collected. So the held error's traceback and context are cleared and a copy raised.
+    """
+    exc.__traceback__ = None
+    exc.__context__ = None
+    try:
+        detached = copy.copy(exc)
+    except Exception:  # an exception that cannot be copied: raise it as it is
+        raise exc from exc.__cause__
+    raise detached from exc.__cause__
 
 
 def add_internal_callback(
@@ -59,9 +92,15 @@ def add_internal_callback(
 
 
 def wait(future: torch.futures.Future[Any]) -> Any:
-    """Wait on any torch future, telling the pool when this is a pool thread."""
+    """Wait on any torch future, telling the pool when this is a pool thread.
+
+    Errors are raised as copies, as by :meth:`RpcFuture.wait`.
+    """
     pool = current_pool()
-    if pool is None or future.done():
-        return future.wait()
-    with pool.blocking():
-        return future.wait()
+    try:
+        if pool is None or future.done():
+            return future.wait()
+        with pool.blocking():
+            return future.wait()
+    except BaseException as exc:
+        _raise_detached(exc)

@@ -1,21 +1,24 @@
-"""Remote references: :class:`RRef`, ``remote()`` and the owner's value table.
+"""Remote references: :class:`RRef`, ``remote()`` and the requests that serve them.
 
-Each RRef names a value living on one worker, its *owner*. The owner keeps values in a
-table keyed by a world-unique id ``(creator rank, counter)``. Other workers hold *user*
-RRefs and fetch copies with ``to_here()`` or run methods on the owner through the proxies.
+An RRef names a value that lives on one worker, its *owner*. Other workers hold RRefs to
+it, pass them around in calls, fetch copies with ``to_here()`` and run its methods on the
+owner through the proxies. The owner keeps the value while any RRef to it exists
+anywhere; :mod:`rpcx.rref_protocol` explains how (forks, announcements, deletions).
 
-Protocol (all requests go through the agent, so they time out and fail like any call):
+Requests (all through the agent, so they time out and fail like any call):
 
-* ``REMOTE_CALL (id, func, args, kwargs)``: the owner runs ``func`` and stores the result
-  under ``id``; the reply (``None`` or the error) tells the creator the owner has it.
-* ``RREF_FETCH id``: the owner replies with the value once it exists. A fetch may arrive
-  before the creating call (from another worker, or racing on the owner's pool), so the
-  table hands out a placeholder future that the creating call later completes.
+* ``REMOTE_CALL (id, fork, func, args, kwargs)``: the owner runs ``func`` and keeps the
+  result under ``id``; the reply (``None`` or the error) tells the creator it is done.
+* ``RREF_FETCH id``: the owner replies with the value once it exists.
+* ``RREF_FORKS`` / ``RREF_DELETE`` / ``RREF_CONFIRM``: reference bookkeeping.
+
+Proxy calls (``rref.rpc_sync().m()``) send only the id: the caller's RRef stays alive
+(the pending call holds it) until the reply, so the owner need not register a fork.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -24,80 +27,95 @@ import torch
 
 from rpcx import _context
 from rpcx.agent import Deferred, RpcAgent, describe_callable
-from rpcx.errors import RpcError
+from rpcx.errors import RpcError, RpcShutdownError
 from rpcx.functions import async_execution, is_async_execution
 from rpcx.futures import RpcFuture, add_internal_callback, wait
 from rpcx.messages import MessageKind
-from rpcx.serialization import EncodeContext, current_decode_context, register_extension
+from rpcx.rref_protocol import ForkId, RRefId, RRefService
+from rpcx.serialization import (
+    EncodeContext,
+    ReduceError,
+    current_decode_context,
+    register_extension,
+)
 from rpcx.worker import WorkerInfo
 
-__all__ = ["RRef", "create_remote", "install"]
+__all__ = ["RRef", "create_remote", "install", "service"]
 
 T = TypeVar("T")
-RRefId = tuple[int, int]
 _SERVICE = "rref"
 
 
-class _OwnerTable:
-    """Values this worker owns, by RRef id."""
-
-    def __init__(self, rank: int) -> None:
-        self._rank = rank
-        self._counter = itertools.count(1)
-        self._lock = threading.Lock()
-        self.values: dict[RRefId, torch.futures.Future[Any]] = {}
-
-    def new_id(self) -> RRefId:
-        return (self._rank, next(self._counter))
-
-    def slot(self, rref_id: RRefId) -> torch.futures.Future[Any]:
-        """The value future for ``rref_id``, created empty if it does not exist yet."""
-        with self._lock:
-            future = self.values.get(rref_id)
-            if future is None:
-                future = self.values[rref_id] = torch.futures.Future()
-            return future
-
-
-def _table(agent: RpcAgent) -> _OwnerTable:
-    table: _OwnerTable = agent.services[_SERVICE]
-    return table
+def service(agent: RpcAgent) -> RRefService:
+    """The RRef service of ``agent``."""
+    svc: RRefService = agent.services[_SERVICE]
+    return svc
 
 
 class RRef(Generic[T]):
     """A reference to a value owned by one worker; see torch.distributed.rpc.RRef.
 
     ``RRef(value)`` wraps a local value: this worker becomes its owner. RRefs returned by
-    :func:`rpcx.remote` or received in a call refer to values elsewhere.
+    :func:`rpcx.remote` or received in a call refer to values elsewhere. The value lives
+    as long as any RRef to it exists on any worker.
     """
 
     _agent: RpcAgent
     _id: RRefId
     _owner: WorkerInfo
+    _fork: ForkId | None
     _created: RpcFuture[Any] | None
+    _confirmed: threading.Event
 
     def __init__(self, value: T, type_hint: type | None = None) -> None:
         agent = _context.current_agent()
-        rref_id = _table(agent).new_id()
-        _table(agent).slot(rref_id).set_result(value)
-        self._bind(agent, rref_id, agent.info, None)
+        rref_id, fork = service(agent).create_local(value)
+        self._bind(agent, rref_id, agent.info, fork, None, confirmed=True)
+        service(agent).register_object(fork, self)
 
     @classmethod
     def _make(
-        cls, agent: RpcAgent, rref_id: RRefId, owner: WorkerInfo, created: RpcFuture[Any] | None
+        cls,
+        agent: RpcAgent,
+        rref_id: RRefId,
+        owner: WorkerInfo,
+        fork: ForkId,
+        created: RpcFuture[Any] | None,
+        confirmed: bool,
     ) -> RRef[Any]:
         rref: RRef[Any] = cls.__new__(cls)
-        rref._bind(agent, rref_id, owner, created)
+        rref._bind(agent, rref_id, owner, fork, created, confirmed)
+        if service(agent).register_object(fork, rref):
+            rref._mark_confirmed()
         return rref
 
     def _bind(
-        self, agent: RpcAgent, rref_id: RRefId, owner: WorkerInfo, created: RpcFuture[Any] | None
+        self,
+        agent: RpcAgent,
+        rref_id: RRefId,
+        owner: WorkerInfo,
+        fork: ForkId,
+        created: RpcFuture[Any] | None,
+        confirmed: bool,
     ) -> None:
         self._agent = agent
         self._id = rref_id
         self._owner = owner
+        self._fork = fork
         self._created = created  # the remote() call that creates the value, if we made it
-        self._confirmed = False  # set once a fetch succeeded: the owner has the value
+        self._confirmed = threading.Event()
+        if confirmed:
+            self._confirmed.set()
+        elif created is not None:
+            add_internal_callback(created, self._on_created)
+
+    def __del__(self) -> None:
+        try:
+            svc = self._agent.services.get(_SERVICE)
+            if svc is not None and self._fork is not None:
+                svc.schedule_delete(self._owner.id, self._id, self._fork)
+        except Exception:  # interpreter shutdown, half-built object: nothing to release
+            pass
 
     # ------------------------------------------------------------------- identity
 
@@ -114,13 +132,19 @@ class RRef(Generic[T]):
         return self._owner.name
 
     def confirmed_by_owner(self) -> bool:
-        """True once the owner is known to hold this reference's value slot."""
-        if self.is_owner():
-            return True
-        if self._confirmed:
-            return True
-        created = self._created
-        return created is not None and created.done() and not _failed(created)
+        """True once the owner is known to have registered this reference."""
+        return self._confirmed.is_set()
+
+    def _wait_confirmed(self, timeout: float) -> bool:
+        """Block until confirmed (for tests and debugging); False after ``timeout``."""
+        return self._confirmed.wait(timeout)
+
+    def _mark_confirmed(self) -> None:
+        self._confirmed.set()
+
+    def _on_created(self, created: torch.futures.Future[Any]) -> None:
+        if not _failed(created):
+            self._confirmed.set()
 
     def __repr__(self) -> str:
         kind = "OwnerRRef" if self.is_owner() else "UserRRef"
@@ -130,6 +154,7 @@ class RRef(Generic[T]):
 
     def local_value(self) -> T:
         """The value itself. Only the owner can call this."""
+        self._check_usable("local_value")
         if not self.is_owner():
             raise RpcError(
                 f"local_value() called on worker {self._agent.name!r}, but this RRef is "
@@ -142,9 +167,20 @@ class RRef(Generic[T]):
         """Fetch a copy of the value (the value itself on the owner)."""
         if self.is_owner():
             return self.local_value()
+        self._check_usable("to_here")
         self._raise_if_creation_failed()
-        value: T = _first_failure_or(self._created, self._fetch(timeout)).wait()
-        self._confirmed = True
+        try:
+            value: T = _first_failure_or(self._created, self._fetch(timeout)).wait()
+        except BaseException:
+            # The owner may report a failed remote() before its reply reaches us; wait
+            # for that reply (bounded by its timeout) so its error, naming the call,
+            # is the one raised, now and on every later use of this RRef.
+            if self._created is not None and not self._created.done():
+                with contextlib.suppress(BaseException):
+                    wait(self._created)
+            self._raise_if_creation_failed()
+            raise
+        self._confirmed.set()  # the owner answered for this reference
         return value
 
     def _fetch(self, timeout: float) -> RpcFuture[Any]:
@@ -159,12 +195,18 @@ class RRef(Generic[T]):
         )
 
     def _value_future(self) -> torch.futures.Future[Any]:
-        return _table(self._agent).slot(self._id)
+        return service(self._agent).slot(self._id)
 
     def _raise_if_creation_failed(self) -> None:
         created = self._created
         if created is not None and created.done() and _failed(created):
             created.wait()  # raises the remote() error, which names the call and worker
+
+    def _check_usable(self, what: str) -> None:
+        if not self._agent.is_running:
+            raise RpcShutdownError(
+                f"{what}() on {self!r}: worker {self._agent.name!r} has shut down"
+            )
 
     # --------------------------------------------------------------------- proxies
 
@@ -179,6 +221,13 @@ class RRef(Generic[T]):
     def remote(self, timeout: float = -1.0) -> Any:
         """Proxy: ``rref.remote().method(*args)`` returns an RRef to the result."""
         return _Proxy(self, "remote", timeout)
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run distributed backward from this RRef's value. Not built yet."""
+        raise NotImplementedError(
+            "RRef.backward needs distributed autograd (rpcx.autograd), which rpcx does "
+            "not have yet"
+        )
 
     def __reduce__(self) -> Any:
         raise RpcError("an RRef can only be pickled by rpcx while it is sent in a call")
@@ -231,16 +280,16 @@ class _Proxy:
         rref, api, timeout = self._rref, self._api, self._timeout
 
         def invoke(*args: Any, **kwargs: Any) -> Any:
+            rref._check_usable(f"{api} proxy")
             rref._raise_if_creation_failed()
             agent = rref._agent
-            payload: tuple[Any, ...] = (_invoke_on_owner, (rref, name, args, kwargs), {})
             describe = _method_describer(name)
+            call_args = (rref._id, name, args, kwargs)
             if api == "remote":
-                return create_remote(agent, rref._owner, _invoke_on_owner,
-                                     (rref, name, args, kwargs), {}, timeout,
-                                     target=rref, describe_target=describe)
+                return create_remote(agent, rref._owner, _invoke_on_owner, call_args, {},
+                                     timeout, target=rref, describe_target=describe)
             future = agent.request(
-                rref._owner, MessageKind.CALL, payload,
+                rref._owner, MessageKind.CALL, (_invoke_on_owner, call_args, {}),
                 timeout=agent.timeout_for(timeout), api=api, target=rref,
                 describe_target=describe,
             )
@@ -255,7 +304,7 @@ def _method_describer(name: str) -> Callable[[Any], str]:
 
 @async_execution
 def _invoke_on_owner(
-    rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    rref_id: RRefId, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> torch.futures.Future[Any]:
     """Runs on the owner: call ``value.name(*args, **kwargs)`` once the value exists."""
     result: torch.futures.Future[Any] = torch.futures.Future()
@@ -272,7 +321,8 @@ def _invoke_on_owner(
         else:
             result.set_result(out)
 
-    rref._value_future().add_done_callback(run)
+    agent = _context.current_agent()
+    service(agent).slot(tuple(rref_id)).add_done_callback(run)  # type: ignore[arg-type]
     return result
 
 
@@ -295,23 +345,29 @@ def create_remote(
     describe_target: Callable[[Any], str] = describe_callable,
 ) -> RRef[Any]:
     """Run ``func`` on ``dst`` and return an RRef to the result, owned by ``dst``."""
-    rref_id = _table(agent).new_id()
+    svc = service(agent)
+    rref_id, fork = svc.new_id(), svc.new_id()
     created = agent.request(
         dst,
         MessageKind.REMOTE_CALL,
-        (rref_id, func, args, kwargs),
+        (rref_id, fork, func, args, kwargs),
         timeout=agent.timeout_for(timeout),
         api="remote",
         target=func if target is None else target,
         describe_target=describe_target,
     )
-    return RRef._make(agent, rref_id, dst, created)
+    return RRef._make(agent, rref_id, dst, fork, created, confirmed=False)
+
+
+# ------------------------------------------------------------------- request handlers
 
 
 def _handle_remote_call(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
+    svc = service(agent)
+
     def handle(caller: WorkerInfo, payload: Any) -> Any:
-        rref_id, func, args, kwargs = payload
-        slot = _table(agent).slot(rref_id)
+        rref_id, fork, func, args, kwargs = payload
+        slot = svc.begin_creation(tuple(rref_id), tuple(fork), caller.id)
         try:
             out = func(*args, **kwargs)
         except BaseException as exc:
@@ -346,26 +402,91 @@ def _handle_remote_call(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
 
 
 def _handle_fetch(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
+    svc = service(agent)
+
     def handle(caller: WorkerInfo, rref_id: Any) -> Any:
-        return Deferred(_table(agent).slot(tuple(rref_id)))
+        return Deferred(svc.slot(tuple(rref_id)))
 
     return handle
 
 
+def _handle_forks(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
+    svc = service(agent)
+
+    def handle(caller: WorkerInfo, forks: Any) -> None:
+        svc.add_forks(forks, caller.id)
+
+    return handle
+
+
+def _handle_delete(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
+    svc = service(agent)
+
+    def handle(caller: WorkerInfo, forks: Any) -> None:
+        svc.remove_forks(forks)
+
+    return handle
+
+
+def _handle_confirm(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
+    svc = service(agent)
+
+    def handle(caller: WorkerInfo, forks: Any) -> None:
+        svc.confirm(forks)
+
+    return handle
+
+
+# -------------------------------------------------------------------------- codec
+
+
 def _reduce_rref(rref: RRef[Any], ctx: EncodeContext) -> Any:
-    return (_rebuild_rref, (rref._id, rref._owner.id, rref._owner.name))
+    agent = rref._agent
+    if not agent.is_running:
+        raise ReduceError(RpcShutdownError(
+            f"cannot send {rref!r}: worker {agent.name!r} has shut down"
+        ))
+    created = rref._created
+    if created is not None and created.done() and _failed(created):
+        try:
+            created.wait()
+        except BaseException as exc:  # the remote() failure, naming its call and worker
+            raise ReduceError(exc) from None
+    svc = service(agent)
+    fork = svc.new_id()
+    # Announce the fork before the frame leaves, holding ``rref`` (so its own fork) alive
+    # until then; see rpcx.rref_protocol for why that order makes early frees impossible.
+    ctx.before_send.append(lambda: svc.announce(rref, fork, ctx.peer))
+    return (
+        _rebuild_rref,
+        (rref._id, rref._owner.id, rref._owner.name, fork, rref._owner.id == agent.rank),
+    )
 
 
-def _rebuild_rref(rref_id: RRefId, owner_rank: int, owner_name: str) -> RRef[Any]:
+def _rebuild_rref(
+    rref_id: RRefId, owner_rank: int, owner_name: str, fork: ForkId, from_owner: bool
+) -> RRef[Any]:
     agent: RpcAgent = current_decode_context().agent
-    return RRef._make(agent, (rref_id[0], rref_id[1]), WorkerInfo(owner_name, owner_rank), None)
+    confirmed = from_owner or owner_rank == agent.rank
+    return RRef._make(
+        agent, (rref_id[0], rref_id[1]), WorkerInfo(owner_name, owner_rank),
+        (fork[0], fork[1]), None, confirmed,
+    )
 
 
 register_extension(RRef, _reduce_rref)
 
 
 def install(agent: RpcAgent) -> None:
-    """Give ``agent`` an owner table and serve RRef requests."""
-    agent.services[_SERVICE] = _OwnerTable(agent.rank)
+    """Give ``agent`` its RRef service and serve RRef requests."""
+    svc = RRefService(agent)
+    agent.services[_SERVICE] = svc
     agent.register_handler(MessageKind.REMOTE_CALL, _handle_remote_call(agent))
-    agent.register_handler(MessageKind.RREF_FETCH, _handle_fetch(agent))
+    # Bookkeeping and fetches are handled in arrival order (see rpcx.rref_protocol).
+    agent.register_handler(MessageKind.RREF_FETCH, _handle_fetch(agent), in_order=True)
+    agent.register_handler(MessageKind.RREF_FORKS, _handle_forks(agent), in_order=True)
+    agent.register_handler(MessageKind.RREF_DELETE, _handle_delete(agent), in_order=True)
+    agent.register_handler(MessageKind.RREF_CONFIRM, _handle_confirm(agent), in_order=True)
+    agent.on_drain.append(svc.flush)
+    agent.on_peer_lost.append(svc.drop_rank)
+    agent.on_close.append(svc.close)

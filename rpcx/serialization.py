@@ -34,6 +34,7 @@ from rpcx.transport import Frame
 __all__ = [
     "DecodeContext",
     "EncodeContext",
+    "ReduceError",
     "current_decode_context",
     "current_encode_context",
     "decode_envelope",
@@ -58,11 +59,16 @@ class EncodeContext:
         buffers: the tensor data that travels beside the header, in order.
         tensors: the original tensors, in buffer order (services inspect them, for
             example to record which ones require grad).
+        before_send: callbacks the agent runs, in order, after the message was encoded
+            and just before it is sent (an RRef registers its new fork with the owner).
+        scratch: per-message state for extensions (for example, forks to announce).
     """
 
     peer: int
     buffers: list[torch.Tensor] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
+    before_send: list[Callable[[], None]] = field(default_factory=list)
+    scratch: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,6 +86,18 @@ class DecodeContext:
     agent: Any = None
     buffers: list[torch.Tensor] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+class ReduceError(Exception):
+    """Raised by an extension's reduce function to abort encoding with ``error`` itself.
+
+    ``encode`` raises ``error`` unchanged instead of wrapping it in SerializationError:
+    for example, an RRef whose ``remote()`` failed re-raises that failure when sent.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _Contexts(threading.local):
@@ -202,6 +220,8 @@ def encode(kind: int, request_id: int, payload: Any, ctx: EncodeContext) -> Fram
     _contexts.encoding = ctx
     try:
         pickler.dump(payload)
+    except ReduceError as exc:
+        raise exc.error  # noqa: B904  (the original error is the whole story)
     except SerializationError:
         raise
     except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError, ...

@@ -18,7 +18,7 @@ import pytest
 from rpcx.registry import backend_names
 from rpcx.testing.world import World, start_world
 
-WORLD_SIZE = 3
+WORLD_SIZE = 4
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -47,7 +47,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="module")
 def rpc_world(rpcx_backend: str) -> Iterator[World]:
-    """A world of ``worker0`` (this test process or thread) and two more workers."""
+    """A world of ``worker0`` (this test process or thread) and three more workers."""
     world = start_world(rpcx_backend, WORLD_SIZE)
     try:
         yield world

@@ -240,3 +240,136 @@ def crash_process(code: int = 3) -> None:
     import os
 
     os._exit(code)
+
+
+# ---------------------------------------------------------------------- RRef lifetime
+
+
+class Tracked:
+    """A value whose live instances are counted per worker, to see when owners free it."""
+
+    live = 0
+    _lock = threading.RLock()  # __del__ may run inside __init__'s critical section
+
+    def __init__(self, payload: Any = None) -> None:
+        self.payload = payload
+        with Tracked._lock:
+            Tracked.live += 1
+
+    def __del__(self) -> None:
+        with Tracked._lock:
+            Tracked.live -= 1
+
+    def __reduce__(self) -> Any:
+        return (Tracked, (self.payload,))  # copies are counted too
+
+    def get(self) -> Any:
+        """The payload."""
+        return self.payload
+
+
+def tracked_live() -> int:
+    """How many Tracked values exist on this worker (after collecting garbage)."""
+    import gc
+
+    gc.collect()
+    return Tracked.live
+
+
+def rref_settle() -> dict[str, int]:
+    """Collect garbage, send pending RRef deletions, wait for them; return the counts."""
+    from rpcx import rref
+
+    agent = _context_agent()
+    rref.service(agent).flush()
+    return rref.service(agent).stats()
+
+
+def _context_agent() -> Any:
+    from rpcx import _context
+
+    return _context.current_agent()
+
+
+_held: dict[str, Any] = {}
+
+
+def hold(key: str, value: Any) -> None:
+    """Keep ``value`` (an RRef, say) alive on this worker under ``key``."""
+    _held[key] = value
+
+
+def drop(key: str) -> None:
+    """Forget what :func:`hold` kept."""
+    _held.pop(key, None)
+
+
+def held_to_here(key: str) -> Any:
+    """``to_here()`` of the RRef held under ``key``."""
+    return _held[key].to_here()
+
+
+def forward(rref: rpcx.RRef[Any], path: list[str], expected: Any) -> list[str]:
+    """Check the value here, then pass the RRef on along ``path``; return the route."""
+    me = rpcx.get_worker_info().name
+    value = rref.to_here()
+    if value != expected:
+        raise AssertionError(f"{me}: expected {expected!r}, got {value!r}")
+    if not path:
+        return [me]
+    return [me, *rpcx.rpc_sync(path[0], forward, args=(rref, path[1:], expected))]
+
+
+def wait_confirmed(rref: rpcx.RRef[Any], timeout: float = 30.0) -> bool:
+    """Whether the owner confirms this worker's reference within ``timeout``."""
+    return rref._wait_confirmed(timeout)
+
+
+def wrap_in_rref(value: Any) -> rpcx.RRef[Any]:
+    """An RRef owned here whose value is ``value`` (an RRef makes an RRef of RRefs)."""
+    return rpcx.RRef(value)
+
+
+def unwrap_twice(outer: rpcx.RRef[Any]) -> Any:
+    """``outer.to_here().to_here()``: the value behind an RRef of RRefs."""
+    return outer.to_here().to_here()
+
+
+def fan_out_and_check(rref: rpcx.RRef[Any], workers: list[str], expected: Any) -> int:
+    """Fork ``rref`` to every worker at once; each checks the value. Returns the count."""
+    futures = [rpcx.rpc_async(w, forward, args=(rref, [], expected)) for w in workers]
+    return len([f.wait() for f in futures])
+
+
+def stress_hop(rref: rpcx.RRef[Any], expected: int, hops: list[str]) -> int:
+    """One step of the stress test: verify, maybe create a new value, pass on, drop."""
+    value = rref.to_here()
+    if value != expected:
+        raise AssertionError(f"premature or wrong value: {value!r} != {expected!r}")
+    if not hops:
+        return 1
+    # Hand the RRef on asynchronously and drop ours at once: the fork is in flight.
+    future = rpcx.rpc_async(hops[0], stress_hop, args=(rref, expected, hops[1:]))
+    del rref
+    return 1 + int(future.wait())
+
+
+def wait_confirmed_held(key: str, timeout: float = 30.0) -> bool:
+    """:func:`wait_confirmed` for the RRef held under ``key``."""
+    return bool(_held[key]._wait_confirmed(timeout))
+
+
+def forward_held(key: str, path: list[str], expected: Any) -> list[str]:
+    """:func:`forward` for the RRef held under ``key``."""
+    return forward(_held[key], path, expected)
+
+
+class Holder:
+    """Holds one value; two Holders holding RRefs to each other form a cycle."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+
+    def set(self, value: Any) -> None:
+        """Keep ``value``."""
+        self.value = value

@@ -1,0 +1,366 @@
+"""The RRef lifetime protocol: who holds a reference, and when an owned value is freed.
+
+Every ``RRef`` object carries a *fork id*, registered at the owner with the rank that
+holds it. The owner keeps a value while any fork of it is registered; it frees the value
+once the value exists and the last fork is gone. ``RRef(value)`` and ``remote()`` create
+the first fork; sending an RRef in a call or a result creates a new fork for the receiver.
+
+Why the owner never frees early, without waiting for acknowledgements:
+
+* A new fork is announced to the owner (``RREF_FORKS``) by the worker that sends the RRef,
+  *before* the frame that carries it, while the sender's own RRef is still alive.
+* The sender's own fork can only be deleted later (its RRef object dies afterwards), and
+  that deletion (``RREF_DELETE``) travels on the same ordered sender-to-owner channel.
+* The owner handles these messages in arrival order on the delivering thread (they are
+  registered ``in_order``), so it registers the child before it drops the parent.
+
+A fork's deletion can still overtake its own announcement (they come from different
+workers): the owner remembers such a fork as *cancelled* and ignores the announcement.
+Entries announced or fetched before the creating ``remote()`` arrived wait, uncreated,
+for it; they are not freed until created. A dead worker's forks are dropped.
+
+Deletions come from ``RRef.__del__``, which may run on any thread, inside any lock, at
+any time the garbage collector chooses. So ``__del__`` only puts the deletion on a
+``queue.SimpleQueue`` (whose ``put`` is reentrant) and a thread per worker sends them,
+batched per owner. Correctness never depends on when that happens; only how soon memory
+is returned does. Reference cycles through RRefs on different workers are not collected
+(no distributed cycle detection); their values are released at shutdown.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import itertools
+import logging
+import queue
+import threading
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rpcx.errors import PeerLostError, RpcError, RpcShutdownError
+from rpcx.messages import MessageKind
+
+if TYPE_CHECKING:
+    from rpcx.agent import RpcAgent
+    from rpcx.rref import RRef
+
+__all__ = ["ForkId", "RRefId", "RRefService"]
+
+log = logging.getLogger("rpcx.rref")
+
+RRefId = tuple[int, int]  # (creating rank, counter), unique in the world
+ForkId = tuple[int, int]  # (rank that made the fork, counter)
+
+_FLUSH_TIMEOUT = 30.0
+
+
+@dataclass
+class _Entry:
+    """An owned value and the references to it."""
+
+    value: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
+    forks: dict[ForkId, int] = field(default_factory=dict)  # fork -> holding rank
+    cancelled: set[ForkId] = field(default_factory=set)  # deleted before announced
+    created: bool = False  # the value exists, or its creating call has started
+
+
+class RRefService:
+    """One worker's side of the protocol: its owner table and its references."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self.agent = agent
+        self.rank = agent.rank
+        self._counter = itertools.count(1)
+        self._lock = threading.Lock()
+        self._entries: dict[RRefId, _Entry] = {}
+        self._objects: weakref.WeakValueDictionary[ForkId, RRef[Any]] = (
+            weakref.WeakValueDictionary()
+        )
+        self._confirmed_early: set[ForkId] = set()
+        # __del__ appends here (deque.append is atomic and takes no lock) and posts a
+        # wake-up on the SimpleQueue (whose put is reentrant). Deletions leave the deque
+        # only under _send_lock, so flush() never misses one a sender is holding.
+        self._deletions: collections.deque[tuple[int, RRefId, ForkId]] = collections.deque()
+        self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        self._send_lock = threading.Lock()
+        self._inflight: set[torch.futures.Future[Any]] = set()
+        self._inflight_forks = 0
+        self._closed = False
+        self._deleter = threading.Thread(
+            target=self._delete_loop, name=f"rpcx-{agent.name}-rref", daemon=True
+        )
+        self._deleter.start()
+
+    @property
+    def closed(self) -> bool:
+        """True once the worker has shut down."""
+        return self._closed
+
+    def new_id(self) -> tuple[int, int]:
+        """A world-unique id for an RRef or a fork."""
+        return (self.rank, next(self._counter))
+
+    # ------------------------------------------------------------------ owner side
+
+    def create_local(self, value: Any) -> tuple[RRefId, ForkId]:
+        """Own ``value`` under a new id, with one fork held here."""
+        rref_id, fork = self.new_id(), self.new_id()
+        with self._lock:
+            entry = self._entries[rref_id] = _Entry(created=True)
+            entry.forks[fork] = self.rank
+        entry.value.set_result(value)
+        return rref_id, fork
+
+    def slot(self, rref_id: RRefId) -> torch.futures.Future[Any]:
+        """The value future of ``rref_id``; an uncreated placeholder if it is unknown."""
+        with self._lock:
+            return self._entry_locked(rref_id).value
+
+    def begin_creation(
+        self, rref_id: RRefId, fork: ForkId, creator: int
+    ) -> torch.futures.Future[Any]:
+        """A ``remote()`` call starts: register the creator's fork, return the value slot."""
+        freed: list[_Entry] = []
+        with self._lock:
+            entry = self._entry_locked(rref_id)
+            entry.created = True
+            self._add_fork_locked(entry, fork, creator)
+            self._free_if_unused_locked(rref_id, entry, freed)
+            return entry.value
+
+    def add_forks(self, forks: list[tuple[RRefId, ForkId, int]], sender: int) -> None:
+        """Register announced forks; tell holders other than the sender they are known."""
+        confirm: dict[int, list[ForkId]] = defaultdict(list)
+        freed: list[_Entry] = []
+        with self._lock:
+            for rref_id, fork, holder in forks:
+                entry = self._entry_locked(tuple(rref_id))  # type: ignore[arg-type]
+                added = self._add_fork_locked(entry, tuple(fork), holder)  # type: ignore[arg-type]
+                # A holder that got the RRef from the owner itself knows it is confirmed.
+                if added and sender != self.rank and holder != self.rank:
+                    confirm[holder].append(tuple(fork))  # type: ignore[arg-type]
+                self._free_if_unused_locked(tuple(rref_id), entry, freed)  # type: ignore[arg-type]
+        freed.clear()
+        for holder, holder_forks in confirm.items():
+            self.agent.notify(self.agent.workers[holder], MessageKind.RREF_CONFIRM, holder_forks)
+
+    def remove_forks(self, forks: list[tuple[RRefId, ForkId]]) -> None:
+        """Drop references that are gone; free values nobody holds any more."""
+        freed: list[_Entry] = []
+        with self._lock:
+            for rref_id, fork in forks:
+                key = tuple(rref_id)
+                entry = self._entry_locked(key)  # type: ignore[arg-type]
+                if entry.forks.pop(tuple(fork), None) is None:  # type: ignore[arg-type]
+                    entry.cancelled.add(tuple(fork))  # type: ignore[arg-type]
+                self._free_if_unused_locked(key, entry, freed)  # type: ignore[arg-type]
+        freed.clear()
+
+    def drop_rank(self, rank: int) -> None:
+        """A worker is gone: drop its forks and the entries it was about to create."""
+        orphans: list[_Entry] = []
+        freed: list[_Entry] = []
+        with self._lock:
+            for rref_id, entry in list(self._entries.items()):
+                for fork in [f for f, holder in entry.forks.items() if holder == rank]:
+                    del entry.forks[fork]
+                if not entry.created and rref_id[0] == rank:
+                    orphans.append(self._entries.pop(rref_id))
+                else:
+                    self._free_if_unused_locked(rref_id, entry, freed)
+        freed.clear()
+        for entry in orphans:
+            if not entry.value.done():
+                entry.value.set_exception(
+                    PeerLostError(f"the worker creating this RRef (rank {rank}) is gone")
+                )
+
+    def _entry_locked(self, rref_id: RRefId) -> _Entry:
+        entry = self._entries.get(rref_id)
+        if entry is None:
+            entry = self._entries[rref_id] = _Entry()
+        return entry
+
+    @staticmethod
+    def _add_fork_locked(entry: _Entry, fork: ForkId, holder: int) -> bool:
+        if fork in entry.cancelled:  # its deletion arrived first
+            entry.cancelled.discard(fork)
+            return False
+        entry.forks[fork] = holder
+        return True
+
+    def _free_if_unused_locked(
+        self, rref_id: RRefId, entry: _Entry, freed: list[_Entry]
+    ) -> None:
+        # Freed entries are dropped by the caller after it releases the lock: dropping a
+        # value can run arbitrary __del__ code, including other RRefs' __del__.
+        if entry.created and not entry.forks:
+            freed.append(self._entries.pop(rref_id))
+            if entry.cancelled:
+                # Deletions whose announcements never came: the senders died, or the
+                # frames that carried them failed. Nothing holds them now.
+                log.debug("%s: freed %s with %d unmatched deletions",
+                          self.agent.name, rref_id, len(entry.cancelled))
+
+    # ------------------------------------------------------------------- user side
+
+    def register_object(self, fork: ForkId, rref: RRef[Any]) -> bool:
+        """Track a live RRef object; returns True if its owner already confirmed it."""
+        self._objects[fork] = rref
+        with self._lock:
+            if fork in self._confirmed_early:
+                self._confirmed_early.discard(fork)
+                return True
+        return False
+
+    def confirm(self, forks: list[ForkId]) -> None:
+        """The owner registered these forks."""
+        for fork in forks:
+            key = tuple(fork)
+            rref = self._objects.get(key)  # type: ignore[arg-type]
+            if rref is not None:
+                rref._mark_confirmed()
+            else:  # the carrying call has not been decoded here yet
+                with self._lock:
+                    self._confirmed_early.add(key)  # type: ignore[arg-type]
+
+    def announce(self, rref: RRef[Any], fork: ForkId, holder: int) -> None:
+        """Register a new fork of ``rref`` for ``holder`` with its owner (before sending)."""
+        owner = rref._owner.id
+        if owner == self.rank:
+            self.add_forks([(rref._id, fork, holder)], self.rank)
+            return
+        future = self.agent.request(
+            rref._owner, MessageKind.RREF_FORKS, [(rref._id, fork, holder)],
+            timeout=self.agent.timeout_for(None), api="announce", target=rref,
+            describe_target=repr,
+        )
+        with self._lock:
+            self._inflight_forks += 1
+            self._inflight.add(future)
+        future.add_done_callback(lambda f: self._done(f, fork=True))
+
+    def schedule_delete(self, owner: int, rref_id: RRefId, fork: ForkId) -> None:
+        """Called from ``RRef.__del__``: reentrant, never blocks, never raises."""
+        if not self._closed:
+            self._deletions.append((owner, rref_id, fork))
+            self._wake.put(True)
+
+    def _delete_loop(self) -> None:
+        while self._wake.get():
+            with self._send_lock:
+                self._send_deletions(self._take_deletions())
+
+    def _take_deletions(self) -> list[tuple[int, RRefId, ForkId]]:
+        batch = []
+        while self._deletions:
+            batch.append(self._deletions.popleft())
+        return batch
+
+    def _send_deletions(self, batch: list[tuple[int, RRefId, ForkId]]) -> list[Any]:
+        by_owner: dict[int, list[tuple[RRefId, ForkId]]] = defaultdict(list)
+        for owner, rref_id, fork in batch:
+            by_owner[owner].append((rref_id, fork))
+        futures = []
+        for owner, forks in by_owner.items():
+            if owner == self.rank:
+                self.remove_forks(forks)
+                continue
+            try:
+                future = self.agent.request(
+                    self.agent.workers[owner], MessageKind.RREF_DELETE, forks,
+                    timeout=self.agent.timeout_for(None), api="release",
+                    target=f"{len(forks)} RRef references", describe_target=str,
+                )
+            except RpcShutdownError:
+                continue  # the world is going away; the owner releases everything
+            with self._lock:
+                self._inflight.add(future)
+            future.add_done_callback(lambda f: self._done(f, fork=False))
+            futures.append(future)
+        return futures
+
+    def _done(self, future: torch.futures.Future[Any], fork: bool) -> None:
+        with self._lock:
+            self._inflight.discard(future)
+            if fork:
+                self._inflight_forks -= 1
+        try:
+            future.value()
+        except (PeerLostError, RpcShutdownError) as exc:  # the world is going away
+            log.debug("%s: RRef bookkeeping message lost: %s", self.agent.name, exc)
+        except Exception as exc:
+            log.warning("%s: RRef bookkeeping message failed: %s", self.agent.name, exc)
+
+    def flush(self, timeout: float = _FLUSH_TIMEOUT) -> int:
+        """Collect garbage, send every queued deletion, wait for all bookkeeping.
+
+        Returns how many messages this had to send or wait for.
+        """
+        gc.collect()
+        with self._send_lock:
+            batch = self._take_deletions()
+            self._send_deletions(batch)
+            with self._lock:
+                waiting = list(self._inflight)
+        done = threading.Event()
+        remaining = [len(waiting)]
+        lock = threading.Lock()
+
+        def one_done(_: Any) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set()
+
+        if not waiting:
+            return len(batch)
+        for future in waiting:
+            torch._C.Future.add_done_callback(future, one_done)
+        if not done.wait(timeout):
+            raise RpcError(f"{self.agent.name}: RRef bookkeeping still pending after {timeout} s")
+        return len(batch) + len(waiting)
+
+    # --------------------------------------------------------------------- status
+
+    def stats(self) -> dict[str, int]:
+        """Counts for ``rpcx.debug_info()``."""
+        objects = list(self._objects.values())
+        with self._lock:
+            return {
+                "owned": len(self._entries),
+                "owned_values": sum(1 for e in self._entries.values() if e.created),
+                "references_to_owned": sum(len(e.forks) for e in self._entries.values()),
+                "user_rrefs": sum(1 for r in objects if r._owner.id != self.rank),
+                "owner_rrefs": sum(1 for r in objects if r._owner.id == self.rank),
+                "pending_forks": self._inflight_forks,
+                "pending_deletes": len(self._deletions) + len(self._inflight)
+                - self._inflight_forks,
+            }
+
+    def close(self) -> None:
+        """The worker has shut down: stop the deleter and release every owned value."""
+        self._closed = True
+        self._wake.put(False)
+        if self._deleter is not threading.current_thread():
+            self._deleter.join(5.0)
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+        referenced = sum(1 for e in entries if e.created and e.forks)
+        if referenced:
+            log.warning(
+                "%s: shutdown released %d RRef values that were still referenced "
+                "(reference cycles through RRefs, or RRefs kept until shutdown)",
+                self.agent.name, referenced,
+            )
+        for entry in entries:
+            if not entry.value.done():
+                entry.value.set_exception(RpcShutdownError(
+                    f"worker {self.agent.name!r} shut down before this RRef's value existed"
+                ))
