@@ -322,7 +322,7 @@ def _invoke_on_owner(
             result.set_result(out)
 
     agent = _context.current_agent()
-    service(agent).slot(tuple(rref_id)).add_done_callback(run)  # type: ignore[arg-type]
+    service(agent).slot(rref_id).add_done_callback(run)
     return result
 
 
@@ -367,7 +367,7 @@ def _handle_remote_call(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
 
     def handle(caller: WorkerInfo, payload: Any) -> Any:
         rref_id, fork, func, args, kwargs = payload
-        slot = svc.begin_creation(tuple(rref_id), tuple(fork), caller.id)
+        slot = svc.begin_creation(rref_id, fork, caller.id)
         try:
             out = func(*args, **kwargs)
         except BaseException as exc:
@@ -405,7 +405,7 @@ def _handle_fetch(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
     svc = service(agent)
 
     def handle(caller: WorkerInfo, rref_id: Any) -> Any:
-        return Deferred(svc.slot(tuple(rref_id)))
+        return Deferred(svc.slot(rref_id))
 
     return handle
 

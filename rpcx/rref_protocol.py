@@ -139,12 +139,12 @@ class RRefService:
         freed: list[_Entry] = []
         with self._lock:
             for rref_id, fork, holder in forks:
-                entry = self._entry_locked(tuple(rref_id))  # type: ignore[arg-type]
-                added = self._add_fork_locked(entry, tuple(fork), holder)  # type: ignore[arg-type]
+                entry = self._entry_locked(rref_id)
+                added = self._add_fork_locked(entry, fork, holder)
                 # A holder that got the RRef from the owner itself knows it is confirmed.
                 if added and sender != self.rank and holder != self.rank:
-                    confirm[holder].append(tuple(fork))  # type: ignore[arg-type]
-                self._free_if_unused_locked(tuple(rref_id), entry, freed)  # type: ignore[arg-type]
+                    confirm[holder].append(fork)
+                self._free_if_unused_locked(rref_id, entry, freed)
         freed.clear()
         for holder, holder_forks in confirm.items():
             self.agent.notify(self.agent.workers[holder], MessageKind.RREF_CONFIRM, holder_forks)
@@ -154,11 +154,10 @@ class RRefService:
         freed: list[_Entry] = []
         with self._lock:
             for rref_id, fork in forks:
-                key = tuple(rref_id)
-                entry = self._entry_locked(key)  # type: ignore[arg-type]
-                if entry.forks.pop(tuple(fork), None) is None:  # type: ignore[arg-type]
-                    entry.cancelled.add(tuple(fork))  # type: ignore[arg-type]
-                self._free_if_unused_locked(key, entry, freed)  # type: ignore[arg-type]
+                entry = self._entry_locked(rref_id)
+                if entry.forks.pop(fork, None) is None:
+                    entry.cancelled.add(fork)
+                self._free_if_unused_locked(rref_id, entry, freed)
         freed.clear()
 
     def drop_rank(self, rank: int) -> None:
@@ -221,13 +220,12 @@ class RRefService:
     def confirm(self, forks: list[ForkId]) -> None:
         """The owner registered these forks."""
         for fork in forks:
-            key = tuple(fork)
-            rref = self._objects.get(key)  # type: ignore[arg-type]
+            rref = self._objects.get(fork)
             if rref is not None:
                 rref._mark_confirmed()
             else:  # the carrying call has not been decoded here yet
                 with self._lock:
-                    self._confirmed_early.add(key)  # type: ignore[arg-type]
+                    self._confirmed_early.add(fork)
 
     def announce(self, rref: RRef[Any], fork: ForkId, holder: int) -> None:
         """Register a new fork of ``rref`` for ``holder`` with its owner (before sending)."""
