@@ -11,6 +11,7 @@ fails calls whose deadline passes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -67,6 +68,7 @@ _PROGRESS_EVERY = 30.0  # seconds between "still waiting" log lines during long 
 _CLOSE_TIMEOUT = 10.0  # bound on each teardown step when shutdown() has no timeout
 _GOODBYE_MIN = 2.0  # the goodbye exchange gets at least this long, deadline or not
 _DRAIN_ROUNDS = 8
+_COMPLETION_THREADS = 16  # plus one per thread blocked in a callback (the pool grows)
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class RpcAgent:
         self._transport = transport
         self._handlers: dict[int, Handler] = {}
         self._inline_kinds: set[int] = set()
+        self._decode_error_hooks: dict[int, Callable[[WorkerInfo, Any, BaseException], None]] = {}
         # Graceful shutdown, once every worker has stopped calling: each hook sends what
         # it still owes its peers, waits for the acknowledgements, returns how many
         # messages that took. Repeated, world-wide, until nobody sends anything.
@@ -146,6 +149,11 @@ class RpcAgent:
         self.stopping = threading.Event()  # set when shutdown() starts
         self._pool = WorkerPool(
             options.num_worker_threads, f"rpcx-{self.name}-pool", self._bind_thread
+        )
+        # Futures are completed here, so that user callbacks never run on a transport's
+        # receiving thread or the timer thread, and never queue behind request handlers.
+        self._completions = WorkerPool(
+            _COMPLETION_THREADS, f"rpcx-{self.name}-done", self._bind_thread
         )
         self._timer = DeadlineTimer(
             f"rpcx-{self.name}", self._expire, self._pending.__contains__, self._bind_thread
@@ -203,7 +211,12 @@ class RpcAgent:
         raise UnknownWorkerError(f"unknown destination worker {to!r}; the workers are: {known}")
 
     def register_handler(
-        self, kind: MessageKind, handler: Handler, *, in_order: bool = False
+        self,
+        kind: MessageKind,
+        handler: Handler,
+        *,
+        in_order: bool = False,
+        on_decode_error: Callable[[WorkerInfo, Any, BaseException], None] | None = None,
     ) -> None:
         """Run ``handler`` for every message of ``kind`` this worker receives.
 
@@ -211,8 +224,14 @@ class RpcAgent:
         handler on the thread delivering the frame instead, so messages from one peer
         are handled in the order sent. Only for rpcx's own bookkeeping: such a handler
         must not block or run user code. (Whatever it sends goes out from the pool.)
+
+        ``on_decode_error(caller, partial_payload, error)`` is called when a request of
+        this kind cannot be unpickled but a lenient decode (missing classes replaced by
+        placeholders) recovers its structure, so the service can settle its state.
         """
         self._handlers[int(kind)] = handler
+        if on_decode_error is not None:
+            self._decode_error_hooks[int(kind)] = on_decode_error
         if in_order:
             self._inline_kinds.add(int(kind))
         else:
@@ -308,9 +327,10 @@ class RpcAgent:
 
     def _transmit(self, dst: int, frame: Frame, ctx: EncodeContext, rid: int) -> None:
         """Run the frame's before-send hooks and send it; failures fail request ``rid``."""
-        if _delivering.active and dst != self.rank:
+        if _delivering.active:
             # A thread delivering a frame must never send: a send can wait for the peer
             # to post a receive, and two delivering threads could wait on each other.
+            # (Frames to oneself are deferred too, so their hooks keep their order.)
             try:
                 self._pool.submit(self._transmit_now, dst, frame, ctx, rid)
                 return
@@ -322,6 +342,7 @@ class RpcAgent:
         try:
             for hook in ctx.before_send:
                 hook()
+            ctx.before_send.clear()  # hooks may hold what is being sent: let it go
             self._send(dst, frame)
         except Exception as exc:
             reason = exc.args[0] if isinstance(exc, PeerLostError) and exc.args else str(exc)
@@ -364,6 +385,10 @@ class RpcAgent:
         if pending is None:
             log.debug("%s: response %d from rank %d arrived after its call ended",
                       self.name, rid, src)
+            # Decode and drop it anyway: RRefs in it were registered for us and must be
+            # released. Off this thread, as unpickling may run user code.
+            with contextlib.suppress(RpcShutdownError):
+                self._completions.submit(self._discard, src, frame)
             return
         try:
             payload = decode_payload(frame, DecodeContext(src, self))
@@ -379,6 +404,19 @@ class RpcAgent:
         else:
             self._complete(rid, exception=lambda p: payload.rebuild(p.call))
 
+    def _discard(self, src: int, frame: Frame) -> None:
+        try:
+            decode_payload(frame, DecodeContext(src, self), lenient=True)
+        except Exception as exc:
+            log.debug("%s: could not decode a late response: %s", self.name, exc)
+
+    def defer(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` soon on the completion lane (never on the calling thread)."""
+        try:
+            self._completions.submit(fn, *args)
+        except RpcShutdownError:
+            fn(*args)
+
     def _serve(self, src: int, kind: int, rid: int, frame: Frame) -> None:
         caller = self.workers[src]
         try:
@@ -388,10 +426,13 @@ class RpcAgent:
             try:
                 payload = decode_payload(frame, DecodeContext(src, self))
             except SerializationError as exc:
-                raise SerializationError(
+                error = SerializationError(
                     f"worker {self.name!r} could not unpickle the request: {exc}"
-                ) from None
+                )
+                self._recover_undecodable(caller, kind, frame, error)
+                raise error from None
             result = handler(caller, payload)
+            del payload  # the arguments (RRefs among them) need not outlive the call
         except BaseException as exc:
             self._reply_error(src, rid, exc)
             return
@@ -399,6 +440,24 @@ class RpcAgent:
             result.future.add_done_callback(lambda fut: self._reply_with(src, rid, fut))
         else:
             self._reply(src, rid, result)
+
+    def _recover_undecodable(
+        self, caller: WorkerInfo, kind: int, frame: Frame, error: BaseException
+    ) -> None:
+        # Decoding leniently rebuilds what can be rebuilt. That matters even when nobody
+        # looks at the result: RRefs inside get rebuilt, then dropped, so their owners
+        # hear that these references are gone.
+        try:
+            partial = decode_payload(frame, DecodeContext(caller.id, self), lenient=True)
+        except Exception as exc:
+            log.debug("%s: lenient decode failed too: %s", self.name, exc)
+            return
+        hook = self._decode_error_hooks.get(kind)
+        if hook is not None:
+            try:
+                hook(caller, partial, error)
+            except Exception:
+                log.exception("%s: decode-error hook failed", self.name)
 
     def _reply_with(self, src: int, rid: int, future: torch._C.Future[Any]) -> None:
         try:
@@ -445,13 +504,16 @@ class RpcAgent:
         if pending is None:
             return
         outcome = None if exception is None else exception(pending)
-        if pending.future.has_callbacks and current_pool() is not self._pool:
+        future = pending.future
+        here = current_pool()
+        inline = here is self._completions or (future.has_waiter and not future.has_callbacks)
+        if not inline:
             try:
-                self._pool.submit(_settle, pending.future, value, outcome)
+                self._completions.submit(_settle, future, value, outcome)
                 return
             except RpcShutdownError:
-                pass  # the pool is gone: run the callbacks here
-        _settle(pending.future, value, outcome)
+                pass  # shutting down: complete it here
+        _settle(future, value, outcome)
 
     def _expire(self, rid: int) -> None:
         self._complete(rid, exception=self._timeout_error)
@@ -501,17 +563,19 @@ class RpcAgent:
 
     # ---------------------------------------------------------------------- shutdown
 
-    def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
+    def shutdown(self, graceful: bool = True, timeout: float | None = None) -> bool:
         """Leave the world.
 
         Graceful: wait until this worker's own calls are done, then for every live worker
         to arrive (a barrier through the store), then close. ``timeout`` bounds the whole
         wait (``None`` waits as long as peers are alive, logging progress). Non-graceful:
-        fail pending calls at once and close locally.
+        fail pending calls at once and close locally. Returns False if the worker was
+        already shutting down (or shut down) when called.
         """
-        if self._state != _RUNNING:
-            return
-        self._state = _STOPPING
+        with self._lock:
+            if self._state != _RUNNING:
+                return False  # another thread is shutting this worker down
+            self._state = _STOPPING
         self.stopping.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -522,7 +586,8 @@ class RpcAgent:
         except Exception as exc:
             log.warning("%s: graceful shutdown incomplete: %s", self.name, exc)
         finally:
-            self._close(deadline)
+            self._close(deadline, graceful)
+        return True
 
     def _drain(self, deadline: float | None) -> None:
         """Let services settle what they owe each other (RRef deletions, say).
@@ -561,7 +626,7 @@ class RpcAgent:
                 wait = next_report - now if deadline is None else min(deadline, next_report) - now
                 self._idle.wait(max(wait, 0.001))
 
-    def _close(self, deadline: float | None) -> None:
+    def _close(self, deadline: float | None, graceful: bool = True) -> None:
         with self._lock:
             self._state = _CLOSED
             leftovers = list(self._pending)
@@ -585,6 +650,7 @@ class RpcAgent:
         except Exception:
             log.exception("%s: error while closing the transport", self.name)
         self._pool.shutdown(budget(_CLOSE_TIMEOUT))
+        self._completions.shutdown(budget(_CLOSE_TIMEOUT))
         self._timer.close()
         for hook in self.on_close:
             try:
@@ -593,7 +659,7 @@ class RpcAgent:
                 log.exception("%s: close hook failed", self.name)
         rendezvous.leave(
             self._store, self.rank, self.world_size, self._lost.__contains__,
-            timeout=budget(rendezvous.LEAVE_TIMEOUT),
+            timeout=budget(rendezvous.LEAVE_TIMEOUT) if graceful else 0.0,
         )
         self._store = None  # the last reference may host the rendezvous server: release it
         _context.forget(self)

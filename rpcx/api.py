@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 from typing import Any, TypeVar
@@ -101,10 +102,18 @@ def init_rpc(
         options=options,
         init_method=options.init_method,
     )
-    calls.install(agent)
-    rref.install(agent)
-    agent.start()
-    agent.barrier("ready", join_timeout)
+    try:
+        calls.install(agent)
+        rref.install(agent)
+        agent.start()
+        agent.barrier("ready", join_timeout)
+    except BaseException:
+        # Do not leave threads, connections or the in-process store behind.
+        with contextlib.suppress(Exception):
+            agent.shutdown(graceful=False)
+        if spec.capabilities.in_process:
+            rendezvous.release_in_process_store(world_key)
+        raise
     _context.register(agent)
     if spec.capabilities.in_process:
         _context.bind_agent(agent)
@@ -162,7 +171,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     Non-graceful: fail this worker's pending calls and stop at once; peers see it leave.
     """
     agent = _context.current_agent()
-    agent.shutdown(graceful=graceful, timeout=timeout if timeout and timeout > 0 else None)
+    if not agent.shutdown(graceful=graceful, timeout=timeout if timeout and timeout > 0 else None):
+        return
     world_key = agent.services.get("world_key")
     if world_key is not None:
         rendezvous.release_in_process_store(world_key)

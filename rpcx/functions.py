@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -30,7 +31,15 @@ def async_execution(fn: F) -> F:
     """
     if isinstance(fn, (staticmethod, classmethod)):  # decorator placed outside the wrapper
         setattr(fn.__func__, _MARK, True)
-    setattr(fn, _MARK, True)
+    try:
+        setattr(fn, _MARK, True)
+    except AttributeError:  # a bound method or builtin: mark a thin wrapper instead
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        setattr(wrapper, _MARK, True)
+        return wrapper  # type: ignore[return-value]
     return fn
 
 

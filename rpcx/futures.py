@@ -25,18 +25,33 @@ S = TypeVar("S")
 class RpcFuture(torch.futures.Future[T]):
     """``torch.futures.Future`` returned by ``rpc_async`` and friends.
 
-    It notes whether user code attached callbacks (``then``, ``add_done_callback``):
-    such a future is completed on a request-pool thread rather than on the transport's
-    receiving thread, so a callback that blocks, even on another call to the same
-    worker, cannot stall the connection it waits on.
+    rpcx completes these futures on a thread of its own completion lane, never on a
+    transport's receiving thread or the timer thread, so callbacks (``then``,
+    ``add_done_callback``, those ``collect_all`` attaches) may block, even on another
+    call to the same worker. The one shortcut: a future that a thread is already
+    waiting on and that has no Python callbacks is completed where its reply arrives.
     """
 
     has_callbacks = False
+    has_waiter = False
 
-    def then(self, callback: Callable[[torch.futures.Future[T]], S]) -> torch.futures.Future[S]:
-        """Like ``torch.futures.Future.then``."""
+    def then(self, callback: Callable[[torch.futures.Future[T]], S]) -> RpcFuture[S]:
+        """Like ``torch.futures.Future.then``, returning an :class:`RpcFuture`.
+
+        Waiting on the returned future from a request thread lets the pool grow, as
+        waiting on this one does.
+        """
         self.has_callbacks = True
-        return super().then(callback)
+        result: RpcFuture[S] = RpcFuture()
+
+        def run(_: Any) -> None:
+            try:
+                result.set_result(callback(self))
+            except BaseException as exc:
+                result.set_exception(exc)  # type: ignore[arg-type]
+
+        torch._C.Future.add_done_callback(self, run)
+        return result
 
     def add_done_callback(self, callback: Callable[[torch.futures.Future[T]], None]) -> None:
         """Like ``torch.futures.Future.add_done_callback``."""
@@ -50,6 +65,7 @@ class RpcFuture(torch.futures.Future[T]):
         notes and cause): see :func:`_raise_detached`.
         """
         pool = current_pool()
+        self.has_waiter = True
         try:
             if pool is None or self.done():
                 return super().wait()
@@ -81,6 +97,9 @@ def _raise_detached(exc: BaseException) -> NoReturn:
         detached = copy.copy(exc)
     except Exception:  # an exception that cannot be copied: raise it as it is
         raise exc from exc.__cause__
+    notes = getattr(exc, "__notes__", None)
+    if notes is not None:
+        detached.__notes__ = list(notes)  # type: ignore[attr-defined]
     raise detached from exc.__cause__
 
 

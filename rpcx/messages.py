@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["RESPONSE_KINDS", "MessageKind"]
+__all__ = ["MessageKind"]
 
 
 class MessageKind(enum.IntEnum):
@@ -18,11 +18,9 @@ class MessageKind(enum.IntEnum):
     RESULT = 1  # payload: the return value
     ERROR = 2  # payload: errors.RemoteErrorInfo
     CALL = 3  # payload: (func, args, kwargs)
-    REMOTE_CALL = 4  # payload: (rref_id, func, args, kwargs); the callee owns the value
+    REMOTE_CALL = 4  # payload: (rref_id, fork_id, func, args, kwargs); the callee owns it
     RREF_FETCH = 5  # payload: rref_id; answered with the owner's value
     RREF_FORKS = 6  # payload: [(rref_id, fork_id, holder rank)]; new references to register
     RREF_DELETE = 7  # payload: [(rref_id, fork_id)]; references that are gone
     RREF_CONFIRM = 8  # one-way, payload: [fork_id]; the owner knows these references
 
-
-RESPONSE_KINDS = frozenset({MessageKind.RESULT, MessageKind.ERROR})

@@ -53,7 +53,9 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float | No
         raise RpcError(
             f"rendezvous at {init_method!r} failed for rank {rank} of {world_size}: {exc}"
         ) from exc
-    store.set_timeout(_NO_LIMIT)
+    # Blocking store calls that rpcx does not bound itself (the transport's address
+    # exchange, for one) are bounded by the join timeout; rpcx's own waits poll.
+    store.set_timeout(store_timeout)
     return store
 
 

@@ -222,6 +222,20 @@ class RRef(Generic[T]):
         """Proxy: ``rref.remote().method(*args)`` returns an RRef to the result."""
         return _Proxy(self, "remote", timeout)
 
+    def _get_future(self) -> torch.futures.Future[Any]:
+        """The future of the ``remote()`` call that created this RRef (as torch's)."""
+        if self._created is not None:
+            return self._created
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> type:
+        """The type of the value (fetched from the owner if needed), as torch's."""
+        if self.is_owner():
+            return type(self.local_value())
+        return type(self.to_here(timeout))
+
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
         """Run distributed backward from this RRef's value. Not built yet."""
         raise NotImplementedError(
@@ -356,7 +370,7 @@ def create_remote(
         target=func if target is None else target,
         describe_target=describe_target,
     )
-    return RRef._make(agent, rref_id, dst, fork, created, confirmed=False)
+    return RRef._make(agent, rref_id, dst, fork, created, confirmed=dst.id == agent.rank)
 
 
 # ------------------------------------------------------------------- request handlers
@@ -399,6 +413,20 @@ def _handle_remote_call(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
         return Deferred(ack)
 
     return handle
+
+
+def _remote_call_undecodable(agent: RpcAgent) -> Callable[[WorkerInfo, Any, BaseException], None]:
+    svc = service(agent)
+
+    def settle(caller: WorkerInfo, payload: Any, error: BaseException) -> None:
+        # The function or an argument did not unpickle here: the value will never exist.
+        # Record that, so fetches and proxies fail with the reason instead of waiting.
+        rref_id, fork = payload[0], payload[1]
+        slot = svc.begin_creation(rref_id, fork, caller.id)
+        if not slot.done():
+            slot.set_exception(error)
+
+    return settle
 
 
 def _handle_fetch(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
@@ -456,7 +484,8 @@ def _reduce_rref(rref: RRef[Any], ctx: EncodeContext) -> Any:
     fork = svc.new_id()
     # Announce the fork before the frame leaves, holding ``rref`` (so its own fork) alive
     # until then; see rpcx.rref_protocol for why that order makes early frees impossible.
-    ctx.before_send.append(lambda: svc.announce(rref, fork, ctx.peer))
+    holder = ctx.peer  # (the hook must not refer to ctx, which holds the hook)
+    ctx.before_send.append(lambda: svc.announce(rref, fork, holder))
     return (
         _rebuild_rref,
         (rref._id, rref._owner.id, rref._owner.name, fork, rref._owner.id == agent.rank),
@@ -481,9 +510,13 @@ def install(agent: RpcAgent) -> None:
     """Give ``agent`` its RRef service and serve RRef requests."""
     svc = RRefService(agent)
     agent.services[_SERVICE] = svc
-    agent.register_handler(MessageKind.REMOTE_CALL, _handle_remote_call(agent))
-    # Bookkeeping and fetches are handled in arrival order (see rpcx.rref_protocol).
-    agent.register_handler(MessageKind.RREF_FETCH, _handle_fetch(agent), in_order=True)
+    agent.register_handler(
+        MessageKind.REMOTE_CALL, _handle_remote_call(agent),
+        on_decode_error=_remote_call_undecodable(agent),
+    )
+    # A fetch needs no ordering: the fetching RRef stays alive until the reply. Reference
+    # bookkeeping is handled in arrival order (see rpcx.rref_protocol).
+    agent.register_handler(MessageKind.RREF_FETCH, _handle_fetch(agent))
     agent.register_handler(MessageKind.RREF_FORKS, _handle_forks(agent), in_order=True)
     agent.register_handler(MessageKind.RREF_DELETE, _handle_delete(agent), in_order=True)
     agent.register_handler(MessageKind.RREF_CONFIRM, _handle_confirm(agent), in_order=True)

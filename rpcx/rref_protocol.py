@@ -20,11 +20,12 @@ Entries announced or fetched before the creating ``remote()`` arrived wait, uncr
 for it; they are not freed until created. A dead worker's forks are dropped.
 
 Deletions come from ``RRef.__del__``, which may run on any thread, inside any lock, at
-any time the garbage collector chooses. So ``__del__`` only puts the deletion on a
-``queue.SimpleQueue`` (whose ``put`` is reentrant) and a thread per worker sends them,
-batched per owner. Correctness never depends on when that happens; only how soon memory
-is returned does. Reference cycles through RRefs on different workers are not collected
-(no distributed cycle detection); their values are released at shutdown.
+any time the garbage collector chooses. So ``__del__`` only appends the deletion to a
+deque (atomic, lock-free) and posts a wake-up on a ``queue.SimpleQueue`` (whose ``put``
+is reentrant); a thread per worker sends the deletions, batched per owner. Correctness
+never depends on when that happens; only how soon memory is returned does. Reference
+cycles through RRefs on different workers are not collected (no distributed cycle
+detection); their values are released at shutdown.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rpcx.errors import PeerLostError, RpcError, RpcShutdownError
+from rpcx.futures import add_internal_callback
 from rpcx.messages import MessageKind
 
 if TYPE_CHECKING:
@@ -56,6 +58,8 @@ log = logging.getLogger("rpcx.rref")
 RRefId = tuple[int, int]  # (creating rank, counter), unique in the world
 ForkId = tuple[int, int]  # (rank that made the fork, counter)
 
+_FREED_IDS_KEPT = 65536  # recently freed ids remembered, to answer late calls
+_CONFIRMED_EARLY_KEPT = 65536  # confirmations parked for RRefs not decoded yet
 _FLUSH_TIMEOUT = 30.0
 
 
@@ -81,7 +85,7 @@ class RRefService:
         self._objects: weakref.WeakValueDictionary[ForkId, RRef[Any]] = (
             weakref.WeakValueDictionary()
         )
-        self._confirmed_early: set[ForkId] = set()
+        self._confirmed_early: collections.OrderedDict[ForkId, None] = collections.OrderedDict()
         # __del__ appends here (deque.append is atomic and takes no lock) and posts a
         # wake-up on the SimpleQueue (whose put is reentrant). Deletions leave the deque
         # only under _send_lock, so flush() never misses one a sender is holding.
@@ -90,6 +94,9 @@ class RRefService:
         self._send_lock = threading.Lock()
         self._inflight: set[torch.futures.Future[Any]] = set()
         self._inflight_forks = 0
+        self._sent = 0  # bookkeeping messages sent since the last flush()
+        self._lost_ranks: set[int] = set()
+        self._freed_ids: collections.OrderedDict[RRefId, None] = collections.OrderedDict()
         self._closed = False
         self._deleter = threading.Thread(
             target=self._delete_loop, name=f"rpcx-{agent.name}-rref", daemon=True
@@ -117,8 +124,19 @@ class RRefService:
         return rref_id, fork
 
     def slot(self, rref_id: RRefId) -> torch.futures.Future[Any]:
-        """The value future of ``rref_id``; an uncreated placeholder if it is unknown."""
+        """The value future of ``rref_id``; an uncreated placeholder if it is unknown.
+
+        An id freed recently gets a failed future instead: a call that reaches the owner
+        after the last reference went (a proxy call that timed out, say) must not wait.
+        """
         with self._lock:
+            if rref_id not in self._entries and rref_id in self._freed_ids:
+                gone: torch.futures.Future[Any] = torch.futures.Future()
+                gone.set_exception(RpcError(
+                    f"RRef {rref_id} no longer exists on {self.agent.name!r}: every "
+                    "reference to it was released"
+                ))
+                return gone
             return self._entry_locked(rref_id).value
 
     def begin_creation(
@@ -129,7 +147,8 @@ class RRefService:
         with self._lock:
             entry = self._entry_locked(rref_id)
             entry.created = True
-            self._add_fork_locked(entry, fork, creator)
+            if creator not in self._lost_ranks:  # a dead creator's queued call
+                self._add_fork_locked(entry, fork, creator)
             self._free_if_unused_locked(rref_id, entry, freed)
             return entry.value
 
@@ -145,7 +164,7 @@ class RRefService:
                 if added and sender != self.rank and holder != self.rank:
                     confirm[holder].append(fork)
                 self._free_if_unused_locked(rref_id, entry, freed)
-        freed.clear()
+        self._release(freed)
         for holder, holder_forks in confirm.items():
             self.agent.notify(self.agent.workers[holder], MessageKind.RREF_CONFIRM, holder_forks)
 
@@ -158,13 +177,14 @@ class RRefService:
                 if entry.forks.pop(fork, None) is None:
                     entry.cancelled.add(fork)
                 self._free_if_unused_locked(rref_id, entry, freed)
-        freed.clear()
+        self._release(freed)
 
     def drop_rank(self, rank: int) -> None:
         """A worker is gone: drop its forks and the entries it was about to create."""
         orphans: list[_Entry] = []
         freed: list[_Entry] = []
         with self._lock:
+            self._lost_ranks.add(rank)
             for rref_id, entry in list(self._entries.items()):
                 for fork in [f for f, holder in entry.forks.items() if holder == rank]:
                     del entry.forks[fork]
@@ -172,7 +192,7 @@ class RRefService:
                     orphans.append(self._entries.pop(rref_id))
                 else:
                     self._free_if_unused_locked(rref_id, entry, freed)
-        freed.clear()
+        self._release(freed)
         for entry in orphans:
             if not entry.value.done():
                 entry.value.set_exception(
@@ -184,6 +204,11 @@ class RRefService:
         if entry is None:
             entry = self._entries[rref_id] = _Entry()
         return entry
+
+    def _release(self, freed: list[_Entry]) -> None:
+        # Dropping a value runs whatever __del__ it has: not on a delivering thread.
+        if freed:
+            self.agent.defer(freed.clear)
 
     @staticmethod
     def _add_fork_locked(entry: _Entry, fork: ForkId, holder: int) -> bool:
@@ -200,6 +225,9 @@ class RRefService:
         # value can run arbitrary __del__ code, including other RRefs' __del__.
         if entry.created and not entry.forks:
             freed.append(self._entries.pop(rref_id))
+            self._freed_ids[rref_id] = None
+            if len(self._freed_ids) > _FREED_IDS_KEPT:
+                self._freed_ids.popitem(last=False)
             if entry.cancelled:
                 # Deletions whose announcements never came: the senders died, or the
                 # frames that carried them failed. Nothing holds them now.
@@ -210,22 +238,26 @@ class RRefService:
 
     def register_object(self, fork: ForkId, rref: RRef[Any]) -> bool:
         """Track a live RRef object; returns True if its owner already confirmed it."""
-        self._objects[fork] = rref
         with self._lock:
-            if fork in self._confirmed_early:
-                self._confirmed_early.discard(fork)
-                return True
-        return False
+            self._objects[fork] = rref
+            return self._confirmed_early.pop(fork, False) is None
 
     def confirm(self, forks: list[ForkId]) -> None:
         """The owner registered these forks."""
-        for fork in forks:
-            rref = self._objects.get(fork)
-            if rref is not None:
-                rref._mark_confirmed()
-            else:  # the carrying call has not been decoded here yet
-                with self._lock:
-                    self._confirmed_early.add(fork)
+        confirmed = []
+        with self._lock:
+            for fork in forks:
+                rref = self._objects.get(fork)
+                if rref is not None:
+                    confirmed.append(rref)
+                else:
+                    # Not decoded here yet, or already dropped: park it, boundedly (a
+                    # confirmation for an RRef that is already gone is never claimed).
+                    self._confirmed_early[fork] = None
+                    if len(self._confirmed_early) > _CONFIRMED_EARLY_KEPT:
+                        self._confirmed_early.popitem(last=False)
+        for rref in confirmed:
+            rref._mark_confirmed()
 
     def announce(self, rref: RRef[Any], fork: ForkId, holder: int) -> None:
         """Register a new fork of ``rref`` for ``holder`` with its owner (before sending)."""
@@ -240,8 +272,9 @@ class RRefService:
         )
         with self._lock:
             self._inflight_forks += 1
+            self._sent += 1
             self._inflight.add(future)
-        future.add_done_callback(lambda f: self._done(f, fork=True))
+        add_internal_callback(future, lambda f: self._done(f, fork=True))
 
     def schedule_delete(self, owner: int, rref_id: RRefId, fork: ForkId) -> None:
         """Called from ``RRef.__del__``: reentrant, never blocks, never raises."""
@@ -278,8 +311,9 @@ class RRefService:
             except RpcShutdownError:
                 continue  # the world is going away; the owner releases everything
             with self._lock:
+                self._sent += 1
                 self._inflight.add(future)
-            future.add_done_callback(lambda f: self._done(f, fork=False))
+            add_internal_callback(future, lambda f: self._done(f, fork=False))
             futures.append(future)
         return futures
 
@@ -302,10 +336,10 @@ class RRefService:
         """
         gc.collect()
         with self._send_lock:
-            batch = self._take_deletions()
-            self._send_deletions(batch)
+            self._send_deletions(self._take_deletions())
             with self._lock:
                 waiting = list(self._inflight)
+                sent, self._sent = self._sent, 0
         done = threading.Event()
         remaining = [len(waiting)]
         lock = threading.Lock()
@@ -317,12 +351,12 @@ class RRefService:
                     done.set()
 
         if not waiting:
-            return len(batch)
+            return sent
         for future in waiting:
             torch._C.Future.add_done_callback(future, one_done)
         if not done.wait(timeout):
             raise RpcError(f"{self.agent.name}: RRef bookkeeping still pending after {timeout} s")
-        return len(batch) + len(waiting)
+        return sent + len(waiting)
 
     # --------------------------------------------------------------------- status
 
@@ -339,6 +373,7 @@ class RRefService:
                 "pending_forks": self._inflight_forks,
                 "pending_deletes": len(self._deletions) + len(self._inflight)
                 - self._inflight_forks,
+                "parked_confirmations": len(self._confirmed_early),
             }
 
     def close(self) -> None:
@@ -352,7 +387,7 @@ class RRefService:
             self._entries.clear()
         referenced = sum(1 for e in entries if e.created and e.forks)
         if referenced:
-            log.warning(
+            log.info(
                 "%s: shutdown released %d RRef values that were still referenced "
                 "(reference cycles through RRefs, or RRefs kept until shutdown)",
                 self.agent.name, referenced,

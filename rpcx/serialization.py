@@ -61,14 +61,12 @@ class EncodeContext:
             example to record which ones require grad).
         before_send: callbacks the agent runs, in order, after the message was encoded
             and just before it is sent (an RRef registers its new fork with the owner).
-        scratch: per-message state for extensions (for example, forks to announce).
     """
 
     peer: int
     buffers: list[torch.Tensor] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     before_send: list[Callable[[], None]] = field(default_factory=list)
-    scratch: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -237,13 +235,41 @@ def decode_envelope(frame: Frame) -> tuple[int, int]:
     return kind, request_id
 
 
-def decode_payload(frame: Frame, ctx: DecodeContext) -> Any:
-    """Unpickle a frame's payload. Raises :class:`SerializationError` saying what failed."""
+class _Missing:
+    """Stands in, in a lenient decode, for a class or function that cannot be found."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Missing:
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+class _LenientUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return _Missing
+
+
+def decode_payload(frame: Frame, ctx: DecodeContext, lenient: bool = False) -> Any:
+    """Unpickle a frame's payload. Raises :class:`SerializationError` saying what failed.
+
+    ``lenient=True`` replaces classes and functions that cannot be found by inert
+    placeholders, to recover what can be recovered from a message that failed to decode.
+    """
     ctx.buffers = frame.buffers
     outer = _contexts.decoding
     _contexts.decoding = ctx
     try:
-        return pickle.loads(memoryview(frame.header)[_ENVELOPE.size :])
+        data = memoryview(frame.header)[_ENVELOPE.size :]
+        if lenient:
+            return _LenientUnpickler(io.BytesIO(data)).load()
+        return pickle.loads(data)
     except SerializationError:
         raise
     except Exception as exc:  # a missing module or class, a failing __setstate__, ...

@@ -101,9 +101,11 @@ class Transport(Protocol):
     def send(self, dst: int, frame: Frame) -> None:
         """Send ``frame`` to rank ``dst`` (never this worker's own rank).
 
-        Thread-safe. Frames sent by one thread to one destination arrive in order. The
-        caller gives up ownership of the frame's buffers. Raises ``PeerLostError`` if the
-        peer is known to be gone.
+        Thread-safe. Frames to one destination arrive in the order their ``send`` calls
+        returned, whichever threads made them, and the receiver delivers them one at a
+        time in that order (the RRef protocol depends on this). When ``send`` returns the
+        buffers have been written or copied: the caller may modify them. Raises
+        ``PeerLostError`` if the peer is known to be gone.
         """
 
     def close(self, timeout: float) -> None:

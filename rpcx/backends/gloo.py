@@ -229,8 +229,8 @@ class GlooTransport:
             for _ in range(RECEIVE_DEPTH):
                 slot = bytearray(SLOT_BYTES)
                 ring.owed.append((slot, torch.frombuffer(slot, dtype=torch.uint8)))
-        self._repost(src, ring)
         try:
+            self._repost(src, ring)
             while True:
                 with ring.lock:
                     if not ring.posted:  # cannot happen while the ring is kept half full

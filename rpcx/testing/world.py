@@ -26,6 +26,7 @@ __all__ = ["World", "start_world", "world"]
 log = logging.getLogger("rpcx.testing")
 
 _JOIN_TIMEOUT = 60.0
+LOG_LEVEL_ENV = "RPCX_TEST_LOG_LEVEL"  # e.g. INFO: worker processes log at that level
 
 
 def _options(init_method: str, options: dict[str, Any]) -> rpcx.TensorPipeRpcBackendOptions:
@@ -33,6 +34,9 @@ def _options(init_method: str, options: dict[str, Any]) -> rpcx.TensorPipeRpcBac
 
 
 def _serve(rank: int, size: int, init_method: str, backend: str, options: dict[str, Any]) -> None:
+    level = os.environ.get(LOG_LEVEL_ENV)
+    if level and not logging.getLogger().handlers:  # worker processes log to stderr
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     rpcx.init_rpc(
         f"worker{rank}", backend=backend, rank=rank, world_size=size,
         rpc_backend_options=_options(init_method, options),
