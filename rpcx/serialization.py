@@ -248,12 +248,33 @@ class _Missing:
         pass
 
 
+class _Tolerant:
+    """Wraps a reconstructor in a lenient decode so that one that raises yields a
+    :class:`_Missing` instead of aborting the whole decode."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._fn(*args, **kwargs)
+        except Exception:
+            return _Missing()
+
+
 class _LenientUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return super().find_class(module, name)
+            found = super().find_class(module, name)
         except (ImportError, AttributeError):
             return _Missing
+        # Classes stay as they are: NEWOBJ insists on a real type. Reconstructor
+        # functions (what ``__reduce__`` usually returns) may raise; tolerate that.
+        if isinstance(found, type) or not callable(found):
+            return found
+        return _Tolerant(found)
 
 
 def decode_payload(frame: Frame, ctx: DecodeContext, lenient: bool = False) -> Any:

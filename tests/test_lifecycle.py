@@ -238,6 +238,43 @@ def test_dead_peer_fails_pending_calls_and_later_calls_fast(
     assert any("worker1" in r.getMessage() for r in caplog.records)
 
 
+_JOIN_THEN_VANISH = """
+import sys, threading, time
+import rpcx
+from rpcx import rendezvous
+
+url, backend = sys.argv[1], sys.argv[2]
+
+def ghost():
+    # Rank 1 joins the world (publishes its name), then never brings up its transport.
+    store = rendezvous.open_store(url, 1, 2, 30)
+    rendezvous.join_world(store, "ghost", 1, 2, 30)
+
+threading.Thread(target=ghost, daemon=True).start()
+started = time.monotonic()
+try:
+    rpcx.init_rpc("w0", backend=backend, rank=0, world_size=2,
+                  rpc_backend_options=rpcx.RpcBackendOptions(init_method=url, rpc_timeout=2))
+except rpcx.RpcError as exc:
+    print(type(exc).__name__, round(time.monotonic() - started, 1), exc)
+"""
+
+
+def test_peer_that_joins_then_vanishes_fails_init_within_rpc_timeout(rpcx_backend: str) -> None:
+    if not _multi_process(rpcx_backend):
+        pytest.skip("in-process backends have no transport to connect")
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    done = subprocess.run(
+        [sys.executable, "-c", _JOIN_THEN_VANISH, url, rpcx_backend],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    kind, seconds, message = done.stdout.strip().split(" ", 2)
+    assert kind == "RpcTimeoutError", done.stdout
+    assert float(seconds) < 15, done.stdout
+    assert "'w0'" in message and "rpc_timeout" in message, message
+
+
 @pytest.mark.parametrize("scheme", ["tcp", "env"])
 def test_tcp_and_env_rendezvous(
     rpcx_backend: str, scheme: str, monkeypatch: pytest.MonkeyPatch

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from rpcx._memory import empty_bytes
-from rpcx.errors import PeerLostError
+from rpcx.errors import PeerLostError, RpcTimeoutError
 from rpcx.hookspecs import hookimpl
 from rpcx.options import TensorPipeRpcBackendOptions
 from rpcx.transport import Capabilities, Frame, TransportContext
@@ -137,7 +137,7 @@ class GlooTransport:
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = _PAIR_TIMEOUT
         opts._devices = [_device(ctx)]
-        self._pg = dist.ProcessGroupGloo(ctx.store, ctx.rank, ctx.world_size, opts)
+        self._pg = _connect_mesh(ctx, opts)
         for rank in range(ctx.world_size):
             if rank != ctx.rank:
                 self._peers[rank] = _Peer()
@@ -339,6 +339,47 @@ class GlooTransport:
             self._wait(self._post(rank, peer, [(_TAG_SLOT, tensor)], bye=True), timeout)
         except PeerLostError as exc:
             log.debug("goodbye to rank %d not delivered: %s", rank, exc)
+
+
+def _connect_mesh(ctx: TransportContext, opts: Any) -> Any:
+    """Build the process group, bounded by the join timeout (``rpc_timeout``).
+
+    gloo waits for every peer's address (and connection) with the pair timeout, which
+    must be effectively infinite for idle receives; a peer that dies after joining the
+    world would leave ``init_rpc`` hanging. So the group is built on a helper thread and
+    abandoned (the thread stays blocked in gloo) if it is not connected in time.
+    """
+    limit = ctx.options.rpc_timeout or None
+    built: list[Any] = []
+    failed: list[BaseException] = []
+
+    # Its own store connection: a TCPStore client serialises calls, so a wait that gloo
+    # leaves blocked would otherwise hold up every later store call of this worker
+    # (including the teardown of the failed init).
+    try:
+        store = ctx.store.clone()
+    except RuntimeError:  # stores that cannot be cloned (file) do not block one another
+        store = ctx.store
+
+    def build() -> None:
+        try:
+            built.append(dist.ProcessGroupGloo(store, ctx.rank, ctx.world_size, opts))
+        except BaseException as exc:  # surfaced on the caller's thread below
+            failed.append(exc)
+
+    name = ctx.names[ctx.rank]
+    thread = threading.Thread(target=build, name=f"rpcx-{name}-gloo-connect", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if failed:
+        raise failed[0]
+    if not built:
+        raise RpcTimeoutError(
+            f"init_rpc: worker {name!r} (rank {ctx.rank}) could not connect the gloo mesh "
+            f"to its {ctx.world_size - 1} peers within {limit:g} s (rpc_timeout); a peer "
+            "probably died after joining the world"
+        )
+    return built[0]
 
 
 def _unpack_inline(slot: bytearray, slot_tensor: torch.Tensor, n: int, body_len: int) -> Frame:

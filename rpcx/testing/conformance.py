@@ -602,6 +602,28 @@ class TestRRefLifetime:
         notes = getattr(info.value, "__notes__", [])
         assert any("'worker1'" in n and "remote(" in n for n in notes), notes
 
+    def test_call_that_fails_to_unpickle_releases_its_forks(self, rpc_world: World) -> None:
+        # The callee cannot rebuild the arguments, but the RRef among them was forked to
+        # it; the owner must still learn that the fork is gone.
+        rref = rpcx.RRef(remote.Tracked("local"))
+        with pytest.raises(rpcx.SerializationError, match="refuses to be rebuilt"):
+            rpcx.rpc_sync(W1, remote.echo, args=([remote.FailsToRebuild(), rref],))
+        del rref
+        stats = _settle(rpc_world)
+        assert _no_references(stats), stats
+
+    def test_remote_that_fails_to_unpickle_fails_every_user(self, rpc_world: World) -> None:
+        # The owner cannot rebuild remote()'s arguments: a third worker's to_here gets
+        # that error at once, not a timeout, and nothing is left behind at the owner.
+        rref = rpcx.remote(W1, remote.echo, args=(remote.FailsToRebuild(),))
+        seen = rpcx.rpc_sync(W2, remote.rref_to_here_error, args=(rref, 30.0))
+        assert seen.startswith("SerializationError") and "refuses to be rebuilt" in seen, seen
+        with pytest.raises(rpcx.SerializationError, match="could not unpickle"):
+            rref.to_here()
+        del rref
+        stats = _settle(rpc_world)
+        assert _no_references(stats), stats
+
     def test_owner_side_errors(self, rpc_world: World) -> None:
         rref = rpcx.remote(W1, remote.Counter, args=(0,))
         with pytest.raises(TypeError):

@@ -177,6 +177,17 @@ class UnloadableOnCallee:
         """Never runs: unpickling fails first."""
 
 
+def _refuse_to_rebuild() -> None:
+    raise RuntimeError("refuses to be rebuilt on the callee")
+
+
+class FailsToRebuild:
+    """Pickles fine but raises while being unpickled, like a broken ``__setstate__``."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse_to_rebuild, ())
+
+
 # ------------------------------------------------------------------------------ RRefs
 
 
@@ -210,6 +221,15 @@ class Counter:
 def make_rref(value: Any) -> rpcx.RRef[Any]:
     """Create an RRef owned by this worker and return it to the caller."""
     return rpcx.RRef(value)
+
+
+def rref_to_here_error(rref: rpcx.RRef[Any], timeout: float) -> str:
+    """``to_here`` that is expected to fail: the error's type name and message."""
+    try:
+        rref.to_here(timeout=timeout)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 def rref_to_here(rref: rpcx.RRef[Any]) -> Any:
