@@ -357,7 +357,7 @@ def _connect_mesh(ctx: TransportContext, opts: Any) -> Any:
     # leaves blocked would otherwise hold up every later store call of this worker
     # (including the teardown of the failed init).
     try:
-        store = ctx.store.clone()
+        store = ctx.store.clone()  # type: ignore[attr-defined]
     except RuntimeError:  # stores that cannot be cloned (file) do not block one another
         store = ctx.store
 
