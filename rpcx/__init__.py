@@ -5,7 +5,7 @@
 transport chosen by name (``init_rpc(backend="gloo")``, ``$RPCX_BACKEND``).
 """
 
-from rpcx import functions
+from rpcx import autograd, functions, nn, optim
 from rpcx.api import (
     UNSET_RPC_TIMEOUT,
     _set_rpc_timeout,
@@ -71,6 +71,7 @@ __all__ = [
     "WorkerFailedError",
     "WorkerInfo",
     "_set_rpc_timeout",
+    "autograd",
     "available_backends",
     "backend_names",
     "debug_info",
@@ -80,6 +81,8 @@ __all__ = [
     "get_worker_infos",
     "init_rpc",
     "is_available",
+    "nn",
+    "optim",
     "remote",
     "rpc_async",
     "rpc_sync",

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -43,12 +43,13 @@ from rpcx.serialization import (
     EncodeContext,
     decode_envelope,
     decode_payload,
+    decode_scope,
     encode,
 )
 from rpcx.transport import Frame, Transport, TransportContext
 from rpcx.worker import WorkerInfo
 
-__all__ = ["Deferred", "Handler", "RpcAgent", "describe_callable"]
+__all__ = ["Deferred", "Handler", "MessageScope", "RpcAgent", "describe_callable"]
 
 log = logging.getLogger("rpcx.agent")
 
@@ -69,6 +70,21 @@ _CLOSE_TIMEOUT = 10.0  # bound on each teardown step when shutdown() has no time
 _GOODBYE_MIN = 2.0  # the goodbye exchange gets at least this long, deadline or not
 _DRAIN_ROUNDS = 8
 _COMPLETION_THREADS = 16  # plus one per thread blocked in a callback (the pool grows)
+
+
+class MessageScope(Protocol):
+    """A service's per-call state that travels with requests and their replies.
+
+    Distributed autograd is the one user: its context id. A request sent while a scope is
+    current carries it; the callee decodes and serves the request with that scope entered
+    and its reply carries it back. (See the codec's scope hooks for what it is used for.)
+    """
+
+    def outgoing(self, dst: int) -> int | None:
+        """The scope for a request to rank ``dst`` sent now from this thread, or ``None``."""
+
+    def entered(self, scope: int, src: int) -> contextlib.AbstractContextManager[Any]:
+        """Make ``scope`` current on this thread while a request from ``src`` is served."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +144,7 @@ class RpcAgent:
         self.init_method = init_method
         self.rpc_timeout: float = options.rpc_timeout
         self.services: dict[str, Any] = {}  # per-worker state of services (RRef tables, ...)
+        self.scope: MessageScope | None = None  # set by the autograd service
         self._by_name = {w.name: w for w in workers}
         self._store = store
         self._transport = transport
@@ -295,7 +312,9 @@ class RpcAgent:
                 f"RPC on worker {self.name!r} has shut down"
             )
         rid = next(self._ids)
-        ctx = EncodeContext(dst.id)
+        ctx = EncodeContext(dst.id, agent=self)
+        if self.scope is not None:
+            ctx.scope = self.scope.outgoing(dst.id)
         try:
             frame = encode(kind, rid, payload, ctx)
         except SerializationError as exc:
@@ -390,8 +409,9 @@ class RpcAgent:
             with contextlib.suppress(RpcShutdownError):
                 self._completions.submit(self._discard, src, frame)
             return
+        scope, tag = decode_scope(frame)
         try:
-            payload = decode_payload(frame, DecodeContext(src, self))
+            payload = decode_payload(frame, DecodeContext(src, self, scope=scope, scope_tag=tag))
         except SerializationError as exc:
             error = SerializationError(
                 f"{pending.call} to worker {pending.dst.name!r}: could not unpickle the "
@@ -419,27 +439,38 @@ class RpcAgent:
 
     def _serve(self, src: int, kind: int, rid: int, frame: Frame) -> None:
         caller = self.workers[src]
+        scope, tag = decode_scope(frame)
         try:
             handler = self._handlers.get(kind)
             if handler is None:
                 raise RpcError(f"worker {self.name!r} does not handle message kind {kind}")
-            try:
-                payload = decode_payload(frame, DecodeContext(src, self))
-            except SerializationError as exc:
-                error = SerializationError(
-                    f"worker {self.name!r} could not unpickle the request: {exc}"
-                )
-                self._recover_undecodable(caller, kind, frame, error)
-                raise error from None
-            result = handler(caller, payload)
-            del payload  # the arguments (RRefs among them) need not outlive the call
+            with self._entered(scope, src):
+                try:
+                    ctx = DecodeContext(src, self, scope=scope, scope_tag=tag)
+                    payload = decode_payload(frame, ctx)
+                except SerializationError as exc:
+                    error = SerializationError(
+                        f"worker {self.name!r} could not unpickle the request: {exc}"
+                    )
+                    self._recover_undecodable(caller, kind, frame, error)
+                    raise error from None
+                del ctx
+                result = handler(caller, payload)
+                del payload  # the arguments (RRefs among them) need not outlive the call
         except BaseException as exc:
             self._reply_error(src, rid, exc)
             return
         if isinstance(result, Deferred):
-            result.future.add_done_callback(lambda fut: self._reply_with(src, rid, fut))
+            result.future.add_done_callback(
+                lambda fut: self._reply_with(src, rid, fut, scope)
+            )
         else:
-            self._reply(src, rid, result)
+            self._reply(src, rid, result, scope)
+
+    def _entered(self, scope: int | None, src: int) -> contextlib.AbstractContextManager[Any]:
+        if scope is None or self.scope is None:
+            return contextlib.nullcontext()
+        return self.scope.entered(scope, src)
 
     def _recover_undecodable(
         self, caller: WorkerInfo, kind: int, frame: Frame, error: BaseException
@@ -459,18 +490,20 @@ class RpcAgent:
             except Exception:
                 log.exception("%s: decode-error hook failed", self.name)
 
-    def _reply_with(self, src: int, rid: int, future: torch._C.Future[Any]) -> None:
+    def _reply_with(
+        self, src: int, rid: int, future: torch._C.Future[Any], scope: int | None
+    ) -> None:
         try:
             value = future.wait()
         except BaseException as exc:
             self._reply_error(src, rid, exc)
         else:
-            self._reply(src, rid, value)
+            self._reply(src, rid, value, scope)
 
-    def _reply(self, src: int, rid: int, value: Any) -> None:
+    def _reply(self, src: int, rid: int, value: Any, scope: int | None = None) -> None:
         if rid == 0:
             return
-        ctx = EncodeContext(src)
+        ctx = EncodeContext(src, agent=self, scope=scope)
         try:
             frame = encode(MessageKind.RESULT, rid, value, ctx)
         except SerializationError as exc:

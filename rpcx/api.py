@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from rpcx import _context, calls, rendezvous, rref
 from rpcx.agent import RpcAgent
+from rpcx.autograd import service as autograd_service
 from rpcx.errors import RpcError
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
@@ -105,6 +106,7 @@ def init_rpc(
     try:
         calls.install(agent)
         rref.install(agent)
+        autograd_service.install(agent)
         agent.start()
         agent.barrier("ready", join_timeout)
     except BaseException:
@@ -201,7 +203,9 @@ def debug_info() -> dict[str, Any]:
     ``rrefs``: ``owned`` (entries in the owner table), ``owned_values`` (those whose value
     exists), ``references_to_owned`` (references registered for them, on any worker),
     ``user_rrefs`` / ``owner_rrefs`` (live RRef objects here for values elsewhere / here),
-    ``pending_forks`` and ``pending_deletes`` (reference bookkeeping not yet acknowledged).
+    ``pending_forks`` and ``pending_deletes`` (reference bookkeeping not yet acknowledged);
+    ``autograd``: ``contexts`` (distributed autograd contexts alive here) and
+    ``releasing`` (context releases this worker started that peers have not yet confirmed).
     Call it on another worker with ``rpcx.rpc_sync(name, rpcx.debug_info)``.
     """
     agent = _context.current_agent()
@@ -213,6 +217,7 @@ def debug_info() -> dict[str, Any]:
         "request_threads": agent.request_threads,
         "lost_peers": agent.lost_peers(),
         "rrefs": rref.service(agent).stats(),
+        "autograd": autograd_service.service(agent).stats(),
     }
 
 

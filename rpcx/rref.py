@@ -237,14 +237,40 @@ class RRef(Generic[T]):
         return type(self.to_here(timeout))
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
-        """Run distributed backward from this RRef's value. Not built yet."""
-        raise NotImplementedError(
-            "RRef.backward needs distributed autograd (rpcx.autograd), which rpcx does "
-            "not have yet"
+        """Run backward from this RRef's value (a scalar tensor).
+
+        With a distributed autograd context id, the distributed pass starts on the owner
+        and the gradients land in that context on every worker that took part. Without
+        one (``-1``), a local ``value.backward()`` runs, which only the owner can do.
+        """
+        if dist_autograd_ctx_id == -1:
+            if not self.is_owner():
+                raise RuntimeError(
+                    f"RRef.backward() without a context id runs a local backward pass, so it "
+                    f"must be called on the owner {self._owner.name!r}; pass "
+                    "dist_autograd_ctx_id to run a distributed pass from here"
+                )
+            value: Any = self.local_value()
+            value.backward(retain_graph=retain_graph)
+            return
+        self._check_usable("backward")
+        self._raise_if_creation_failed()
+        future = self._agent.request(
+            self._owner, MessageKind.CALL,
+            (_backward_on_owner, (self, dist_autograd_ctx_id, retain_graph), {}),
+            timeout=self._agent.timeout_for(None), api="RRef.backward",
+            target=self, describe_target=repr,
         )
+        wait(future)
 
     def __reduce__(self) -> Any:
         raise RpcError("an RRef can only be pickled by rpcx while it is sent in a call")
+
+
+def _backward_on_owner(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
+    from rpcx import autograd  # the autograd service sits beside this one
+
+    autograd.backward(context_id, [rref.local_value()], retain_graph=retain_graph)
 
 
 def _first_failure_or(

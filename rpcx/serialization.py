@@ -10,9 +10,14 @@ registered *extension* type to a reduce function. Those functions, and the rebui
 functions the pickle stream names, find the message being encoded or decoded through a
 thread-local context (set for the duration of one ``encode``/``decode_payload`` call).
 
-Services that need custom treatment of their objects on the wire (RRefs, later autograd)
-register an extension: a type, a reduce function run while encoding and a module-level
-rebuild function run while decoding.
+Services that need custom treatment of their objects on the wire (RRefs) register an
+extension: a type, a reduce function run while encoding and a module-level rebuild
+function run while decoding.
+
+A message may carry a *scope*: an integer a service attaches to it (distributed
+autograd's context id) plus a tag the service may set while encoding. Scoped messages
+pass every tensor that requires grad through the scope hooks (:func:`set_scope_hooks`),
+which is how autograd records the edges of its graph on both sides of a call.
 """
 
 from __future__ import annotations
@@ -39,11 +44,15 @@ __all__ = [
     "current_encode_context",
     "decode_envelope",
     "decode_payload",
+    "decode_scope",
     "encode",
     "register_extension",
+    "set_scope_hooks",
 ]
 
 _ENVELOPE = struct.Struct("<BQ")  # message kind, request id
+_SCOPE = struct.Struct("<qQ")  # scope, scope tag; follows the envelope when kind & _SCOPED
+_SCOPED = 0x80
 _PROTOCOL = 5
 _DTYPES: dict[str, torch.dtype] = {
     str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)
@@ -61,12 +70,18 @@ class EncodeContext:
             example to record which ones require grad).
         before_send: callbacks the agent runs, in order, after the message was encoded
             and just before it is sent (an RRef registers its new fork with the owner).
+        agent: the sending agent (set for scoped messages).
+        scope: the message's scope (see the module docstring), or ``None``.
+        scope_tag: set by the scope hooks while encoding; travels with the scope.
     """
 
     peer: int
+    agent: Any = None
     buffers: list[torch.Tensor] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     before_send: list[Callable[[], None]] = field(default_factory=list)
+    scope: int | None = None
+    scope_tag: int = 0
 
 
 @dataclass
@@ -78,12 +93,17 @@ class DecodeContext:
         agent: the receiving agent, for extensions that rebuild objects bound to it.
         buffers: the frame's tensor data.
         tensors: the rebuilt tensors, in buffer order.
+        scope, scope_tag: the message's scope and tag (``None``, 0 if unscoped).
+        scope_count: how many tensors the scope hooks have seen in this message.
     """
 
     peer: int
     agent: Any = None
     buffers: list[torch.Tensor] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
+    scope: int | None = None
+    scope_tag: int = 0
+    scope_count: int = 0
 
 
 class ReduceError(Exception):
@@ -104,6 +124,26 @@ class _Contexts(threading.local):
 
 
 _contexts = _Contexts()
+
+# Scope hooks: (on_encode(ctx, tensor), on_decode(ctx, tensor) -> tensor), or None.
+_scope_hooks: tuple[
+    Callable[[EncodeContext, torch.Tensor], None],
+    Callable[[DecodeContext, torch.Tensor], torch.Tensor],
+] | None = None
+
+
+def set_scope_hooks(
+    on_encode: Callable[[EncodeContext, torch.Tensor], None],
+    on_decode: Callable[[DecodeContext, torch.Tensor], torch.Tensor],
+) -> None:
+    """Route the tensors that require grad in scoped messages through these hooks.
+
+    ``on_encode(ctx, tensor)`` sees each such tensor as it is sent (it may set
+    ``ctx.scope_tag``); ``on_decode(ctx, tensor)`` gets each as it arrives, detached, and
+    returns the tensor the receiver sees in its place. One pair per process.
+    """
+    global _scope_hooks
+    _scope_hooks = (on_encode, on_decode)
 
 
 def current_encode_context() -> EncodeContext:
@@ -138,9 +178,15 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     data = tensor.detach().resolve_conj().resolve_neg()
     if not data.is_contiguous():
         data = data.contiguous()
+    elif data.dim() and data.stride(-1) != 1:
+        # Contiguous by torch's rules yet not viewable as bytes: a size-1 dimension with
+        # stride 0 (gradients of sum() look like this). Give it ordinary strides.
+        data = data.clone(memory_format=torch.contiguous_format)
     index = len(ctx.buffers)
     ctx.buffers.append(data)
     ctx.tensors.append(tensor)
+    if ctx.scope is not None and tensor.requires_grad and _scope_hooks is not None:
+        _scope_hooks[0](ctx, tensor)
     is_param = type(tensor) is torch.nn.Parameter
     return (
         _rebuild_tensor,
@@ -157,7 +203,9 @@ def _rebuild_tensor(
     if data.dtype is not dtype:
         data = data.view(-1).view(dtype)
     tensor = data.reshape(shape)
-    if param:
+    if requires_grad and ctx.scope is not None and _scope_hooks is not None:
+        tensor = _scope_hooks[1](ctx, tensor)
+    elif param:
         tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
     elif requires_grad:
         tensor.requires_grad_(True)
@@ -210,8 +258,12 @@ def register_extension(cls: type, reduce: Callable[[Any, EncodeContext], Any]) -
 
 def encode(kind: int, request_id: int, payload: Any, ctx: EncodeContext) -> Frame:
     """Encode one envelope. Raises :class:`SerializationError` if ``payload`` cannot be pickled."""
+    if not 0 <= kind < _SCOPED:
+        raise ValueError(f"message kind {kind} out of range (0-127)")
     file = io.BytesIO()
     file.write(_ENVELOPE.pack(kind, request_id))
+    if ctx.scope is not None:
+        file.write(bytes(_SCOPE.size))  # filled in below: hooks may set the tag meanwhile
     pickler = pickle.Pickler(file, _PROTOCOL)
     pickler.dispatch_table = _dispatch_table()
     outer = _contexts.encoding
@@ -226,13 +278,26 @@ def encode(kind: int, request_id: int, payload: Any, ctx: EncodeContext) -> Fram
         raise SerializationError(f"{type(exc).__name__}: {exc}") from exc
     finally:
         _contexts.encoding = outer
+    if ctx.scope is not None:
+        view = file.getbuffer()
+        _ENVELOPE.pack_into(view, 0, kind | _SCOPED, request_id)
+        _SCOPE.pack_into(view, _ENVELOPE.size, ctx.scope, ctx.scope_tag)
+        del view
     return Frame(file.getvalue(), ctx.buffers)
 
 
 def decode_envelope(frame: Frame) -> tuple[int, int]:
     """The ``(kind, request_id)`` of a frame; never fails on a well-formed frame."""
     kind, request_id = _ENVELOPE.unpack_from(frame.header)
-    return kind, request_id
+    return kind & ~_SCOPED, request_id
+
+
+def decode_scope(frame: Frame) -> tuple[int | None, int]:
+    """The ``(scope, scope_tag)`` of a frame; ``(None, 0)`` if it has none."""
+    if not frame.header[0] & _SCOPED:
+        return None, 0
+    scope, tag = _SCOPE.unpack_from(frame.header, _ENVELOPE.size)
+    return scope, tag
 
 
 class _Missing:
@@ -284,10 +349,13 @@ def decode_payload(frame: Frame, ctx: DecodeContext, lenient: bool = False) -> A
     placeholders, to recover what can be recovered from a message that failed to decode.
     """
     ctx.buffers = frame.buffers
+    start = _ENVELOPE.size
+    if frame.header[0] & _SCOPED:
+        start += _SCOPE.size
     outer = _contexts.decoding
     _contexts.decoding = ctx
     try:
-        data = memoryview(frame.header)[_ENVELOPE.size :]
+        data = memoryview(frame.header)[start:]
         if lenient:
             return _LenientUnpickler(io.BytesIO(data)).load()
         return pickle.loads(data)

@@ -23,6 +23,7 @@ from rpcx.serialization import (
     current_encode_context,
     decode_envelope,
     decode_payload,
+    decode_scope,
     encode,
     register_extension,
 )
@@ -79,11 +80,24 @@ def sample_tensors() -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------ envelope
 
 
-@pytest.mark.parametrize(("kind", "rid"), [(0, 0), (1, 1), (255, 2**64 - 1), (7, 123456789)])
+@pytest.mark.parametrize(("kind", "rid"), [(0, 0), (1, 1), (127, 2**64 - 1), (7, 123456789)])
 def test_envelope_round_trip(kind: int, rid: int) -> None:
     frame = encode(kind, rid, None, EncodeContext(0))
     assert decode_envelope(frame) == (kind, rid)
+    assert decode_scope(frame) == (None, 0)
     assert decode_payload(frame, DecodeContext(0)) is None
+
+
+def test_scoped_envelope_round_trip() -> None:
+    frame = encode(9, 42, [1, "two"], EncodeContext(0, scope=(3 << 48) | 5, scope_tag=77))
+    assert decode_envelope(frame) == (9, 42)
+    assert decode_scope(frame) == ((3 << 48) | 5, 77)
+    assert decode_payload(frame, DecodeContext(0)) == [1, "two"]
+
+
+def test_kinds_above_127_are_refused() -> None:
+    with pytest.raises(ValueError, match="kind"):
+        encode(128, 1, None, EncodeContext(0))
 
 
 def test_envelope_reads_without_unpickling() -> None:

@@ -60,7 +60,8 @@ class LoopbackTransport:
     def close(self, timeout: float) -> None:
         """Leave the world; peers still running see this worker as gone."""
         ctx = self._ctx
-        assert ctx is not None
+        if ctx is None:  # never started (init_rpc failed before the transport)
+            return
         self._closed = True
         with _endpoints_lock:
             _endpoints.pop(self._token, None)

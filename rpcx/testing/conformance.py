@@ -18,15 +18,25 @@ import torch
 
 import rpcx
 from rpcx.testing import remote
+from rpcx.testing.conformance_autograd import (
+    TestDDPHybrid,
+    TestDistAutograd,
+    TestDistributedOptimizer,
+    TestRemoteModule,
+)
 from rpcx.testing.world import World
 
 __all__ = [
     "TestAsyncExecution",
     "TestCalls",
+    "TestDDPHybrid",
+    "TestDistAutograd",
+    "TestDistributedOptimizer",
     "TestErrors",
     "TestFutures",
     "TestRRef",
     "TestRRefLifetime",
+    "TestRemoteModule",
     "TestTensors",
     "TestTimeouts",
 ]
@@ -332,6 +342,13 @@ class TestTensors:
         for view, out in zip(views, outs, strict=True):
             assert torch.equal(out, view) and out.shape == view.shape
 
+    def test_expanded_size_one_dimensions(self, rpc_world: World) -> None:
+        # Contiguous by torch's rules, but with stride 0 in a size-1 dimension.
+        for tensor in (torch.ones(()).expand(1), torch.arange(3.0).reshape(3, 1).expand(3, 1),
+                       torch.ones(1, 1).expand(1, 1)[:, :1]):
+            tensor = tensor.as_strided(tensor.shape, [0] * tensor.dim())
+            assert torch.equal(rpcx.rpc_sync(W1, remote.echo, args=(tensor,)), tensor)
+
     def test_large_tensor(self, rpc_world: World) -> None:
         tensor = torch.randn(16 << 20)  # 64 MiB
         out = rpcx.rpc_sync(W1, remote.echo, args=(tensor,), timeout=120)
@@ -631,9 +648,3 @@ class TestRRefLifetime:
         with pytest.raises(AttributeError, match="no_such_method"):
             rref.rpc_sync().no_such_method()
         assert rref.rpc_sync().increment(2) == 2  # the value is still there and usable
-
-    @pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                       reason="RRef.backward needs distributed autograd (the next issue)")
-    def test_rref_backward(self, rpc_world: World) -> None:
-        rref = rpcx.remote(W1, torch.ones, args=(2,), kwargs={"requires_grad": True})
-        rref.backward()

@@ -1,0 +1,136 @@
+"""The distributed backward pass on one worker: recv nodes, local passes, gradients.
+
+Each tensor that requires grad and arrives in a call made inside a context becomes the
+output of a :class:`_RecvBackward` node, which knows where the tensor came from (peer,
+context, send tag, position). A *pass* runs torch's local autograd engine from some
+tensors with given gradients; when the engine reaches a recv node, the node hands its
+gradient to the pass, which sends it back to the peer after the local engine is done
+(one ``AUTOGRAD_BACKWARD`` message per peer). The peer runs a pass from the tensors it
+sent, and so on, until no gradient is left in flight.
+
+Each incoming gradient message runs its own pass, so a part of the local graph reached
+from several sends runs once per send. Backward functions are linear in their incoming
+gradient, so the sums are the same as one pass with the summed gradients; to allow it,
+passes keep the graph (``retain_graph=True``) until the context is released.
+
+Leaves get their gradients in the context, not in ``.grad``: a pass runs torch's engine
+normally (so ``AccumulateGrad`` and every hook on it run: DDP's all-reduce happens
+here), then moves what landed in ``.grad`` into the context and puts back what was
+there. Passes on one worker are serialized by the service's gradient lock so two
+contexts never see each other's gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from rpcx.autograd.service import AutogradService
+
+__all__ = ["Outbox", "find_leaves", "make_recv", "run_pass"]
+
+log = logging.getLogger("rpcx.autograd")
+
+# Gradients a pass owes its peers: rank -> [(context id, send tag, index, gradient)].
+Outbox = dict[int, list[tuple[int, int, int, torch.Tensor]]]
+
+
+class _RecvBackward(torch.autograd.Function):
+    """The graph node of a tensor received over RPC; backward returns its gradient to
+    the sender, through the pass that is running."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, anchor: torch.Tensor, received: torch.Tensor, origin: tuple[Any, ...]
+    ) -> torch.Tensor:
+        ctx.origin = origin
+        ctx.set_materialize_grads(False)
+        return received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None, None]:
+        if grad is not None:
+            service, peer, context_id, tag, index = ctx.origin
+            service.collect(peer, context_id, tag, index, grad)
+        return None, None, None
+
+
+def make_recv(
+    service: AutogradService,
+    anchor: torch.Tensor,
+    received: torch.Tensor,
+    peer: int,
+    context_id: int,
+    tag: int,
+    index: int,
+) -> torch.Tensor:
+    """``received`` as the output of a recv node whose gradient goes back to ``peer``."""
+    with torch.enable_grad():
+        out: torch.Tensor = _RecvBackward.apply(  # type: ignore[no-untyped-call]
+            anchor, received, (service, peer, context_id, tag, index)
+        )
+    return out
+
+
+def find_leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Every leaf tensor that requires grad and that a backward from ``roots`` can reach."""
+    leaves: list[torch.Tensor] = []
+    seen_leaves: set[int] = set()
+    seen: set[Any] = set()
+    stack: list[Any] = []
+    for root in roots:
+        if root.grad_fn is None:
+            if root.requires_grad and id(root) not in seen_leaves:
+                seen_leaves.add(id(root))
+                leaves.append(root)
+        else:
+            stack.append(root.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:  # AccumulateGrad: the node of a leaf
+            if id(variable) not in seen_leaves:
+                seen_leaves.add(id(variable))
+                leaves.append(variable)
+            continue
+        stack.extend(edge[0] for edge in node.next_functions)
+    return leaves
+
+
+def run_pass(
+    service: AutogradService,
+    tensors: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Outbox]:
+    """Run the local engine from ``tensors`` with ``grads``.
+
+    Returns the leaves' gradients from this pass (``.grad`` is left as it was) and the
+    gradients owed to peers. The caller adds the first to its context and sends the second.
+    """
+    with service.grad_lock:
+        leaves = [leaf for leaf in find_leaves(tensors) if leaf is not service.anchor]
+        saved = [leaf.grad for leaf in leaves]
+        for leaf in leaves:
+            leaf.grad = None
+        outbox: Outbox = {}
+        service.active_outbox = outbox
+        try:
+            torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
+        finally:
+            service.active_outbox = None
+            found: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for leaf, old in zip(leaves, saved, strict=True):
+                grad = leaf.grad
+                leaf.grad = old
+                if grad is not None:
+                    # A gradient that is a view of some buffer (DDP's bucket views) would
+                    # change under us next iteration: keep a copy.
+                    found.append((leaf, grad.clone() if grad._is_view() else grad))
+    return found, outbox

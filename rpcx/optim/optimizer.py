@@ -1,0 +1,108 @@
+"""One local optimizer per parameter owner, stepped with a context's gradients."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rpcx import _context
+from rpcx.api import rpc_async
+from rpcx.autograd.service import service as autograd_service
+from rpcx.futures import wait
+from rpcx.rref import RRef
+from rpcx.worker import WorkerInfo
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _LocalOptimizer:
+    """Lives on a parameter owner: a ``torch.optim`` optimizer over its parameters."""
+
+    def __init__(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        params: list[RRef[torch.Tensor]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.params = [rref.local_value() for rref in params]
+        self.optimizer = optimizer_class(self.params, *args, **kwargs)
+        self._lock = threading.Lock()
+
+    def step(self, context_id: int) -> None:
+        """Apply the gradients of ``context_id`` held on this worker."""
+        svc = autograd_service(_context.current_agent())
+        grads = svc.get(context_id).grads
+        # The optimizer reads .grad: lend it the context's gradients for the step. The
+        # gradient lock keeps backward passes (which also borrow .grad) out meanwhile.
+        with self._lock, svc.grad_lock:
+            saved = [p.grad for p in self.params]
+            try:
+                for param in self.params:
+                    param.grad = grads.get(param)
+                self.optimizer.step()
+            finally:
+                for param, old in zip(self.params, saved, strict=True):
+                    param.grad = old
+
+
+def _new_local_optimizer(
+    optimizer_class: type[torch.optim.Optimizer],
+    params: list[RRef[torch.Tensor]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> RRef[_LocalOptimizer]:
+    return RRef(_LocalOptimizer(optimizer_class, params, args, kwargs))
+
+
+def _step(local: RRef[_LocalOptimizer], context_id: int) -> None:
+    local.local_value().step(context_id)
+
+
+class DistributedOptimizer:
+    """Optimizes parameters spread over workers, given as RRefs.
+
+    Creates one ``optimizer_class(params, *args, **kwargs)`` on each worker that owns
+    some of ``params_rref``; ``step(context_id)`` steps them all at once, each with the
+    gradients that ``context_id`` holds on that worker. Concurrent steps (several
+    trainers) are serialized per owner.
+    """
+
+    def __init__(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        params_rref: Sequence[RRef[torch.Tensor]],
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        by_owner: dict[WorkerInfo, list[RRef[torch.Tensor]]] = {}
+        for rref in params_rref:
+            by_owner.setdefault(rref.owner(), []).append(rref)
+        pending = [
+            rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs, args, kwargs))
+            for owner, rrefs in by_owner.items()
+        ]
+        self._optimizers: list[RRef[_LocalOptimizer]] = _wait_all(pending)
+
+    def step(self, context_id: int) -> None:
+        """Step every owner's optimizer with the gradients of ``context_id``, in parallel."""
+        _wait_all([
+            rpc_async(optimizer.owner(), _step, args=(optimizer, context_id))
+            for optimizer in self._optimizers
+        ])
+
+
+def _wait_all(futures: Sequence[torch.futures.Future[Any]]) -> list[Any]:
+    """Every future's value; after all have finished, raise the first error."""
+    results, errors = [], []
+    for future in futures:
+        try:
+            results.append(wait(future))
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return results
