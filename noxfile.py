@@ -37,7 +37,7 @@ def tests(session: nox.Session, backend: str) -> None:
 def examples(session: nox.Session, backend: str) -> None:
     """Run the example programs on ``backend``."""
     _install(session)
-    for script in ("examples/demo.py", "examples/torch_style.py"):
+    for script in ("examples/demo.py", "examples/torch_style.py", "examples/ddp_rpc_hybrid.py"):
         session.run("python", script, env={"RPCX_BACKEND": backend})
 
 
@@ -67,3 +67,4 @@ def bench(session: nox.Session) -> None:
     """rpcx backends against torch.distributed.rpc, side by side (not a test)."""
     _install(session, "bench")
     session.run("python", "bench/bench_rpc.py", *session.posargs)
+    session.run("python", "bench/bench_rnn.py")

@@ -56,3 +56,11 @@ def test_torch_program_runs_with_only_its_imports_changed(
     out = _run(EXAMPLES / "torch_style.py", rpcx_backend)
     assert out == torch_output
     assert "observer rewards: [45.0, 60.0]; agent total: 105.0" in out
+
+
+def test_ddp_rpc_hybrid(rpcx_backend: str) -> None:
+    out = _run(EXAMPLES / "ddp_rpc_hybrid.py", rpcx_backend)
+    assert "DDP weights identical on both trainers: True" in out, out
+    for trainer in ("trainer0", "trainer1"):
+        assert f"{trainer}: epoch 2 done" in out, out
+    assert out.rstrip().endswith("done")

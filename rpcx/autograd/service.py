@@ -25,7 +25,7 @@ import torch
 from rpcx.agent import Deferred, RpcAgent
 from rpcx.autograd.engine import Outbox, make_recv, run_pass
 from rpcx.errors import RpcError
-from rpcx.futures import RpcFuture
+from rpcx.futures import RpcFuture, wait
 from rpcx.messages import MessageKind
 from rpcx.serialization import DecodeContext, EncodeContext, set_scope_hooks
 from rpcx.worker import WorkerInfo
@@ -284,9 +284,18 @@ class AutogradService:
                 tensors.append(sent[index])
                 grads.append(grad)
             futures.extend(self.run(context, tensors, grads))
-        if not futures:
-            return None
-        return Deferred(all_done(futures))
+        # Reply once the passes this one started are done. Waiting here (the pool grows
+        # while a thread waits) costs one thread hand-off per hop; a Deferred reply would
+        # cost two, and backward passes are chains of such hops.
+        errors = []
+        for future in futures:
+            try:
+                wait(future)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return None
 
     def handle_release(self, caller: WorkerInfo, context_id: Any) -> Any:
         """A peer released a context: forget it and pass the word on."""

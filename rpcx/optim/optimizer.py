@@ -89,10 +89,21 @@ class DistributedOptimizer:
 
     def step(self, context_id: int) -> None:
         """Step every owner's optimizer with the gradients of ``context_id``, in parallel."""
-        _wait_all([
+        local = [o for o in self._optimizers if o.is_owner()]
+        futures = [
             rpc_async(optimizer.owner(), _step, args=(optimizer, context_id))
             for optimizer in self._optimizers
-        ])
+            if not optimizer.is_owner()
+        ]
+        error: BaseException | None = None
+        for optimizer in local:  # this worker's own share, meanwhile, without a call
+            try:
+                optimizer.local_value().step(context_id)
+            except Exception as exc:
+                error = error or exc
+        _wait_all(futures)
+        if error is not None:
+            raise error
 
 
 def _wait_all(futures: Sequence[torch.futures.Future[Any]]) -> list[Any]:
