@@ -42,9 +42,11 @@ from rpcx.serialization import (
     DecodeContext,
     EncodeContext,
     decode_envelope,
+    decode_notes,
     decode_payload,
     decode_scope,
     encode,
+    has_notes,
 )
 from rpcx.transport import Frame, Transport, TransportContext
 from rpcx.worker import WorkerInfo
@@ -363,6 +365,7 @@ class RpcAgent:
                 hook()
             ctx.before_send.clear()  # hooks may hold what is being sent: let it go
             self._send(dst, frame)
+            ctx.keep_alive.clear()  # handed to the transport: later messages follow it
         except Exception as exc:
             reason = exc.args[0] if isinstance(exc, PeerLostError) and exc.args else str(exc)
             if rid:
@@ -381,6 +384,8 @@ class RpcAgent:
 
     def _on_frame(self, src: int, frame: Frame) -> None:
         kind, rid = decode_envelope(frame)
+        if has_notes(frame):
+            self._handle_notes(src, frame)
         if kind == MessageKind.RESULT or kind == MessageKind.ERROR or kind in self._inline_kinds:
             token = _context._thread_agent.set(self)  # callbacks run as this worker
             was_delivering, _delivering.active = _delivering.active, True
@@ -397,6 +402,30 @@ class RpcAgent:
             self._pool.submit(self._serve, src, kind, rid, frame)
         except RpcShutdownError:
             log.debug("%s: dropped request %d from rank %d after shutdown", self.name, rid, src)
+
+    def _handle_notes(self, src: int, frame: Frame) -> None:
+        """Handle the one-way messages riding in ``frame``, in order, before the frame."""
+        caller = self.workers[src]
+        token = _context._thread_agent.set(self)
+        was_delivering, _delivering.active = _delivering.active, True
+        try:
+            for kind, payload in decode_notes(frame):
+                handler = self._handlers.get(kind)
+                if handler is None or kind not in self._inline_kinds:
+                    log.warning("%s: dropped a note of kind %d from %s: no in-order handler",
+                                self.name, kind, caller.name)
+                    continue
+                try:
+                    handler(caller, payload)
+                except Exception:
+                    log.exception("%s: note of kind %d from %s failed",
+                                  self.name, kind, caller.name)
+        except Exception:
+            log.exception("%s: could not read the notes of a frame from %s", self.name,
+                          caller.name)
+        finally:
+            _delivering.active = was_delivering
+            _context._thread_agent.reset(token)
 
     def _on_response(self, src: int, kind: int, rid: int, frame: Frame) -> None:
         with self._lock:

@@ -508,10 +508,18 @@ def _reduce_rref(rref: RRef[Any], ctx: EncodeContext) -> Any:
             raise ReduceError(exc) from None
     svc = service(agent)
     fork = svc.new_id()
-    # Announce the fork before the frame leaves, holding ``rref`` (so its own fork) alive
-    # until then; see rpcx.rref_protocol for why that order makes early frees impossible.
     holder = ctx.peer  # (the hook must not refer to ctx, which holds the hook)
-    ctx.before_send.append(lambda: svc.announce(rref, fork, holder))
+    if holder == rref._owner.id and holder != agent.rank:
+        # Sent to its owner: the announcement rides in the frame itself and is handled
+        # in order as it arrives, before anything sent later (a deletion of ``rref``'s
+        # own fork, say), so ``rref`` need only live until the frame is sent.
+        ctx.notes.append((MessageKind.RREF_FORKS, [(rref._id, fork, holder)]))
+        ctx.keep_alive.append(rref)
+    else:
+        # Announce the fork before the frame leaves, holding ``rref`` (so its own fork)
+        # alive until then; see rpcx.rref_protocol for why that order makes early frees
+        # impossible.
+        ctx.before_send.append(lambda: svc.announce(rref, fork, holder))
     return (
         _rebuild_rref,
         (rref._id, rref._owner.id, rref._owner.name, fork, rref._owner.id == agent.rank),

@@ -43,9 +43,11 @@ __all__ = [
     "current_decode_context",
     "current_encode_context",
     "decode_envelope",
+    "decode_notes",
     "decode_payload",
     "decode_scope",
     "encode",
+    "has_notes",
     "register_extension",
     "set_scope_hooks",
 ]
@@ -53,6 +55,9 @@ __all__ = [
 _ENVELOPE = struct.Struct("<BQ")  # message kind, request id
 _SCOPE = struct.Struct("<qQ")  # scope, scope tag; follows the envelope when kind & _SCOPED
 _SCOPED = 0x80
+_NOTES_LEN = struct.Struct("<I")  # length of the pickled notes; next when kind & _NOTED
+_NOTED = 0x40
+_KIND_MASK = 0x3F
 _PROTOCOL = 5
 _DTYPES: dict[str, torch.dtype] = {
     str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)
@@ -73,6 +78,11 @@ class EncodeContext:
         agent: the sending agent (set for scoped messages).
         scope: the message's scope (see the module docstring), or ``None``.
         scope_tag: set by the scope hooks while encoding; travels with the scope.
+        notes: one-way messages ``(kind, payload)`` that ride in this frame and are
+            handled, in order, by the receiver's in-order handlers as the frame
+            arrives, before the frame itself is served (payloads: plain data only).
+        keep_alive: objects the sender holds until the frame has been handed to the
+            transport (what the notes refer to, say).
     """
 
     peer: int
@@ -82,6 +92,8 @@ class EncodeContext:
     before_send: list[Callable[[], None]] = field(default_factory=list)
     scope: int | None = None
     scope_tag: int = 0
+    notes: list[tuple[int, Any]] = field(default_factory=list)
+    keep_alive: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -258,8 +270,8 @@ def register_extension(cls: type, reduce: Callable[[Any, EncodeContext], Any]) -
 
 def encode(kind: int, request_id: int, payload: Any, ctx: EncodeContext) -> Frame:
     """Encode one envelope. Raises :class:`SerializationError` if ``payload`` cannot be pickled."""
-    if not 0 <= kind < _SCOPED:
-        raise ValueError(f"message kind {kind} out of range (0-127)")
+    if not 0 <= kind <= _KIND_MASK:
+        raise ValueError(f"message kind {kind} out of range (0-{_KIND_MASK})")
     file = io.BytesIO()
     file.write(_ENVELOPE.pack(kind, request_id))
     if ctx.scope is not None:
@@ -278,18 +290,55 @@ def encode(kind: int, request_id: int, payload: Any, ctx: EncodeContext) -> Fram
         raise SerializationError(f"{type(exc).__name__}: {exc}") from exc
     finally:
         _contexts.encoding = outer
+    flags = 0
     if ctx.scope is not None:
+        flags |= _SCOPED
         view = file.getbuffer()
-        _ENVELOPE.pack_into(view, 0, kind | _SCOPED, request_id)
         _SCOPE.pack_into(view, _ENVELOPE.size, ctx.scope, ctx.scope_tag)
         del view
-    return Frame(file.getvalue(), ctx.buffers)
+    header = file.getvalue()
+    if ctx.notes:
+        # Notes are known only once the payload is pickled (extensions add them), so
+        # they are spliced in between the envelope (and scope) and the payload.
+        flags |= _NOTED
+        notes = pickle.dumps(ctx.notes, _PROTOCOL)
+        at = _ENVELOPE.size + (_SCOPE.size if ctx.scope is not None else 0)
+        header = b"".join((header[:at], _NOTES_LEN.pack(len(notes)), notes, header[at:]))
+    if flags:
+        header = _ENVELOPE.pack(kind | flags, request_id) + header[_ENVELOPE.size :]
+    return Frame(header, ctx.buffers)
 
 
 def decode_envelope(frame: Frame) -> tuple[int, int]:
     """The ``(kind, request_id)`` of a frame; never fails on a well-formed frame."""
     kind, request_id = _ENVELOPE.unpack_from(frame.header)
-    return kind & ~_SCOPED, request_id
+    return kind & _KIND_MASK, request_id
+
+
+def has_notes(frame: Frame) -> bool:
+    """True if one-way messages ride in this frame (see ``EncodeContext.notes``)."""
+    return bool(frame.header[0] & _NOTED)
+
+
+def decode_notes(frame: Frame) -> list[tuple[int, Any]]:
+    """The one-way messages riding in ``frame``; ``[]`` if none."""
+    if not frame.header[0] & _NOTED:
+        return []
+    start = _ENVELOPE.size + (_SCOPE.size if frame.header[0] & _SCOPED else 0)
+    (length,) = _NOTES_LEN.unpack_from(frame.header, start)
+    start += _NOTES_LEN.size
+    notes: list[tuple[int, Any]] = pickle.loads(memoryview(frame.header)[start : start + length])
+    return notes
+
+
+def _payload_start(header: bytes) -> int:
+    start = _ENVELOPE.size
+    if header[0] & _SCOPED:
+        start += _SCOPE.size
+    if header[0] & _NOTED:
+        (length,) = _NOTES_LEN.unpack_from(header, start)
+        start += _NOTES_LEN.size + length
+    return start
 
 
 def decode_scope(frame: Frame) -> tuple[int | None, int]:
@@ -349,9 +398,7 @@ def decode_payload(frame: Frame, ctx: DecodeContext, lenient: bool = False) -> A
     placeholders, to recover what can be recovered from a message that failed to decode.
     """
     ctx.buffers = frame.buffers
-    start = _ENVELOPE.size
-    if frame.header[0] & _SCOPED:
-        start += _SCOPE.size
+    start = _payload_start(frame.header)
     outer = _contexts.decoding
     _contexts.decoding = ctx
     try:

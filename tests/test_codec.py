@@ -22,9 +22,11 @@ from rpcx.serialization import (
     current_decode_context,
     current_encode_context,
     decode_envelope,
+    decode_notes,
     decode_payload,
     decode_scope,
     encode,
+    has_notes,
     register_extension,
 )
 from rpcx.transport import Frame
@@ -80,7 +82,7 @@ def sample_tensors() -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------ envelope
 
 
-@pytest.mark.parametrize(("kind", "rid"), [(0, 0), (1, 1), (127, 2**64 - 1), (7, 123456789)])
+@pytest.mark.parametrize(("kind", "rid"), [(0, 0), (1, 1), (63, 2**64 - 1), (7, 123456789)])
 def test_envelope_round_trip(kind: int, rid: int) -> None:
     frame = encode(kind, rid, None, EncodeContext(0))
     assert decode_envelope(frame) == (kind, rid)
@@ -95,9 +97,23 @@ def test_scoped_envelope_round_trip() -> None:
     assert decode_payload(frame, DecodeContext(0)) == [1, "two"]
 
 
-def test_kinds_above_127_are_refused() -> None:
+def test_kinds_above_63_are_refused() -> None:
     with pytest.raises(ValueError, match="kind"):
-        encode(128, 1, None, EncodeContext(0))
+        encode(64, 1, None, EncodeContext(0))
+
+
+@pytest.mark.parametrize("scope", [None, 99])
+def test_notes_ride_between_envelope_and_payload(scope: int | None) -> None:
+    ctx = EncodeContext(0, scope=scope)
+    ctx.notes.append((6, [((1, 2), (3, 4), 0)]))
+    frame = encode(3, 17, {"payload": torch.arange(3)}, ctx)
+    assert has_notes(frame) and decode_envelope(frame) == (3, 17)
+    assert decode_scope(frame) == (scope, 0)
+    assert decode_notes(frame) == [(6, [((1, 2), (3, 4), 0)])]
+    out = decode_payload(frame, DecodeContext(0))
+    assert torch.equal(out["payload"], torch.arange(3))
+    plain = encode(3, 17, None, EncodeContext(0))
+    assert not has_notes(plain) and decode_notes(plain) == []
 
 
 def test_envelope_reads_without_unpickling() -> None:

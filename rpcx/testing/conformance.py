@@ -546,6 +546,17 @@ class TestRRefLifetime:
         assert future.wait() == [W2, W3]
         assert _no_references(_settle(rpc_world))
 
+    def test_rref_sent_to_its_owner_while_dropped(self, rpc_world: World) -> None:
+        # The announcement of a fork for the owner rides in the call's frame; the sender
+        # drops its RRef at once, so its deletion races the call to the owner.
+        futures = []
+        for i in range(200):
+            rref = rpcx.remote(W1, remote.add, args=(i, 0))
+            futures.append(rpcx.rpc_async(W1, remote.rref_to_here, args=(rref,)))
+            del rref
+        assert [f.wait() for f in futures] == list(range(200))
+        assert _no_references(_settle(rpc_world))
+
     def test_rref_of_rrefs(self, rpc_world: World) -> None:
         baseline = rpcx.rpc_sync(W2, remote.tracked_live)
         inner = rpcx.remote(W2, remote.Tracked, args=("inner",))
