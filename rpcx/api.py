@@ -204,8 +204,10 @@ def debug_info() -> dict[str, Any]:
     exists), ``references_to_owned`` (references registered for them, on any worker),
     ``user_rrefs`` / ``owner_rrefs`` (live RRef objects here for values elsewhere / here),
     ``pending_forks`` and ``pending_deletes`` (reference bookkeeping not yet acknowledged);
-    ``autograd``: ``contexts`` (distributed autograd contexts alive here) and
-    ``releasing`` (context releases this worker started that peers have not yet confirmed).
+    ``parked_confirmations`` (confirmations that arrived before their RRef, bounded);
+    ``autograd``: ``contexts`` (distributed autograd contexts alive here),
+    ``releasing`` (context releases this worker started that peers have not yet
+    confirmed) and ``passes`` (local backward passes run here so far).
     Call it on another worker with ``rpcx.rpc_sync(name, rpcx.debug_info)``.
     """
     agent = _context.current_agent()

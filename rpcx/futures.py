@@ -8,6 +8,7 @@ calls cannot exhaust it.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
@@ -30,6 +31,10 @@ class RpcFuture(torch.futures.Future[T]):
     ``add_done_callback``, those ``collect_all`` attaches) may block, even on another
     call to the same worker. The one shortcut: a future that a thread is already
     waiting on and that has no Python callbacks is completed where its reply arrives.
+
+    Callbacks run in a copy of the registering thread's context variables, as asyncio
+    runs its callbacks: the current worker and distributed autograd context carry over,
+    so a call made from a callback is recorded in the context it was set up in.
     """
 
     has_callbacks = False
@@ -43,10 +48,11 @@ class RpcFuture(torch.futures.Future[T]):
         """
         self.has_callbacks = True
         result: RpcFuture[S] = RpcFuture()
+        context = contextvars.copy_context()
 
         def run(_: Any) -> None:
             try:
-                result.set_result(callback(self))
+                result.set_result(context.run(callback, self))
             except BaseException as exc:
                 result.set_exception(exc)  # type: ignore[arg-type]
 
@@ -56,7 +62,8 @@ class RpcFuture(torch.futures.Future[T]):
     def add_done_callback(self, callback: Callable[[torch.futures.Future[T]], None]) -> None:
         """Like ``torch.futures.Future.add_done_callback``."""
         self.has_callbacks = True
-        super().add_done_callback(callback)
+        context = contextvars.copy_context()
+        super().add_done_callback(lambda future: context.run(callback, future))
 
     def wait(self) -> T:
         """Block until the value is ready and return it, or raise the call's error.

@@ -19,7 +19,6 @@ import torch
 from rpcx import _context
 from rpcx.autograd.service import _current, current_context_id
 from rpcx.autograd.service import service as _service_of
-from rpcx.futures import wait
 
 __all__ = ["backward", "context", "current_context_id", "get_gradients"]
 
@@ -88,10 +87,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
                 f"context {context_id}; pass retain_graph=True to the first backward()"
             )
     grads = [torch.ones_like(root) for root in roots]
-    # Each gradient sent on completes only when the pass it started (and every pass
-    # that one started) is done, and each has the call timeout.
-    for future in svc.run(ctx, roots, grads):
-        wait(future)
+    svc.start(ctx, roots, grads)
     if not retain_graph:
         ctx.finished_roots.update(r.grad_fn for r in roots if r.grad_fn is not None)
 

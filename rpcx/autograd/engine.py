@@ -23,6 +23,7 @@ contexts never see each other's gradients.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +36,8 @@ __all__ = ["Outbox", "find_leaves", "make_recv", "run_pass"]
 
 log = logging.getLogger("rpcx.autograd")
 
-# Gradients a pass owes its peers: rank -> [(context id, send tag, index, gradient)].
-Outbox = dict[int, list[tuple[int, int, int, torch.Tensor]]]
+# Gradients a pass owes its peers: rank -> [(send tag, index, gradient)].
+Outbox = dict[int, list[tuple[int, int, torch.Tensor]]]
 
 
 class _RecvBackward(torch.autograd.Function):
@@ -106,6 +107,7 @@ def find_leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 def run_pass(
     service: AutogradService,
+    context_id: int,
     tensors: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Outbox]:
@@ -120,11 +122,12 @@ def run_pass(
         for leaf in leaves:
             leaf.grad = None
         outbox: Outbox = {}
-        service.active_outbox = outbox
+        # (CPU graphs run on the calling thread; recv nodes check that they do.)
+        service.active_pass = (threading.get_ident(), context_id, outbox)
         try:
             torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
         finally:
-            service.active_outbox = None
+            service.active_pass = None
             found: list[tuple[torch.Tensor, torch.Tensor]] = []
             for leaf, old in zip(leaves, saved, strict=True):
                 grad = leaf.grad

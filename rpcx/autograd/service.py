@@ -60,6 +60,8 @@ class AutogradContext:
         peers: ranks this worker exchanged messages with inside the context.
         grads: gradients accumulated for this worker's leaves, by tensor.
         finished_roots: graph nodes of roots already run without ``retain_graph``.
+        pending: gradients delivered for sent tensors, by (send tag, index), waiting for
+            this worker's next round.
     """
 
     id: int
@@ -67,6 +69,7 @@ class AutogradContext:
     peers: set[int] = field(default_factory=set)
     grads: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
     finished_roots: set[Any] = field(default_factory=set)
+    pending: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def accumulate(self, found: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -94,9 +97,11 @@ class AutogradService:
         self._ids = itertools.count(1)
         self._tags = itertools.count(1)
         self._releasing: list[RpcFuture[Any]] = []
+        self.passes = 0  # local passes run here, ever (debug_info shows it)
         # One local pass at a time on this worker (see rpcx.autograd.engine).
         self.grad_lock = threading.RLock()
-        self.active_outbox: Outbox | None = None
+        # The pass running now: (thread id, context id, gradients owed to peers).
+        self.active_pass: tuple[int, int, Outbox] | None = None
         # Every recv node hangs from this leaf, so that torch records the node at all.
         self.anchor = torch.empty(0, requires_grad=True)
 
@@ -126,17 +131,20 @@ class AutogradService:
         return context
 
     def _joined(self, context_id: int, peer: int) -> AutogradContext | None:
-        """The context, created here if new, with ``peer`` noted; None if released."""
-        context = self._contexts.get(context_id)
-        if context is None:
-            with self._lock:
-                if context_id in self._released:
-                    return None
-                context = self._contexts.setdefault(context_id, AutogradContext(context_id))
-        if peer != self.agent.rank and peer not in context.peers:
-            with context.lock:
+        """The context, created here if new, with ``peer`` noted; None if released.
+
+        Under the service lock, so that a peer is never added to a context that a
+        concurrent release has already taken out (that peer would never hear of it).
+        """
+        with self._lock:
+            if context_id in self._released:
+                return None
+            context = self._contexts.get(context_id)
+            if context is None:
+                context = self._contexts[context_id] = AutogradContext(context_id)
+            if peer != self.agent.rank:
                 context.peers.add(peer)
-        return context
+            return context
 
     def release(self, context_id: int, notify_except: int | None = None) -> list[RpcFuture[Any]]:
         """Forget ``context_id`` here and tell the peers that took part in it."""
@@ -187,24 +195,30 @@ class AutogradService:
         return len(waiting)
 
     def stats(self) -> dict[str, int]:
-        """Live contexts and releases still travelling, for ``rpcx.debug_info()``."""
+        """Live contexts, releases still travelling and local passes run so far."""
         with self._lock:
             releasing = sum(1 for f in self._releasing if not f.done())
-            return {"contexts": len(self._contexts), "releasing": releasing}
+            return {
+                "contexts": len(self._contexts),
+                "releasing": releasing,
+                "passes": self.passes,
+            }
 
     # ------------------------------------------------------------------ message scope
 
     def outgoing(self, dst: int) -> int | None:
         """The scope of a request sent now: the thread's context, with ``dst`` noted."""
         context_id = _current.get()
-        if context_id is not None:
-            self._joined(context_id, dst)
+        if context_id is None or self._joined(context_id, dst) is None:
+            return None  # a released context travels no further
         return context_id
 
     @contextlib.contextmanager
     def entered(self, scope: int, src: int) -> Iterator[None]:
         """Serve a request of context ``scope`` from ``src`` inside that context."""
-        self._joined(scope, src)
+        if self._joined(scope, src) is None:  # released here already: serve it outside
+            yield
+            return
         token = _current.set(scope)
         try:
             yield
@@ -236,66 +250,151 @@ class AutogradService:
 
     def collect(self, peer: int, context_id: int, tag: int, index: int, grad: torch.Tensor) -> None:
         """A recv node's gradient, to be sent to ``peer`` when the running pass ends."""
-        outbox = self.active_outbox
-        if outbox is None:
+        running = self.active_pass
+        if running is None or running[0] != threading.get_ident():
             raise RuntimeError(
                 f"a tensor received over RPC in distributed autograd context {context_id} "
                 f"is part of this graph; run rpcx.autograd.backward(context_id, roots) "
                 "instead of Tensor.backward() or torch.autograd.backward()"
             )
-        outbox.setdefault(peer, []).append((context_id, tag, index, grad))
+        _, pass_context, outbox = running
+        if context_id != pass_context:
+            # An edge recorded in another context: its gradient belongs to that
+            # context's own backward pass, not to this one.
+            log.debug("%s: gradient for context %d dropped in a pass of context %d",
+                      self.agent.name, context_id, pass_context)
+            return
+        outbox.setdefault(peer, []).append((tag, index, grad))
 
-    def run(
+    # A distributed backward pass runs in rounds, driven by the worker that called
+    # backward(). In each round every worker holding gradients runs ONE local pass from
+    # all of them (summed per sent tensor) and delivers the gradients it produces to
+    # their senders, where they wait for the next round. So a part of a graph reached
+    # by several peers' gradients in the same round runs once, with their sum, as
+    # torch's engine would run it; only gradients that arrive in different rounds
+    # (paths of different lengths) make a part run again, and the number of rounds is
+    # bounded by the longest path, not the number of paths.
+    #
+    # A round with a single worker is a chain: when that worker's pass delivers to a
+    # single peer, no other gradient can join that peer's next round, so it delivers
+    # with "and run": the peer runs at once and the chain goes on without a trip back
+    # to the driver (the common pipeline shape costs one message per hop).
+
+    def start(
+        self, context: AutogradContext, roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    ) -> None:
+        """Run the distributed backward pass from ``roots``; return when it is done."""
+        frontier = self._advance(context, list(roots), list(grads), sole=True)
+        while frontier:
+            sole = len(frontier) == 1
+            futures = [
+                self.agent.request(
+                    self.agent.workers[rank], MessageKind.AUTOGRAD_RUN, (context.id, sole),
+                    timeout=self.agent.timeout_for(None), api="dist_autograd.backward",
+                    target=context.id, describe_target=_describe_context,
+                )
+                for rank in sorted(frontier)
+                if rank != self.agent.rank
+            ]
+            following: set[int] = set()
+            error: BaseException | None = None
+            if self.agent.rank in frontier:
+                try:
+                    following |= self._run_pending(context, sole)
+                except Exception as exc:
+                    error = exc
+            for future in futures:
+                try:
+                    following |= set(wait(future))
+                except Exception as exc:
+                    error = error or exc
+            if error is not None:
+                raise error
+            frontier = following
+
+    def _run_pending(self, context: AutogradContext, sole: bool) -> set[int]:
+        """This worker's pass of a round: from every gradient delivered to it."""
+        with context.lock:
+            pending, context.pending = context.pending, {}
+        if not pending:
+            return set()
+        tensors, grads = [], []
+        for (tag, index), grad in pending.items():
+            sent = context.sends.get(tag)
+            if sent is None or index >= len(sent):
+                raise RpcError(
+                    f"worker {self.agent.name!r}: context {context.id} has no tensor "
+                    f"{index} of send {tag} to take a gradient for"
+                )
+            tensors.append(sent[index])
+            grads.append(grad)
+        return self._advance(context, tensors, grads, sole)
+
+    def _advance(
         self,
         context: AutogradContext,
-        tensors: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor],
-    ) -> list[RpcFuture[Any]]:
-        """One local pass; returns the futures of the gradients it sent on."""
-        found, outbox = run_pass(self, tensors, grads)
+        tensors: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        sole: bool,
+    ) -> set[int]:
+        """One pass, then delivery; returns the ranks holding gradients for next round."""
+        found, outbox = run_pass(self, context.id, tensors, grads)
+        self.passes += 1
         context.accumulate(found)
+        if not outbox:
+            return set()
+        if sole and len(outbox) == 1:
+            ((peer, items),) = outbox.items()
+            if peer == self.agent.rank:  # the chain stays here
+                self._deliver_here(context, items)
+                return self._run_pending(context, sole=True)
+            reply = wait(self._send_gradients(context, peer, items, run=True))
+            return set(reply)
         futures = []
         for peer, items in outbox.items():
-            futures.append(self.agent.request(
-                self.agent.workers[peer], MessageKind.AUTOGRAD_BACKWARD, items,
-                timeout=self.agent.timeout_for(None), api="dist_autograd.backward",
-                target=context.id, describe_target=_describe_context,
-            ))
-        return futures
-
-    def handle_backward(self, caller: WorkerInfo, items: Any) -> Any:
-        """Gradients for tensors this worker sent: run a pass per context from them."""
-        by_context: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
-        for context_id, tag, index, grad in items:
-            slots = by_context.setdefault(context_id, {})
-            old = slots.get((tag, index))
-            slots[(tag, index)] = grad if old is None else old + grad
-        futures: list[RpcFuture[Any]] = []
-        for context_id, slots in by_context.items():
-            context = self.get(context_id)
-            tensors, grads = [], []
-            for (tag, index), grad in slots.items():
-                sent = context.sends.get(tag)
-                if sent is None or index >= len(sent):
-                    raise RpcError(
-                        f"worker {self.agent.name!r}: context {context_id} has no tensor "
-                        f"{index} of send {tag} (gradient from {caller.name!r})"
-                    )
-                tensors.append(sent[index])
-                grads.append(grad)
-            futures.extend(self.run(context, tensors, grads))
-        # Reply once the passes this one started are done. Waiting here (the pool grows
-        # while a thread waits) costs one thread hand-off per hop; a Deferred reply would
-        # cost two, and backward passes are chains of such hops.
-        errors = []
-        for future in futures:
+            if peer == self.agent.rank:
+                self._deliver_here(context, items)
+            else:
+                futures.append(self._send_gradients(context, peer, items, run=False))
+        error: BaseException | None = None
+        for future in futures:  # delivered everywhere before the round ends
             try:
                 wait(future)
             except Exception as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-        return None
+                error = error or exc
+        if error is not None:
+            raise error
+        return set(outbox)
+
+    def _send_gradients(
+        self, context: AutogradContext, peer: int, items: list[Any], run: bool
+    ) -> RpcFuture[Any]:
+        return self.agent.request(
+            self.agent.workers[peer], MessageKind.AUTOGRAD_BACKWARD, (context.id, items, run),
+            timeout=self.agent.timeout_for(None), api="dist_autograd.backward",
+            target=context.id, describe_target=_describe_context,
+        )
+
+    @staticmethod
+    def _deliver_here(context: AutogradContext, items: list[Any]) -> None:
+        with context.lock:
+            for tag, index, grad in items:
+                old = context.pending.get((tag, index))
+                context.pending[(tag, index)] = grad if old is None else old + grad
+
+    def handle_backward(self, caller: WorkerInfo, payload: Any) -> Any:
+        """Gradients for tensors this worker sent; with ``run``, run this round now."""
+        context_id, items, run = payload
+        context = self.get(context_id)
+        self._deliver_here(context, items)
+        if not run:
+            return []
+        return sorted(self._run_pending(context, sole=True))
+
+    def handle_run(self, caller: WorkerInfo, payload: Any) -> Any:
+        """The driver starts a round: run a pass from the gradients delivered here."""
+        context_id, sole = payload
+        return sorted(self._run_pending(self.get(context_id), sole))
 
     def handle_release(self, caller: WorkerInfo, context_id: Any) -> Any:
         """A peer released a context: forget it and pass the word on."""
@@ -339,6 +438,7 @@ def install(agent: RpcAgent) -> None:
     agent.scope = svc
     set_scope_hooks(_on_encode, _on_decode)
     agent.register_handler(MessageKind.AUTOGRAD_BACKWARD, svc.handle_backward)
+    agent.register_handler(MessageKind.AUTOGRAD_RUN, svc.handle_run)
     agent.register_handler(MessageKind.AUTOGRAD_RELEASE, svc.handle_release)
     agent.on_drain.append(svc.drain)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import uuid
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ import rpcx
 import rpcx.autograd as dist_autograd
 from rpcx.nn import RemoteModule
 from rpcx.optim import DistributedOptimizer
-from rpcx.testing import training
+from rpcx.testing import remote, training
 from rpcx.testing.world import World
 
 __all__ = ["TestDDPHybrid", "TestDistAutograd", "TestDistributedOptimizer", "TestRemoteModule"]
@@ -104,6 +105,54 @@ class TestDistAutograd:
             dist_autograd.backward(context_id, [(y + z).sum()])
             grad = dist_autograd.get_gradients(context_id)[x]
         assert torch.allclose(grad, 12 * x.detach() + 1 + 4, rtol=1e-12)
+
+    def test_gradients_meeting_on_a_worker_run_once_summed(self, rpc_world: World) -> None:
+        # worker1 clips gradients in backward (not linear) and sends its output to two
+        # peers: like torch's engine, it must clip the sum of both gradients, once.
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        (expected,) = torch.autograd.grad(
+            (training.ClipGrad.apply(x * 1.0) * 0.8 * 2).sum(), [x]  # type: ignore[no-untyped-call]
+        )
+        with dist_autograd.context() as context_id:
+            y = rpcx.rpc_sync(W1, training.clip_then_fan_out, args=(x, [W2, W3]))
+            dist_autograd.backward(context_id, [y.sum()])
+            assert _close(dist_autograd.get_gradients(context_id)[x], expected)
+
+    def test_ladder_costs_passes_linear_in_depth(self, rpc_world: World) -> None:
+        # y <- f(y) on worker1 + f(y) on worker2, eight times: 2**8 paths to the leaf.
+        depth = 8
+        x = torch.ones(1, requires_grad=True)
+        before = sum(s["passes"] for s in _no_contexts(rpc_world))
+        with dist_autograd.context() as context_id:
+            y = x
+            for _ in range(depth):
+                y = (rpcx.rpc_sync(W1, training.scale, args=(y, 1.0))
+                     + rpcx.rpc_sync(W2, training.scale, args=(y, 1.0)))
+            dist_autograd.backward(context_id, [y.sum()])
+            assert _close(dist_autograd.get_gradients(context_id)[x], torch.tensor([2.0**depth]))
+        passes = sum(s["passes"] for s in _no_contexts(rpc_world)) - before
+        assert passes <= 4 * depth, f"{passes} local passes for a ladder of depth {depth}"
+
+    def test_late_nested_call_does_not_revive_a_released_context(self, rpc_world: World) -> None:
+        # The call is still running on worker1 when the block ends; its nested call to
+        # worker2 happens after worker1 heard of the release, and must not recreate the
+        # context on worker2, where no release would ever come.
+        key = uuid.uuid4().hex
+        w = torch.ones(2, requires_grad=True)
+        with dist_autograd.context():
+            future = rpcx.rpc_async(W1, training.wait_then_forward, args=(key, w, W2))
+        dist_autograd._wait_released()  # worker1 has released it
+        rpcx.rpc_sync(W1, remote.release, args=(key,))
+        assert _close(future.wait(), 2 * w.detach())
+        stats = _no_contexts(rpc_world)
+        assert all(s["contexts"] == 0 for s in stats), stats
+
+    def test_calls_from_callbacks_stay_in_the_context(self, rpc_world: World) -> None:
+        w = torch.tensor([1.0, 2.0], requires_grad=True)
+        with dist_autograd.context() as context_id:
+            y = rpcx.rpc_sync(W1, training.scale_twice_in_callbacks, args=(w, W2))
+            dist_autograd.backward(context_id, [y.sum()])
+            assert _close(dist_autograd.get_gradients(context_id)[w], torch.full((2,), 6.0))
 
     def test_retain_graph_twice(self, rpc_world: World) -> None:
         w = torch.tensor([1.0, 2.0], requires_grad=True)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import rpcx
 import rpcx.autograd as dist_autograd
+from rpcx.functions import async_execution
 from rpcx.optim import DistributedOptimizer
 
 
@@ -106,6 +107,41 @@ def use_twice_remotely(x: torch.Tensor, helper: str) -> torch.Tensor:
     a: torch.Tensor = rpcx.rpc_sync(helper, scale, args=(x, 2.0))
     b: torch.Tensor = rpcx.rpc_sync(helper, scale, args=(x, 3.0))
     return a * b + x
+
+
+class ClipGrad(torch.autograd.Function):
+    """Identity forward; backward clamps the gradient to [-1, 1] (not linear in it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clamp(-1.0, 1.0)
+
+
+def clip_then_fan_out(x: torch.Tensor, peers: list[str]) -> torch.Tensor:
+    """Clip-in-backward here, then the result scaled on each of ``peers``, summed."""
+    h = ClipGrad.apply(x * 1.0)  # type: ignore[no-untyped-call]
+    outs: list[torch.Tensor] = [rpcx.rpc_sync(p, scale, args=(h, 0.8)) for p in peers]
+    return torch.stack(outs).sum(dim=0)
+
+
+def wait_then_forward(key: str, x: torch.Tensor, to: str) -> torch.Tensor:
+    """Wait for ``key``'s gate, then send ``x`` on to ``to`` (a nested call)."""
+    from rpcx.testing import remote
+
+    remote.wait_for_release(key)
+    out: torch.Tensor = rpcx.rpc_sync(to, scale, args=(x, 2.0))
+    return out
+
+
+@async_execution
+def scale_twice_in_callbacks(x: torch.Tensor, to: str) -> torch.futures.Future[torch.Tensor]:
+    """``x * 6`` by way of two calls to ``to``, the second made from a callback."""
+    first = rpcx.rpc_async(to, scale, args=(x, 2.0))
+    return first.then(lambda done: rpcx.rpc_sync(to, scale, args=(done.wait(), 3.0)))
 
 
 def local_gradients(context_id: int, module: rpcx.RRef[torch.nn.Module]) -> list[Any]:
