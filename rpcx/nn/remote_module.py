@@ -10,8 +10,10 @@ import torch
 
 from rpcx import _context
 from rpcx.api import rpc_async, rpc_sync
+from rpcx.errors import SerializationError
 from rpcx.futures import RpcFuture
 from rpcx.rref import RRef
+from rpcx.serialization import current_encode_context
 from rpcx.worker import WorkerInfo
 
 __all__ = ["RemoteModule", "parse_remote_device"]
@@ -178,6 +180,13 @@ class RemoteModule(torch.nn.Module):
     def __reduce__(self) -> Any:
         # Travels as (where, module RRef): the receiver rebuilds a wrapper around the same
         # remote module. Only rpcx can pickle the RRef, so only calls can carry it.
+        try:
+            current_encode_context()
+        except SerializationError:
+            raise RuntimeError(
+                f"{self!r} can only be pickled by rpcx, as an argument or result of a "
+                "call (torch.save and plain pickle cannot carry the remote module)"
+            ) from None
         return (_rebuild, (self.remote_device, self.module_rref, self.training))
 
     def __repr__(self) -> str:

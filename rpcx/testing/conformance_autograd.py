@@ -6,6 +6,7 @@ Part of :mod:`rpcx.testing.conformance` (which re-exports these classes).
 from __future__ import annotations
 
 import contextvars
+import pickle
 import threading
 import uuid
 from typing import Any
@@ -387,6 +388,8 @@ class TestRemoteModule:
         here = wrapped(x)
         there = rpcx.rpc_sync(W1, training.call_module, args=(wrapped, x))
         assert _close(here, there)
+        with pytest.raises(RuntimeError, match="only be pickled by rpcx"):
+            pickle.dumps(wrapped)
 
     def test_training_lowers_the_loss(self, rpc_world: World) -> None:
         remote_mlp = RemoteModule(f"{W1}/cpu", training.MLP, args=(4, 8, 1, 3))
