@@ -568,7 +568,9 @@ class RpcAgent:
         outcome = None if exception is None else exception(pending)
         future = pending.future
         here = current_pool()
-        inline = here is self._completions or (future.has_waiter and not future.has_callbacks)
+        inline = here is self._completions or (
+            not future.has_callbacks and (future.has_waiter or future.has_internal)
+        )
         if not inline:
             try:
                 self._completions.submit(_settle, future, value, outcome)

@@ -37,8 +37,9 @@ class RpcFuture(torch.futures.Future[T]):
     so a call made from a callback is recorded in the context it was set up in.
     """
 
-    has_callbacks = False
-    has_waiter = False
+    has_callbacks = False  # a user callback is attached: complete on the completion lane
+    has_waiter = False  # a thread waits on it
+    has_internal = False  # rpcx's own non-blocking callbacks are attached
 
     def then(self, callback: Callable[[torch.futures.Future[T]], S]) -> RpcFuture[S]:
         """Like ``torch.futures.Future.then``, returning an :class:`RpcFuture`.
@@ -113,7 +114,13 @@ def _raise_detached(exc: BaseException) -> NoReturn:
 def add_internal_callback(
     future: torch._C.Future[Any], callback: Callable[[Any], None]
 ) -> None:
-    """Attach a callback of rpcx's own (non-blocking), leaving ``has_callbacks`` alone."""
+    """Attach a callback of rpcx's own (non-blocking), leaving ``has_callbacks`` alone.
+
+    A future with only such callbacks may be completed on a transport's receiving
+    thread, so these callbacks must never block, send, or run user code.
+    """
+    if isinstance(future, RpcFuture):
+        future.has_internal = True
     torch._C.Future.add_done_callback(future, callback)
 
 
