@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -640,11 +641,21 @@ class TestRRefLifetime:
         stats = _settle(rpc_world)
         assert _no_references(stats), stats
 
-    def test_remote_that_fails_to_unpickle_fails_every_user(self, rpc_world: World) -> None:
+    def test_remote_that_fails_to_unpickle_fails_every_user(
+        self, rpc_world: World, tmp_path: Path
+    ) -> None:
         # The owner cannot rebuild remote()'s arguments: a third worker's to_here gets
         # that error at once, not a timeout, and nothing is left behind at the owner.
-        rref = rpcx.remote(W1, remote.echo, args=(remote.FailsToRebuild(),))
-        seen = rpcx.rpc_sync(W2, remote.rref_to_here_error, args=(rref, 30.0))
+        # The gate holds the owner's unpickler until the RRef has been sent on; once the
+        # failure is known here, sending the RRef fails instead (the test above).
+        gate = remote.Gate(str(tmp_path / "gate"))
+        try:
+            rref = rpcx.remote(W1, remote.echo, args=(remote.FailsToRebuildAfterGate(gate),))
+            future = rpcx.rpc_async(W2, remote.rref_to_here_error, args=(rref, 30.0))
+            gate.open()
+            seen = future.wait()
+        finally:
+            gate.close()
         assert seen.startswith("SerializationError") and "refuses to be rebuilt" in seen, seen
         with pytest.raises(rpcx.SerializationError, match="could not unpickle"):
             rref.to_here()

@@ -5,6 +5,8 @@ They live in the package so every worker process can import them.
 
 from __future__ import annotations
 
+import os
+import select
 import threading
 from typing import Any
 
@@ -186,6 +188,60 @@ class FailsToRebuild:
 
     def __reduce__(self) -> Any:
         return (_refuse_to_rebuild, ())
+
+
+class Gate:
+    """A one-shot signal that works across processes: a named pipe, opened by a write.
+
+    Tests use it to hold a worker at a chosen point (say, inside an unpickler) until the
+    caller has done what must happen first, instead of hoping the timing works out.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        os.mkfifo(path)
+        # Hold a read end so the write below never blocks and its byte stays buffered
+        # for a waiter that opens the pipe later.
+        self._keep = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+
+    def open(self) -> None:
+        """Let every present and future waiter through."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Release the pipe (waiters still blocked time out)."""
+        os.close(self._keep)
+        os.unlink(self.path)
+
+
+def wait_for_gate(path: str, timeout: float) -> bool:
+    """Block until the :class:`Gate` at ``path`` opens; False if ``timeout`` ran out."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        readable, _, _ = select.select([fd], [], [], timeout)
+        return bool(readable)
+    finally:
+        os.close(fd)
+
+
+def _refuse_to_rebuild_after(gate_path: str) -> None:
+    if not wait_for_gate(gate_path, 60.0):
+        raise RuntimeError("the test never opened the gate")
+    _refuse_to_rebuild()
+
+
+class FailsToRebuildAfterGate:
+    """Like :class:`FailsToRebuild`, but the unpickler first waits for a :class:`Gate`."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate_path = gate.path
+
+    def __reduce__(self) -> Any:
+        return (_refuse_to_rebuild_after, (self.gate_path,))
 
 
 # ------------------------------------------------------------------------------ RRefs
