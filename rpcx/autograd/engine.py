@@ -4,14 +4,21 @@ Each tensor that requires grad and arrives in a call made inside a context becom
 output of a :class:`_RecvBackward` node, which knows where the tensor came from (peer,
 context, send tag, position). A *pass* runs torch's local autograd engine from some
 tensors with given gradients; when the engine reaches a recv node, the node hands its
-gradient to the pass, which sends it back to the peer after the local engine is done
-(one ``AUTOGRAD_BACKWARD`` message per peer). The peer runs a pass from the tensors it
-sent, and so on, until no gradient is left in flight.
+gradient to the pass's outbox, which the service sends back to the peer after the
+local engine is done (one ``AUTOGRAD_BACKWARD`` message per peer).
 
-Each incoming gradient message runs its own pass, so a part of the local graph reached
-from several sends runs once per send. Backward functions are linear in their incoming
-gradient, so the sums are the same as one pass with the summed gradients; to allow it,
-passes keep the graph (``retain_graph=True``) until the context is released.
+The worker that called ``backward()`` drives the passes in rounds (see
+:mod:`rpcx.autograd.service`): in each round every worker runs one pass from all the
+gradients it received in the previous round, summed, so a part of the graph reached in
+one round runs once, as in torch. A part reached in several rounds (by paths through
+different numbers of calls) runs once per round; backward functions are linear in
+their incoming gradient, so the sums are still torch's, and passes keep the graph
+(``retain_graph=True``) until the context is released to allow it.
+
+A recv node accepts a gradient only from the pass running on its own thread
+(``service.active_pass``): a plain ``loss.backward()`` that reaches one raises and
+says to use ``rpcx.autograd.backward``; an edge recorded in another context drops its
+gradient, which belongs to that context's own pass.
 
 Leaves get their gradients in the context, not in ``.grad``: a pass runs torch's engine
 normally (so ``AccumulateGrad`` and every hook on it run: DDP's all-reduce happens
@@ -19,7 +26,6 @@ here), then moves what landed in ``.grad`` into the context and puts back what w
 there. Passes on one worker are serialized by the service's gradient lock so two
 contexts never see each other's gradients.
 """
-
 from __future__ import annotations
 
 import logging
