@@ -26,6 +26,7 @@ from rpcx import _context, rendezvous
 from rpcx._memory import copy_of
 from rpcx._pool import WorkerPool, current_pool
 from rpcx._timer import DeadlineTimer
+from rpcx.devices import DeviceRoutes
 from rpcx.errors import (
     PeerLostError,
     RemoteErrorInfo,
@@ -138,6 +139,7 @@ class RpcAgent:
         backend: str,
         options: RpcBackendOptions,
         init_method: str,
+        routes: DeviceRoutes | None = None,
     ) -> None:
         self.info = workers[rank]
         self.workers = workers
@@ -145,6 +147,10 @@ class RpcAgent:
         self.options = options
         self.init_method = init_method
         self.rpc_timeout: float = options.rpc_timeout
+        names = [w.name for w in workers]
+        self.routes = routes if routes is not None else DeviceRoutes(rank, names)
+        # Transports that cannot move device memory get non-CPU tensors staged on the host.
+        self._stage_devices = not transport.capabilities.cuda_direct
         self.services: dict[str, Any] = {}  # per-worker state of services (RRef tables, ...)
         self.scope: MessageScope | None = None  # set by the autograd service
         self._by_name = {w.name: w for w in workers}
@@ -265,6 +271,7 @@ class RpcAgent:
     def start(self) -> None:
         """Start the transport. Frames may arrive as soon as this is called."""
         ctx = TransportContext(
+            routes=self.routes,
             rank=self.rank,
             world_size=self.world_size,
             names=[w.name for w in self.workers],
@@ -314,7 +321,7 @@ class RpcAgent:
                 f"RPC on worker {self.name!r} has shut down"
             )
         rid = next(self._ids)
-        ctx = EncodeContext(dst.id, agent=self)
+        ctx = self._request_context(dst.id)
         if self.scope is not None:
             ctx.scope = self.scope.outgoing(dst.id)
         try:
@@ -336,6 +343,7 @@ class RpcAgent:
             return future
         if timeout is not None:
             self._timer.schedule(started + timeout, rid)
+        frame.request_id = rid
         self._transmit(dst.id, frame, ctx, rid)
         return future
 
@@ -343,8 +351,29 @@ class RpcAgent:
         """Send a one-way message (no reply, no future); failures are only logged."""
         if self._state == _CLOSED:
             return
-        ctx = EncodeContext(dst.id)
-        self._transmit(dst.id, encode(kind, 0, payload, ctx), ctx, 0)
+        ctx = self._request_context(dst.id)
+        try:
+            frame = encode(kind, 0, payload, ctx)
+        except SerializationError as exc:
+            log.warning("%s: one-way message to %s not sent: %s", self.name, dst.name, exc)
+            return
+        self._transmit(dst.id, frame, ctx, 0)
+
+    def _request_context(self, dst: int) -> EncodeContext:
+        routes = self.routes
+        return EncodeContext(
+            dst, agent=self, device_map=routes.for_request(dst),
+            unmapped=lambda device: routes.missing_request_entry(dst, device),
+            stage_devices=self._stage_devices,
+        )
+
+    def _response_context(self, src: int, scope: int | None = None) -> EncodeContext:
+        routes = self.routes
+        return EncodeContext(
+            src, agent=self, scope=scope, device_map=routes.for_response(src),
+            unmapped=lambda device: routes.missing_response_entry(src, device),
+            stage_devices=self._stage_devices,
+        )
 
     def _transmit(self, dst: int, frame: Frame, ctx: EncodeContext, rid: int) -> None:
         """Run the frame's before-send hooks and send it; failures fail request ``rid``."""
@@ -532,7 +561,7 @@ class RpcAgent:
     def _reply(self, src: int, rid: int, value: Any, scope: int | None = None) -> None:
         if rid == 0:
             return
-        ctx = EncodeContext(src, agent=self, scope=scope)
+        ctx = self._response_context(src, scope)
         try:
             frame = encode(MessageKind.RESULT, rid, value, ctx)
         except SerializationError as exc:
@@ -540,6 +569,7 @@ class RpcAgent:
                 src, rid, SerializationError(f"could not pickle the result: {exc}")
             )
             return
+        frame.reply_to = rid
         self._transmit(src, frame, ctx, 0)  # a failed reply is the caller's to notice
 
     def _reply_error(self, src: int, rid: int, exc: BaseException) -> None:
@@ -547,8 +577,10 @@ class RpcAgent:
             log.warning("%s: one-way message from rank %d failed: %r", self.name, src, exc)
             return
         info = RemoteErrorInfo.capture(exc, self.name)
-        ctx = EncodeContext(src)
-        self._transmit(src, encode(MessageKind.ERROR, rid, info, ctx), ctx, 0)
+        ctx = self._response_context(src)
+        frame = encode(MessageKind.ERROR, rid, info, ctx)
+        frame.reply_to = rid
+        self._transmit(src, frame, ctx, 0)
 
     # ----------------------------------------------------------- completion & failure
 

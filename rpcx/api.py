@@ -8,7 +8,7 @@ import logging
 import threading
 from typing import Any, TypeVar
 
-from rpcx import _context, calls, rendezvous, rref
+from rpcx import _context, calls, devices, rendezvous, rref
 from rpcx.agent import RpcAgent
 from rpcx.autograd import service as autograd_service
 from rpcx.errors import RpcError
@@ -94,6 +94,12 @@ def init_rpc(
                 ) from exc
         raise
     workers = [WorkerInfo(n, r) for r, n in enumerate(names)]
+    try:
+        routes = devices.exchange_devices(session, rank, name, world_size, options, join_timeout)
+    except BaseException:
+        if spec.capabilities.in_process:
+            rendezvous.release_in_process_store(world_key)
+        raise
     agent = RpcAgent(
         rank=rank,
         workers=workers,
@@ -102,6 +108,7 @@ def init_rpc(
         backend=spec.name,
         options=options,
         init_method=options.init_method,
+        routes=routes,
     )
     try:
         calls.install(agent)

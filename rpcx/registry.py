@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pluggy
+import torch.distributed.rpc
 
 from rpcx import hookspecs
 from rpcx.errors import BackendNotFoundError
@@ -114,6 +115,12 @@ def _load() -> dict[str, BackendSpec]:
             ("rpcx.backends.loopback", loopback),
             ("rpcx.backends.gloo", gloo),
         ]
+        if torch.distributed.rpc.is_available():  # torch built without RPC has no TensorPipe
+            from rpcx.backends import tensorpipe
+
+            plugins.append(("rpcx.backends.tensorpipe", tensorpipe))
+        else:
+            _errors["tensorpipe"] = "this torch build has no torch.distributed.rpc"
         for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT_NAME):
             try:
                 plugins.append((f"{ep.name} ({ep.value})", ep.load()))

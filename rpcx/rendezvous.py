@@ -22,6 +22,7 @@ from torch.distributed.rendezvous import rendezvous as torch_rendezvous
 from rpcx.errors import RpcError, RpcTimeoutError
 
 __all__ = [
+    "all_gather",
     "barrier",
     "in_process_store",
     "join_world",
@@ -116,6 +117,33 @@ def join_world(
             )
         seen[other] = r
     return session, names
+
+
+def all_gather(
+    store: Any,
+    tag: str,
+    name: str,
+    rank: int,
+    world_size: int,
+    value: bytes,
+    timeout: float | None,
+) -> list[bytes]:
+    """Publish ``value`` under ``tag`` and return every rank's value, in rank order.
+
+    ``name`` (this worker's) and ``timeout`` (``init_rpc``'s ``rpc_timeout``) only shape
+    the error raised when some rank never publishes.
+    """
+    store.set(f"{tag}/{rank}", value)
+    _wait_for(
+        store,
+        [f"{tag}/{r}" for r in range(world_size)],
+        timeout,
+        is_gone=lambda r: False,
+        what=(f"init_rpc: worker {name!r} (rank {rank}) waiting for every worker's "
+              f"{tag!r} (bounded by rpc_timeout)"),
+        describe=lambda ranks: "ranks " + ", ".join(map(str, ranks)),
+    )
+    return [bytes(store.get(f"{tag}/{r}")) for r in range(world_size)]
 
 
 def barrier(

@@ -27,7 +27,7 @@ import io
 import pickle
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from rpcx.transport import Frame
 __all__ = [
     "DecodeContext",
     "EncodeContext",
+    "Placed",
     "ReduceError",
     "current_decode_context",
     "current_encode_context",
@@ -83,6 +84,13 @@ class EncodeContext:
             arrives, before the frame itself is served (payloads: plain data only).
         keep_alive: objects the sender holds until the frame has been handed to the
             transport (what the notes refer to, say).
+        device_map: ``{local device: remote device}`` for this message's non-CPU
+            tensors (see :mod:`rpcx.devices`); ``None`` means none may be sent.
+        unmapped: explains, for a device with no entry, which map to set.
+        stage_devices: copy non-CPU tensors to host memory for the transport (which
+            cannot move device memory); the receiver places them on the mapped device.
+        placements: ``id(tensor) -> device`` overriding the map for single tensors
+            (set through :class:`Placed`).
     """
 
     peer: int
@@ -94,6 +102,10 @@ class EncodeContext:
     scope_tag: int = 0
     notes: list[tuple[int, Any]] = field(default_factory=list)
     keep_alive: list[Any] = field(default_factory=list)
+    device_map: Mapping[torch.device, torch.device] | None = None
+    unmapped: Callable[[torch.device], str] | None = None
+    stage_devices: bool = True
+    placements: dict[int, torch.device] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,6 +119,8 @@ class DecodeContext:
         tensors: the rebuilt tensors, in buffer order.
         scope, scope_tag: the message's scope and tag (``None``, 0 if unscoped).
         scope_count: how many tensors the scope hooks have seen in this message.
+        source_device: while a tensor is rebuilt, the device it was on at the sender
+            (``None`` for CPU tensors); the scope hooks read it.
     """
 
     peer: int
@@ -116,6 +130,7 @@ class DecodeContext:
     scope: int | None = None
     scope_tag: int = 0
     scope_count: int = 0
+    source_device: torch.device | None = None
 
 
 class ReduceError(Exception):
@@ -180,12 +195,10 @@ def current_decode_context() -> DecodeContext:
 def _reduce_tensor(tensor: torch.Tensor) -> Any:
     if tensor.layout is not torch.strided or tensor.is_quantized:
         return tensor.__reduce_ex__(_PROTOCOL)  # type: ignore[no-untyped-call]  # rare layouts: torch's own pickling, in band
-    if tensor.device.type != "cpu":
-        raise SerializationError(
-            f"cannot send a tensor on {tensor.device}: this rpcx version moves CPU tensors "
-            "only; call .cpu() before sending"
-        )
     ctx = current_encode_context()
+    target: torch.device | None = None
+    if tensor.device.type != "cpu":
+        target = _target_of(tensor, ctx)
     # Lazily conjugated or negated views must be materialized before a raw byte view.
     data = tensor.detach().resolve_conj().resolve_neg()
     if not data.is_contiguous():
@@ -194,20 +207,45 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         # Contiguous by torch's rules yet not viewable as bytes: a size-1 dimension with
         # stride 0 (gradients of sum() look like this). Give it ordinary strides.
         data = data.clone(memory_format=torch.contiguous_format)
+    if target is not None and ctx.stage_devices:
+        data = data.cpu()  # staged: the receiver puts it on ``target``
     index = len(ctx.buffers)
     ctx.buffers.append(data)
     ctx.tensors.append(tensor)
     if ctx.scope is not None and tensor.requires_grad and _scope_hooks is not None:
         _scope_hooks[0](ctx, tensor)
     is_param = type(tensor) is torch.nn.Parameter
-    return (
-        _rebuild_tensor,
-        (index, str(tensor.dtype), tuple(tensor.shape), tensor.requires_grad, is_param),
+    args: tuple[Any, ...] = (
+        index, str(tensor.dtype), tuple(tensor.shape), tensor.requires_grad, is_param
     )
+    if target is not None:
+        args += (str(target), str(tensor.device))
+    return (_rebuild_tensor, args)
+
+
+def _target_of(tensor: torch.Tensor, ctx: EncodeContext) -> torch.device:
+    """The device a non-CPU tensor lands on at the receiver, or a SerializationError."""
+    target = ctx.placements.get(id(tensor)) if ctx.placements else None
+    if target is None and ctx.device_map is not None:
+        target = ctx.device_map.get(tensor.device)
+    if target is None:
+        if ctx.unmapped is not None:
+            reason = ctx.unmapped(tensor.device)
+        else:
+            reason = (f"no device map covers {tensor.device}; set one with "
+                      "TensorPipeRpcBackendOptions.set_device_map, or move it to the CPU")
+        raise SerializationError(f"cannot send a tensor on {tensor.device}: {reason}")
+    return target
 
 
 def _rebuild_tensor(
-    index: int, dtype_name: str, shape: tuple[int, ...], requires_grad: bool, param: bool
+    index: int,
+    dtype_name: str,
+    shape: tuple[int, ...],
+    requires_grad: bool,
+    param: bool,
+    device: str | None = None,
+    source: str | None = None,
 ) -> torch.Tensor:
     ctx = current_decode_context()
     data = ctx.buffers[index]
@@ -215,6 +253,13 @@ def _rebuild_tensor(
     if data.dtype is not dtype:
         data = data.view(-1).view(dtype)
     tensor = data.reshape(shape)
+    if device is not None:
+        target = torch.device(device)
+        if tensor.device != target:  # staged through host memory, or routed elsewhere
+            tensor = tensor.to(target)
+        ctx.source_device = torch.device(source) if source is not None else None
+    else:
+        ctx.source_device = None
     if requires_grad and ctx.scope is not None and _scope_hooks is not None:
         tensor = _scope_hooks[1](ctx, tensor)
     elif param:
@@ -263,6 +308,33 @@ def register_extension(cls: type, reduce: Callable[[Any, EncodeContext], Any]) -
     global _copyreg_size
     _own[cls] = dispatch
     _copyreg_size = -1  # rebuild the table on next use
+
+
+class Placed:
+    """A tensor that lands on ``device`` at the receiver, whatever the device map says.
+
+    Distributed autograd sends each gradient back to the device its forward tensor
+    came from, which the maps of the backward direction need not cover.
+    """
+
+    __slots__ = ("device", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, device: torch.device) -> None:
+        self.tensor = tensor
+        self.device = device
+
+
+def _reduce_placed(obj: Placed, ctx: EncodeContext) -> Any:
+    if obj.tensor.device.type != "cpu":
+        ctx.placements[id(obj.tensor)] = obj.device
+    return (_rebuild_placed, (obj.tensor,))
+
+
+def _rebuild_placed(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+register_extension(Placed, _reduce_placed)
 
 
 # ----------------------------------------------------------------------------- messages

@@ -17,6 +17,7 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
 
+    from rpcx.devices import DeviceRoutes
     from rpcx.options import RpcBackendOptions
 
 __all__ = ["Capabilities", "Frame", "Transport", "TransportContext"]
@@ -33,6 +34,11 @@ class Frame:
 
     header: bytes
     buffers: list[torch.Tensor] = field(default_factory=list)
+    # Set by the agent; transports may ignore both. ``request_id``: this frame is a
+    # request that ``reply_to`` of a later frame from the peer will answer. A transport
+    # with request/response messages of its own (tensorpipe) pairs the two.
+    request_id: int = 0
+    reply_to: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +81,9 @@ class TransportContext:
         deliver: call with ``(src_rank, frame)`` for every frame received. It may be called
             from any thread; frames from one source must be delivered in the order sent.
         peer_lost: call with ``(rank, reason)`` when a peer dies or leaves, once per peer.
+        routes: the world's device maps as they apply to this worker (checked at
+            ``init_rpc``); a transport that moves device memory configures its routing
+            from them. The codec already decided where each tensor lands.
     """
 
     rank: int
@@ -85,6 +94,7 @@ class TransportContext:
     init_method: str
     deliver: Callable[[int, Frame], None]
     peer_lost: Callable[[int, str], None]
+    routes: DeviceRoutes | None = None
 
 
 class Transport(Protocol):

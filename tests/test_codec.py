@@ -256,11 +256,29 @@ def test_contexts_list_tensors_in_buffer_order() -> None:
     assert dec.buffers is frame.buffers
 
 
-def test_non_cpu_tensor_refused_naming_the_device() -> None:
+def test_non_cpu_tensor_without_a_map_refused_naming_the_device_and_the_fix() -> None:
     tensor = torch.empty(2, device="meta")
     with pytest.raises(SerializationError, match="meta") as info:
         encode(KIND, RID, [tensor], EncodeContext(0))
-    assert ".cpu()" in str(info.value)
+    assert "set_device_map" in str(info.value)
+
+
+def test_unmapped_device_error_comes_from_the_routes() -> None:
+    tensor = torch.empty(2, device="meta")
+    ctx = EncodeContext(0, device_map={}, unmapped=lambda device: f"map {device} somewhere")
+    with pytest.raises(SerializationError, match="map meta somewhere"):
+        encode(KIND, RID, {"x": [tensor]}, ctx)
+
+
+def test_placed_tensor_on_cpu_round_trips_unchanged() -> None:
+    from rpcx.serialization import Placed
+
+    tensor = torch.arange(4.0)
+    ctx = EncodeContext(0)
+    frame = encode(KIND, RID, [Placed(tensor, torch.device("cpu"))], ctx)
+    assert ctx.placements == {}  # CPU tensors stay on the CPU whatever is asked
+    (got,) = decode_payload(frame, DecodeContext(0))
+    assert torch.equal(got, tensor)
 
 
 def test_sparse_tensor_round_trip_in_band() -> None:

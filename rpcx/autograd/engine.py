@@ -42,8 +42,9 @@ __all__ = ["Outbox", "find_leaves", "make_recv", "run_pass"]
 
 log = logging.getLogger("rpcx.autograd")
 
-# Gradients a pass owes its peers: rank -> [(send tag, index, gradient)].
-Outbox = dict[int, list[tuple[int, int, torch.Tensor]]]
+# Gradients a pass owes its peers: rank -> [(send tag, index, gradient)]; a gradient
+# bound for a device rather than the CPU travels as a ``Placed``.
+Outbox = dict[int, list[tuple[int, int, Any]]]
 
 
 class _RecvBackward(torch.autograd.Function):
@@ -61,8 +62,8 @@ class _RecvBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None, None]:
         if grad is not None:
-            service, peer, context_id, tag, index = ctx.origin
-            service.collect(peer, context_id, tag, index, grad)
+            service, peer, context_id, tag, index, source = ctx.origin
+            service.collect(peer, context_id, tag, index, grad, source)
         return None, None, None
 
 
@@ -74,11 +75,16 @@ def make_recv(
     context_id: int,
     tag: int,
     index: int,
+    source: torch.device | None = None,
 ) -> torch.Tensor:
-    """``received`` as the output of a recv node whose gradient goes back to ``peer``."""
+    """``received`` as the output of a recv node whose gradient goes back to ``peer``.
+
+    ``source`` is the device the tensor was on at ``peer`` (``None`` for CPU); the
+    gradient goes back there.
+    """
     with torch.enable_grad():
         out: torch.Tensor = _RecvBackward.apply(  # type: ignore[no-untyped-call]
-            anchor, received, (service, peer, context_id, tag, index)
+            anchor, received, (service, peer, context_id, tag, index, source)
         )
     return out
 

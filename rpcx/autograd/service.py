@@ -27,7 +27,7 @@ from rpcx.autograd.engine import Outbox, make_recv, run_pass
 from rpcx.errors import RpcError
 from rpcx.futures import RpcFuture, wait
 from rpcx.messages import MessageKind
-from rpcx.serialization import DecodeContext, EncodeContext, set_scope_hooks
+from rpcx.serialization import DecodeContext, EncodeContext, Placed, set_scope_hooks
 from rpcx.worker import WorkerInfo
 
 __all__ = ["AutogradContext", "AutogradService", "current_context_id", "install", "service"]
@@ -244,11 +244,20 @@ class AutogradService:
         ctx.scope_count += 1
         if self._joined(ctx.scope, ctx.peer) is None:  # released: a plain leaf
             return tensor.requires_grad_(True)
-        return make_recv(self, self.anchor, tensor, ctx.peer, ctx.scope, ctx.scope_tag, index)
+        return make_recv(self, self.anchor, tensor, ctx.peer, ctx.scope, ctx.scope_tag, index,
+                         ctx.source_device)
 
     # ------------------------------------------------------------------------ passes
 
-    def collect(self, peer: int, context_id: int, tag: int, index: int, grad: torch.Tensor) -> None:
+    def collect(
+        self,
+        peer: int,
+        context_id: int,
+        tag: int,
+        index: int,
+        grad: torch.Tensor,
+        source: torch.device | None = None,
+    ) -> None:
         """A recv node's gradient, to be sent to ``peer`` when the running pass ends."""
         running = self.active_pass
         if running is None or running[0] != threading.get_ident():
@@ -264,7 +273,8 @@ class AutogradService:
             log.debug("%s: gradient for context %d dropped in a pass of context %d",
                       self.agent.name, context_id, pass_context)
             return
-        outbox.setdefault(peer, []).append((tag, index, grad))
+        item = grad if source is None else Placed(grad, source)
+        outbox.setdefault(peer, []).append((tag, index, item))
 
     # A distributed backward pass runs in rounds, driven by the worker that called
     # backward(). In each round every worker holding gradients runs ONE local pass from
@@ -379,6 +389,11 @@ class AutogradService:
     def _deliver_here(context: AutogradContext, items: list[Any]) -> None:
         with context.lock:
             for tag, index, grad in items:
+                if isinstance(grad, Placed):  # a gradient this worker owes itself
+                    grad = grad.tensor.to(grad.device)
+                sent = context.sends.get(tag)
+                if sent is not None and index < len(sent) and grad.device != sent[index].device:
+                    grad = grad.to(sent[index].device)  # it came back by another route
                 old = context.pending.get((tag, index))
                 context.pending[(tag, index)] = grad if old is None else old + grad
 

@@ -71,11 +71,19 @@ def _forward(
     device: torch.device,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    caller: int | None = None,
 ) -> Any:
     local = module.local_value()
-    if device.type != "cpu":
-        args, kwargs = _to(args, device), _to(kwargs, device)
-    return local(*args, **kwargs)
+    if device.type == "cpu":
+        return local(*args, **kwargs)
+    args, kwargs = _to(args, device), _to(kwargs, device)
+    out = local(*args, **kwargs)
+    # As torch's RemoteModule: outputs come back on the device only if the caller's
+    # device map routes it; otherwise they come back on the CPU.
+    route = _context.current_agent().routes.for_response(caller) if caller is not None else None
+    if route is None or route.get(device) is None:
+        out = _to(out, torch.device("cpu"))
+    return out
 
 
 def _parameter_rrefs(module: RRef[torch.nn.Module], recurse: bool) -> list[RRef[torch.Tensor]]:
@@ -138,11 +146,17 @@ class RemoteModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module on its worker and return its output."""
-        return rpc_sync(self.on, _forward, args=(self.module_rref, self.device, args, kwargs))
+        caller = _context.current_agent().rank
+        return rpc_sync(
+            self.on, _forward, args=(self.module_rref, self.device, args, kwargs, caller)
+        )
 
     def forward_async(self, *args: Any, **kwargs: Any) -> RpcFuture[Any]:
         """Like :meth:`forward`, returning a future."""
-        return rpc_async(self.on, _forward, args=(self.module_rref, self.device, args, kwargs))
+        caller = _context.current_agent().rank
+        return rpc_async(
+            self.on, _forward, args=(self.module_rref, self.device, args, kwargs, caller)
+        )
 
     def remote_parameters(self, recurse: bool = True) -> list[RRef[torch.Tensor]]:
         """RRefs to the module's parameters, for :class:`DistributedOptimizer`."""

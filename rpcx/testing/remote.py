@@ -244,6 +244,16 @@ class FailsToRebuildAfterGate:
         return (_refuse_to_rebuild_after, (self.gate_path,))
 
 
+def device_and_double(tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Where the argument arrived, and twice it (on that device)."""
+    return str(tensor.device), tensor * 2
+
+
+def cuda_ones(size: int, index: int) -> torch.Tensor:
+    """``torch.ones(size)`` made on ``cuda:index`` of this worker."""
+    return torch.ones(size, device=torch.device("cuda", index))
+
+
 # ------------------------------------------------------------------------------ RRefs
 
 

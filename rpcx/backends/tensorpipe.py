@@ -1,0 +1,407 @@
+"""The tensorpipe backend: rpcx frames over torch's TensorPipe agent.
+
+TensorPipe is reachable from Python only through torch's own RPC agent, so each worker
+starts one ``TensorPipeAgent`` (built directly, on rpcx's rendezvous store, with the
+device maps rpcx already checked: no numpy, no second exchange) and moves frames as
+torch RPC calls to :func:`_receive`. A frame's tensors are real arguments of that
+call, never pickled bytes, so TensorPipe moves CUDA memory device to device along the
+device maps and uses its shared-memory and TCP channels for CPU memory.
+
+One rpcx call costs one TensorPipe round trip: a request frame travels as a torch call
+whose *reply* carries the rpcx response frame (the receiving side holds the call open
+as an ``async_execution`` future until the agent sends the response). Torch then
+routes the response's tensors along the inverse device map, as rpcx's codec expects.
+Frames that are not requests (one-way messages) travel as calls answered with ``None``.
+
+torch runs incoming calls on a thread pool, and replies complete on whichever thread,
+so arrival order is not send order. Each frame carries a per-(sender, receiver)
+sequence number, responses included, and the receiver delivers strictly in that order
+(the transport contract; the RRef protocol depends on it).
+
+TensorPipe notices a dead peer only on a pipe with a call outstanding, so each worker
+keeps one *watch* call open to every peer, which the peer answers only when it leaves.
+A watch that fails means the peer died; one answered with a goodbye means it left. The
+goodbye carries a sequence number like any frame, so it is delivered after everything
+the peer sent before it. A worker that gets a goodbye it did not expect answers with
+its own, so a peer that leaves alone is not left waiting.
+
+One agent per process: torch keeps its RPC agent in a process-wide slot, so a process
+that uses this backend cannot use ``torch.distributed.rpc`` itself at the same time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed.autograd
+import torch.distributed.rpc as torch_rpc
+import torch.distributed.rpc.api
+
+from rpcx._memory import copy_of
+from rpcx.errors import PeerLostError, RpcError
+from rpcx.hookspecs import hookimpl
+from rpcx.options import DEFAULT_NUM_WORKER_THREADS, TensorPipeRpcBackendOptions
+from rpcx.transport import Capabilities, Frame, TransportContext
+
+__all__ = ["TensorPipeTransport"]
+
+log = logging.getLogger("rpcx.backends.tensorpipe")
+
+# torch's private RPC plumbing (untyped): the agent slot, the autograd container.
+torch_rpc_api: Any = torch.distributed.rpc.api
+torch_autograd: Any = torch.distributed.autograd
+
+_GOODBYE = Frame(b"")  # the frame a watch is answered with when its peer leaves
+# "(this error originated at tensorpipe/core/pipe_impl.cc:356)", "[agent.cpp:12]"
+_CPP_ORIGIN = re.compile(r"\s*\(this error originated at [^)]*\)|\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+_active_lock = threading.Lock()
+_active: TensorPipeTransport | None = None  # this process's transport (torch allows one)
+
+
+class _Inbox:
+    """Frames from one peer, re-ordered by sequence number before delivery."""
+
+    __slots__ = ("delivering", "lock", "next", "waiting")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.next = 0
+        self.waiting: dict[int, Frame] = {}
+        self.delivering = False
+
+
+class TensorPipeTransport:
+    """Frames as torch TensorPipe calls; responses ride in the calls' replies."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        multi_process=True, multi_host=True, cuda_direct=True
+    )
+
+    def __init__(self) -> None:
+        self._ctx: TransportContext | None = None
+        self._agent: Any = None
+        self._lock = threading.Lock()
+        self._send_seq: dict[int, itertools.count[int]] = {}
+        self._inboxes: dict[int, _Inbox] = {}
+        # (peer, request id) -> the torch future that answers that peer's call.
+        self._replies: dict[tuple[int, int], torch.futures.Future[Any]] = {}
+        self._gone: set[int] = set()
+        # Watches: the peers' open watch calls here (answered when this worker leaves),
+        # and the peers whose goodbye has not arrived yet.
+        self._watches: dict[int, torch.futures.Future[Any]] = {}
+        self._goodbye_sent: set[int] = set()
+        self._goodbye_owed: set[int] = set()  # said before the peer's watch arrived
+        self._watched_by: set[int] = set()  # peers whose watch has arrived
+        self._awaiting_goodbye: set[int] = set()
+        self._all_gone = threading.Condition(self._lock)  # watch and goodbye changes
+        # Per peer: devices torch's agent maps for calls to it, and for replies to it.
+        self._call_devices: dict[int, set[torch.device]] = {}
+        self._reply_devices: dict[int, set[torch.device]] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, ctx: TransportContext) -> None:
+        """Start torch's TensorPipe agent for this process on the rpcx store."""
+        global _active
+        from torch._C._distributed_rpc import TensorPipeAgent
+
+        with _active_lock:
+            if _active is not None or torch_rpc_api._is_current_rpc_agent_set():
+                raise RpcError(
+                    "the tensorpipe backend needs torch's RPC agent, and this process "
+                    "already has one (torch.distributed.rpc, or another rpcx worker on "
+                    "tensorpipe): run one such worker per process"
+                )
+            _active = self
+        self._ctx = ctx
+        routes = ctx.routes
+        names = ctx.names
+        for rank in range(ctx.world_size):
+            if rank != ctx.rank:
+                self._send_seq[rank] = itertools.count()
+                self._inboxes[rank] = _Inbox()
+        device_maps: dict[str, dict[torch.device, torch.device]] = {}
+        reverse_maps: dict[str, dict[torch.device, torch.device]] = {}
+        devices: list[torch.device] = []
+        if routes is not None:
+            # (Calls to oneself never reach the transport.)
+            for rank, mapping in routes.outgoing.items():
+                if rank != ctx.rank:
+                    device_maps[names[rank]] = dict(mapping)
+                    self._call_devices[rank] = set(mapping)
+            for rank, mapping in routes.incoming.items():
+                if rank != ctx.rank:
+                    reverse_maps[names[rank]] = dict(mapping)  # {here: there}, as torch's
+                    self._reply_devices[rank] = set(mapping)
+            devices = list(routes.devices)
+        source = ctx.options
+        options = torch_rpc.TensorPipeRpcBackendOptions(
+            num_worker_threads=max(
+                4, getattr(source, "num_worker_threads", DEFAULT_NUM_WORKER_THREADS)
+            ),
+            rpc_timeout=0,  # rpcx keeps the time of every call itself
+            init_method="env://",  # unused: the agent is handed its store
+            device_maps=device_maps,  # type: ignore[arg-type]
+            devices=devices,  # type: ignore[arg-type]
+            _transports=getattr(source, "_transports", None),
+            _channels=getattr(source, "_channels", None),
+        )
+        try:
+            # torch's request handler insists on its autograd container, which rpcx
+            # never uses otherwise; it keeps the first worker id it was given.
+            try:
+                torch_autograd._init(ctx.rank)
+            except RuntimeError as exc:
+                log.debug("torch autograd container already initialized: %s", exc)
+            if torch.cuda.is_available() and devices:
+                torch.cuda.init()  # type: ignore[no-untyped-call]
+            self._agent = TensorPipeAgent(
+                ctx.store, names[ctx.rank], ctx.rank, ctx.world_size, options,
+                reverse_maps, devices,
+            )
+            torch_rpc_api._init_rpc_states(self._agent)
+            for rank in range(ctx.world_size):
+                if rank != ctx.rank:
+                    self._watch(rank)
+            self._wait_for_watches(getattr(source, "rpc_timeout", 0.0) or None)
+        except BaseException:
+            self._release_slot()
+            raise
+
+    def _wait_for_watches(self, timeout: float | None) -> None:
+        # Every pipe of the world is opened here, while nobody can crash mid-call: the
+        # watches open one each way between every two workers, and torch reuses them.
+        # (A peer that dies while one of this worker's listeners is still accepting its
+        # connection breaks every pipe of that listener, so none may be left pending.)
+        ctx = self._ctx
+        assert ctx is not None
+        expected = ctx.world_size - 1
+        with self._lock:
+            if not self._all_gone.wait_for(lambda: len(self._watched_by) >= expected, timeout):
+                missing = [ctx.names[r] for r in range(ctx.world_size)
+                           if r != ctx.rank and r not in self._watched_by]
+                raise RpcError(
+                    f"worker {ctx.names[ctx.rank]!r}: TensorPipe connections from "
+                    f"{', '.join(missing)} did not arrive within {timeout} s (rpc_timeout)"
+                )
+
+    def _watch(self, rank: int) -> None:
+        ctx = self._ctx
+        assert ctx is not None
+        with self._lock:
+            self._awaiting_goodbye.add(rank)
+        future = torch_rpc.rpc_async(ctx.names[rank], _open_watch, args=(ctx.rank,), timeout=0)
+        future.add_done_callback(lambda done: self._on_reply(rank, done))
+
+    def close(self, timeout: float) -> None:
+        """Answer every watch with a goodbye, wait for the peers' own, stop torch's agent."""
+        ctx = self._ctx
+        if ctx is None:
+            return
+        me = ctx.names[ctx.rank]
+        for rank in range(ctx.world_size):
+            if rank != ctx.rank:
+                self._say_goodbye(rank)
+        with self._lock:
+            if not self._all_gone.wait_for(lambda: not self._awaiting_goodbye, timeout):
+                log.warning("%s: no goodbye from %s within %.1f s; leaving anyway", me,
+                            ", ".join(ctx.names[r] for r in sorted(self._awaiting_goodbye)),
+                            timeout)
+            open_replies, self._replies = list(self._replies.values()), {}
+        for future in open_replies:  # requests this worker will never answer
+            if not future.done():
+                future.set_result(None)
+        try:
+            if self._agent is not None:
+                self._agent.shutdown()
+        except Exception as exc:
+            log.warning("%s: torch's TensorPipe agent did not stop cleanly: %s", me, exc)
+        finally:
+            torch_rpc_api._reset_current_rpc_agent()
+            self._release_slot()
+
+    def _say_goodbye(self, rank: int) -> None:
+        """Answer ``rank``'s watch: this worker sends it nothing more."""
+        with self._lock:
+            if rank in self._goodbye_sent:
+                return
+            watch = self._watches.pop(rank, None)
+            if watch is None:  # its watch has not arrived yet: answer it when it does
+                self._goodbye_owed.add(rank)
+                return
+            self._goodbye_owed.discard(rank)
+            self._goodbye_sent.add(rank)
+            seq = next(self._send_seq[rank])  # after every frame sent to it
+        if not watch.done():
+            watch.set_result((seq, _GOODBYE.header, []))
+
+    def _release_slot(self) -> None:
+        global _active
+        with _active_lock:
+            if _active is self:
+                _active = None
+
+    # ---------------------------------------------------------------------- sending
+
+    def send(self, dst: int, frame: Frame) -> None:
+        """Send ``frame``: as the reply to ``dst``'s open call if it answers one."""
+        if dst in self._gone:
+            raise PeerLostError("has shut down")
+        seq = next(self._send_seq[dst])
+        if frame.reply_to:
+            with self._lock:
+                reply = self._replies.pop((dst, frame.reply_to), None)
+            if reply is not None:
+                buffers = self._staged(frame.buffers, self._reply_devices.get(dst))
+                reply.set_result((seq, frame.header, buffers))
+                return
+        self._call(dst, seq, frame, frame.request_id)
+
+    def _call(self, dst: int, seq: int, frame: Frame, request_id: int) -> Any:
+        ctx = self._ctx
+        assert ctx is not None
+        buffers = self._staged(frame.buffers, self._call_devices.get(dst))
+        try:
+            future = torch_rpc.rpc_async(
+                ctx.names[dst], _receive,
+                args=(ctx.rank, seq, frame.header, buffers, request_id), timeout=0,
+            )
+        except RuntimeError as exc:
+            raise PeerLostError(_describe(exc)) from exc
+        future.add_done_callback(lambda done: self._on_reply(dst, done))
+        return future
+
+    @staticmethod
+    def _staged(
+        buffers: list[torch.Tensor], mapped: set[torch.device] | None
+    ) -> list[torch.Tensor]:
+        # torch writes the tensors some time after rpc_async returns, and the caller may
+        # change them as soon as send returns: send private copies. Device memory that
+        # torch's maps do not route (a gradient on its way back, say) goes through the
+        # host; rpcx's codec puts it on its device at the receiver.
+        return [
+            copy_of(b) if b.device.type == "cpu"
+            else b.clone() if mapped is not None and b.device in mapped
+            else b.cpu()
+            for b in buffers
+        ]
+
+    # -------------------------------------------------------------------- receiving
+
+    def _on_reply(self, dst: int, done: torch.futures.Future[Any]) -> None:
+        try:
+            value = done.value()
+        except Exception as exc:
+            self._lose(dst, _describe(exc))
+            return
+        if value is not None:
+            seq, header, buffers = value
+            self._arrive(dst, seq, Frame(header, list(buffers)))
+
+    def _incoming(
+        self, src: int, seq: int, header: bytes, buffers: list[torch.Tensor], request_id: int
+    ) -> torch.futures.Future[Any]:
+        reply: torch.futures.Future[Any] = torch.futures.Future()
+        with self._lock:
+            if request_id and src not in self._goodbye_sent:
+                self._replies[(src, request_id)] = reply
+            else:
+                reply.set_result(None)
+        self._arrive(src, seq, Frame(header, list(buffers)))
+        return reply
+
+    def _incoming_watch(self, src: int) -> torch.futures.Future[Any]:
+        watch: torch.futures.Future[Any] = torch.futures.Future()
+        with self._lock:
+            self._watches[src] = watch
+            self._watched_by.add(src)
+            self._all_gone.notify_all()
+            owed = src in self._goodbye_owed
+        if owed:
+            self._say_goodbye(src)
+        return watch
+
+    def _arrive(self, src: int, seq: int, frame: Frame) -> None:
+        ctx = self._ctx
+        inbox = self._inboxes.get(src)
+        if ctx is None or inbox is None:
+            return
+        with inbox.lock:
+            inbox.waiting[seq] = frame
+            if inbox.delivering:
+                return  # the thread delivering for this peer will pick it up
+            inbox.delivering = True
+        while True:
+            with inbox.lock:
+                ready = inbox.waiting.pop(inbox.next, None)
+                if ready is None:
+                    inbox.delivering = False
+                    return
+                inbox.next += 1
+            if ready.header == _GOODBYE.header:
+                self._lose(src, "has shut down")
+                continue
+            try:
+                ctx.deliver(src, ready)
+            except Exception:
+                log.exception("%s: delivering a frame from rank %d failed",
+                              ctx.names[ctx.rank], src)
+
+    def _lose(self, rank: int, reason: str) -> None:
+        """``rank`` left or died: nothing more comes from it, answer what it waits for."""
+        ctx = self._ctx
+        with self._lock:
+            if ctx is None or rank in self._gone:
+                return
+            self._gone.add(rank)
+            self._awaiting_goodbye.discard(rank)
+            self._all_gone.notify_all()
+            answers = [self._replies.pop(key) for key in list(self._replies) if key[0] == rank]
+        for future in answers:
+            if not future.done():
+                future.set_result(None)
+        self._say_goodbye(rank)  # a peer that leaves alone gets an answer at once
+        ctx.peer_lost(rank, reason)
+
+
+@torch_rpc.functions.async_execution  # type: ignore[untyped-decorator]
+def _open_watch(src: int) -> torch.futures.Future[Any]:
+    """Runs in torch's agent: ``src`` watches this worker; answered when it leaves."""
+    transport = _active
+    if transport is None:
+        raise RpcError("rpcx's tensorpipe transport is not running in this process")
+    return transport._incoming_watch(src)
+
+
+@torch_rpc.functions.async_execution  # type: ignore[untyped-decorator]
+def _receive(
+    src: int, seq: int, header: bytes, buffers: list[torch.Tensor], request_id: int
+) -> torch.futures.Future[Any]:
+    """Runs in torch's agent for every frame that arrives; answers with the reply frame."""
+    transport = _active
+    if transport is None:
+        raise RpcError("rpcx's tensorpipe transport is not running in this process")
+    return transport._incoming(src, seq, header, buffers, request_id)
+
+
+def _describe(exc: BaseException) -> str:
+    """A peer-lost reason from torch's error: first line, C++ source locations removed."""
+    lines = str(exc).strip().splitlines()
+    text = _CPP_ORIGIN.sub("", lines[0]).strip() if lines else ""
+    return f"is unreachable: {text or type(exc).__name__}"
+
+
+@hookimpl
+def rpcx_register_backends(register: Any) -> None:
+    """Register the tensorpipe backend."""
+    register(
+        "tensorpipe",
+        TensorPipeTransport,
+        description="torch's TensorPipe agent: CUDA device to device along device maps",
+        options_type=TensorPipeRpcBackendOptions,
+    )

@@ -1,0 +1,126 @@
+"""Device maps across a world: validation, routes, inversion, and the init-time exchange.
+
+CPU-only: declarations carry device counts as data, so maps that name GPUs are checked
+without one. The tensors themselves move in tests/test_cuda.py (skipped without a GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rpcx
+from rpcx.devices import SAME_DEVICE, WorkerDevices, plan_routes
+from rpcx.serialization import DecodeContext, EncodeContext, decode_payload, encode
+from rpcx.testing.world import start_world, world
+
+CPU = torch.device("cpu")
+CUDA0, CUDA1, CUDA2 = (torch.device("cuda", i) for i in range(3))
+
+
+def declare(name: str, count: int = 2, **maps: dict[object, object]) -> WorkerDevices:
+    from rpcx.options import normalize_device_map
+
+    return WorkerDevices(name, count, {to: normalize_device_map(m) for to, m in maps.items()})
+
+
+def test_requests_use_own_map_and_responses_the_callers_inverse() -> None:
+    a = declare("a", b={0: 1, 1: 0})
+    b = declare("b")
+    c = declare("c", a={"cuda:1": "cuda:0"})
+    routes_a = plan_routes(0, [a, b, c])
+    routes_b = plan_routes(1, [a, b, c])
+    assert routes_a.for_request(1) == {CUDA0: CUDA1, CUDA1: CUDA0}
+    assert routes_a.for_request(2) is None  # a has no map to c
+    assert routes_a.for_response(2) == {CUDA0: CUDA1}  # c's map to a, inverted
+    assert routes_b.for_response(0) == {CUDA1: CUDA0, CUDA0: CUDA1}
+    assert routes_b.for_request(0) is None  # b set nothing: its own calls carry no GPU data
+
+
+def test_calls_to_oneself_keep_devices_unless_mapped() -> None:
+    routes = plan_routes(0, [declare("a"), declare("b")])
+    assert routes.for_request(0) is SAME_DEVICE
+    assert SAME_DEVICE.get(CUDA1) == CUDA1
+    mapped = plan_routes(0, [declare("a", a={0: 1}), declare("b")])
+    assert mapped.for_request(0) == {CUDA0: CUDA1}
+    assert mapped.for_response(0) == {CUDA1: CUDA0}
+
+
+def test_devices_default_to_those_the_maps_name() -> None:
+    a = declare("a", 3, b={2: 0})
+    b = declare("b", 3, a={1: 2})
+    routes = plan_routes(0, [a, b])
+    assert routes.devices == [CUDA2]  # outgoing from cuda:2, incoming to cuda:2
+    assert plan_routes(1, [a, b]).devices == [CUDA0, CUDA1]
+    explicit = WorkerDevices("a", 3, a.device_maps, [CUDA1, CUDA0])
+    assert plan_routes(0, [explicit, b]).devices == [CUDA1, CUDA0]
+
+
+@pytest.mark.parametrize(
+    ("workers", "message"),
+    [
+        ([declare("a", nobody={0: 0}), declare("b")], "not a worker of this world"),
+        ([declare("a", b={0: 5}), declare("b")], "'b' has 2 CUDA device"),
+        ([declare("a", 1, b={3: 0}), declare("b")], "'a' has 1 CUDA device"),
+        ([WorkerDevices("a", 2, {"b": {CUDA0: CUDA1, CUDA1: CUDA1}}), declare("b")],
+         "one-to-one"),
+        ([WorkerDevices("a", 2, {}, [torch.device("cuda:4")]), declare("b")],
+         "'a' has 2 CUDA device"),
+        ([WorkerDevices("a", 2, {"b": {torch.device("meta"): CUDA0}}), declare("b")],
+         "CPU and CUDA devices only"),
+    ],
+)
+def test_invalid_declarations_raise_naming_worker_and_entry(
+    workers: list[WorkerDevices], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan_routes(0, workers)
+
+
+def test_declarations_travel_as_plain_data() -> None:
+    original = WorkerDevices("a", 2, {"b": {CUDA0: CUDA1}}, [CUDA0])
+    data = original.to_bytes()
+    assert b"torch" not in data  # readable without importing any class
+    assert WorkerDevices.from_bytes(data) == original
+
+
+def test_missing_entry_messages_say_which_map_to_set() -> None:
+    routes = plan_routes(0, [declare("a"), declare("b")])
+    request = routes.missing_request_entry(1, CUDA0)
+    assert "set_device_map('b'" in request and "'a'" in request and "cuda:0" in request
+    response = routes.missing_response_entry(1, CUDA1)
+    assert "set_device_map('a'" in response and "inverse" in response
+
+
+def test_codec_records_the_mapped_device_and_refuses_unmapped_ones() -> None:
+    # meta tensors stand in for GPU tensors: the codec decides placement before any copy.
+    routes = plan_routes(0, [declare("a", b={0: 1}), declare("b")])
+    ctx = EncodeContext(1, device_map=routes.for_request(1),
+                        unmapped=lambda d: routes.missing_request_entry(1, d),
+                        stage_devices=False)
+    with pytest.raises(rpcx.SerializationError, match=r"set_device_map\('b'"):
+        encode(3, 1, torch.empty(2, device="meta"), ctx)
+
+
+def test_cpu_tensors_ignore_maps() -> None:
+    ctx = EncodeContext(1, device_map={CPU: CUDA0})
+    frame = encode(3, 1, torch.ones(3), ctx)
+    got = decode_payload(frame, DecodeContext(1))
+    assert got.device == CPU and torch.equal(got, torch.ones(3))
+
+
+def test_init_rpc_rejects_a_map_to_a_device_the_peer_lacks(rpcx_backend: str) -> None:
+    # Every worker checks every declaration with the same data, so all fail the same way
+    # at init_rpc instead of at the first call. (This machine may have no GPU at all.)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    bad = {"worker1": {count: 0}}  # one past this machine's last device
+    expected = rf"'worker0': device map to 'worker1' names cuda:{count}"
+    with pytest.raises(ValueError, match=expected):
+        start_world(rpcx_backend, size=2, device_maps=bad, rpc_timeout=30).close()
+
+
+def test_worlds_with_cpu_only_maps_run_normally(rpcx_backend: str) -> None:
+    # A map naming only the CPU is valid everywhere, and CPU tensors stay on the CPU.
+    with world(rpcx_backend, size=2, device_maps={"worker1": {"cpu": "cpu"}}):
+        got = rpcx.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+        assert got.device == CPU and torch.equal(got, torch.full((2,), 2.0))

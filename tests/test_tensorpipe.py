@@ -1,0 +1,74 @@
+"""Unit tests of the tensorpipe transport's own logic; the conformance suite covers the rest.
+
+Nothing here starts torch's agent: the re-ordering inbox, the private copies made
+before a send returns, and the errors it reports are exercised directly.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+tensorpipe = pytest.importorskip("rpcx.backends.tensorpipe")
+
+from rpcx.transport import Frame  # noqa: E402
+
+
+def _transport(delivered: list[tuple[int, bytes]]) -> Any:
+    transport = tensorpipe.TensorPipeTransport()
+    transport._ctx = SimpleNamespace(
+        rank=0, names=["a", "b"], deliver=lambda src, frame: delivered.append((src, frame.header))
+    )
+    transport._inboxes[1] = tensorpipe._Inbox()
+    return transport
+
+
+def test_frames_are_delivered_in_sequence_order_whatever_the_arrival_order() -> None:
+    delivered: list[tuple[int, bytes]] = []
+    transport = _transport(delivered)
+    for seq in (2, 0, 3, 1):
+        transport._arrive(1, seq, Frame(b"f%d" % seq))
+    assert delivered == [(1, b"f0"), (1, b"f1"), (1, b"f2"), (1, b"f3")]
+    transport._arrive(1, 5, Frame(b"f5"))
+    assert len(delivered) == 4  # 4 has not arrived: 5 waits for it
+    transport._arrive(1, 4, Frame(b"f4"))
+    assert [h for _, h in delivered[4:]] == [b"f4", b"f5"]
+
+
+def test_concurrent_arrivals_deliver_each_frame_once_in_order() -> None:
+    delivered: list[tuple[int, bytes]] = []
+    transport = _transport(delivered)
+    count = 2000
+    seqs = list(range(count))
+    halves = [seqs[0::2], seqs[1::2]]
+    threads = [
+        threading.Thread(target=lambda part=part: [
+            transport._arrive(1, s, Frame(b"%d" % s)) for s in part
+        ])
+        for part in halves
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert [int(h) for _, h in delivered] == seqs
+
+
+def test_sends_use_private_copies_of_cpu_buffers() -> None:
+    big, small = torch.zeros(5 << 20, dtype=torch.uint8), torch.arange(4.0)
+    staged = tensorpipe.TensorPipeTransport._staged([big, small], None)
+    big.fill_(1)
+    small.add_(1)
+    assert staged[0].sum().item() == 0 and torch.equal(staged[1], torch.arange(4.0))
+    assert staged[0].data_ptr() != big.data_ptr() and staged[1].data_ptr() != small.data_ptr()
+
+
+def test_peer_errors_read_without_cpp_locations() -> None:
+    reason = tensorpipe._describe(RuntimeError(
+        "eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)\nmore"
+    ))
+    assert reason == "is unreachable: eof"
