@@ -175,7 +175,7 @@ def run_system(system: str, iterations: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--systems", default="torch,gloo,loopback")
+    parser.add_argument("--systems", default="torch,gloo,tensorpipe,loopback")
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternate the systems this many times; report medians")

@@ -12,7 +12,7 @@ and rank 0 measures:
 Results print as a table with each figure's ratio to torch.distributed.rpc and are
 written to ``bench/results/<date>.json``. Usage::
 
-    python bench/bench_rpc.py [--systems torch,gloo,loopback] [--quick]
+    python bench/bench_rpc.py [--systems torch,gloo,tensorpipe,loopback] [--quick]
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def _summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--systems", default="torch,gloo,loopback")
+    parser.add_argument("--systems", default="torch,gloo,tensorpipe,loopback")
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternate the systems this many times (the machine's noise "
                              "affects them alike); figures are medians over rounds")

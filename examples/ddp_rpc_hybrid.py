@@ -11,7 +11,8 @@ inside the distributed backward pass, so the two trainers' dense weights stay eq
     python examples/ddp_rpc_hybrid.py            # the default backend
     RPCX_BACKEND=loopback python examples/ddp_rpc_hybrid.py
 
-Differences from the torch program: imports; ``.cuda()`` calls dropped (CPU only); fewer
+Differences from the torch program: imports; ``.cuda()`` calls dropped (so it runs on
+CPU-only machines; CUDA tensors work with device maps, see docs/user-guide.md); fewer
 epochs; and, on the loopback backend, where all workers are threads of one process,
 the trainers build their gloo group directly instead of with ``init_process_group``
 (the default process group is one per process).

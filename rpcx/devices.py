@@ -160,7 +160,8 @@ def plan_routes(rank: int, everyone: Sequence[WorkerDevices]) -> DeviceRoutes:
     """Check every worker's declaration and build the routes of worker ``rank``.
 
     Raises ``ValueError`` naming the worker and the entry at fault: a map to an unknown
-    worker, a device index past a worker's device count, a map that is not one-to-one.
+    worker, a device index past a worker's device count, a map that is not one-to-one,
+    a mapped device missing from a worker's explicit ``devices``.
     """
     names = [w.name for w in everyone]
     by_name = {w.name: w for w in everyone}
@@ -184,6 +185,9 @@ def plan_routes(rank: int, everyone: Sequence[WorkerDevices]) -> DeviceRoutes:
                         f"{seen[dst]} and {src} to {dst} (maps must be one-to-one)"
                     )
                 seen[dst] = src
+    for worker in everyone:
+        if worker.devices:  # declared explicitly: every mapped device must be in it
+            _check_declared(worker, everyone)
     me = everyone[rank]
     outgoing = {names.index(to): dict(m) for to, m in me.device_maps.items() if m}
     incoming = {
@@ -197,6 +201,20 @@ def plan_routes(rank: int, everyone: Sequence[WorkerDevices]) -> DeviceRoutes:
         used |= {d for m in incoming.values() for d in m}
         devices = sorted((d for d in used if d.type != "cpu"), key=lambda d: (d.type, d.index))
     return DeviceRoutes(rank, names, outgoing, incoming, devices)
+
+
+def _check_declared(worker: WorkerDevices, everyone: Sequence[WorkerDevices]) -> None:
+    declared = set(worker.devices)
+    used = [(src, f"its device map to {to!r}") for to, m in worker.device_maps.items()
+            for src in m]
+    used += [(dst, f"{other.name!r}'s device map to it") for other in everyone
+             for dst in other.device_maps.get(worker.name, {}).values()]
+    for device, where in used:
+        if device.type != "cpu" and device not in declared:
+            raise ValueError(
+                f"worker {worker.name!r}: {where} uses {device}, which is not in its "
+                f"devices {[str(d) for d in worker.devices]}"
+            )
 
 
 def _check_device(

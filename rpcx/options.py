@@ -91,7 +91,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         super().__init__(rpc_timeout, init_method, num_worker_threads)
         self.device_maps: dict[str, DeviceMap] = {}
         self.devices: list[torch.device] = []
-        # Accepted for source compatibility with torch; rpcx picks its own channels.
+        # TensorPipe's transports and channels: the tensorpipe backend hands them to
+        # torch's agent; other backends ignore them.
         self._transports = _transports
         self._channels = _channels
         for to, device_map in (device_maps or {}).items():

@@ -52,8 +52,8 @@ def test_devices_default_to_those_the_maps_name() -> None:
     routes = plan_routes(0, [a, b])
     assert routes.devices == [CUDA2]  # outgoing from cuda:2, incoming to cuda:2
     assert plan_routes(1, [a, b]).devices == [CUDA0, CUDA1]
-    explicit = WorkerDevices("a", 3, a.device_maps, [CUDA1, CUDA0])
-    assert plan_routes(0, [explicit, b]).devices == [CUDA1, CUDA0]
+    explicit = WorkerDevices("a", 3, a.device_maps, [CUDA2, CUDA0])  # kept as given
+    assert plan_routes(0, [explicit, b]).devices == [CUDA2, CUDA0]
 
 
 @pytest.mark.parametrize(
@@ -68,6 +68,10 @@ def test_devices_default_to_those_the_maps_name() -> None:
          "'a' has 2 CUDA device"),
         ([WorkerDevices("a", 2, {"b": {torch.device("meta"): CUDA0}}), declare("b")],
          "CPU and CUDA devices only"),
+        ([WorkerDevices("a", 2, {"b": {CUDA1: CUDA0}}, [CUDA0]), declare("b")],
+         r"'a': its device map to 'b' uses cuda:1, which is not in its devices"),
+        ([declare("a", b={0: 1}), WorkerDevices("b", 2, {}, [CUDA0])],
+         r"'b': 'a''s device map to it uses cuda:1"),
     ],
 )
 def test_invalid_declarations_raise_naming_worker_and_entry(

@@ -15,10 +15,11 @@ different numbers of calls) runs once per round; backward functions are linear i
 their incoming gradient, so the sums are still torch's, and passes keep the graph
 (``retain_graph=True``) until the context is released to allow it.
 
-A recv node accepts a gradient only from the pass running on its own thread
-(``service.active_pass``): a plain ``loss.backward()`` that reaches one raises and
-says to use ``rpcx.autograd.backward``; an edge recorded in another context drops its
-gradient, which belongs to that context's own pass.
+A recv node accepts a gradient only while a pass runs (``service.active_pass``), and a
+CPU gradient only on that pass's own thread (torch runs CUDA nodes on its per-device
+threads): a plain ``loss.backward()`` that reaches one raises and says to use
+``rpcx.autograd.backward``; an edge recorded in another context drops its gradient,
+which belongs to that context's own pass.
 
 Leaves get their gradients in the context, not in ``.grad``: a pass runs torch's engine
 normally (so ``AccumulateGrad`` and every hook on it run: DDP's all-reduce happens
@@ -134,7 +135,8 @@ def run_pass(
         for leaf in leaves:
             leaf.grad = None
         outbox: Outbox = {}
-        # (CPU graphs run on the calling thread; recv nodes check that they do.)
+        # (CPU nodes run on this thread, CUDA nodes on torch's device threads; recv
+        # nodes check what they can, see AutogradService.collect.)
         service.active_pass = (threading.get_ident(), context_id, outbox)
         try:
             torch.autograd.backward(list(tensors), list(grads), retain_graph=True)

@@ -260,7 +260,11 @@ class AutogradService:
     ) -> None:
         """A recv node's gradient, to be sent to ``peer`` when the running pass ends."""
         running = self.active_pass
-        if running is None or running[0] != threading.get_ident():
+        # torch runs CPU nodes on the thread that called backward, so a CPU gradient on
+        # another thread comes from someone else's plain backward. CUDA nodes run on
+        # torch's per-device threads: for those, a pass in progress is all we can check.
+        on_pass_thread = running is not None and running[0] == threading.get_ident()
+        if running is None or (not on_pass_thread and grad.device.type == "cpu"):
             raise RuntimeError(
                 f"a tensor received over RPC in distributed autograd context {context_id} "
                 f"is part of this graph; run rpcx.autograd.backward(context_id, roots) "

@@ -130,14 +130,18 @@ class TensorPipeTransport:
         devices: list[torch.device] = []
         if routes is not None:
             # (Calls to oneself never reach the transport.)
+            # CPU entries stay with rpcx (CPU tensors always arrive on the CPU): torch
+            # would apply them to CPU tensors.
             for rank, mapping in routes.outgoing.items():
-                if rank != ctx.rank:
-                    device_maps[names[rank]] = dict(mapping)
-                    self._call_devices[rank] = set(mapping)
+                cuda = {k: v for k, v in mapping.items() if k.type != "cpu"}
+                if rank != ctx.rank and cuda:
+                    device_maps[names[rank]] = cuda
+                    self._call_devices[rank] = set(cuda)
             for rank, mapping in routes.incoming.items():
-                if rank != ctx.rank:
-                    reverse_maps[names[rank]] = dict(mapping)  # {here: there}, as torch's
-                    self._reply_devices[rank] = set(mapping)
+                cuda = {k: v for k, v in mapping.items() if k.type != "cpu"}
+                if rank != ctx.rank and cuda:
+                    reverse_maps[names[rank]] = cuda  # {here: there}, as torch's
+                    self._reply_devices[rank] = set(cuda)
             devices = list(routes.devices)
         source = ctx.options
         options = torch_rpc.TensorPipeRpcBackendOptions(
@@ -252,27 +256,40 @@ class TensorPipeTransport:
         """Send ``frame``: as the reply to ``dst``'s open call if it answers one."""
         if dst in self._gone:
             raise PeerLostError("has shut down")
-        seq = next(self._send_seq[dst])
+        reply = None
         if frame.reply_to:
             with self._lock:
                 reply = self._replies.pop((dst, frame.reply_to), None)
-            if reply is not None:
-                buffers = self._staged(frame.buffers, self._reply_devices.get(dst))
-                reply.set_result((seq, frame.header, buffers))
-                return
-        self._call(dst, seq, frame, frame.request_id)
+        mapped = (self._reply_devices if reply is not None else self._call_devices).get(dst)
+        try:
+            buffers = self._staged(frame.buffers, mapped)
+        except BaseException:
+            if reply is not None:  # not answered: closing answers it with nothing
+                with self._lock:
+                    self._replies[(dst, frame.reply_to)] = reply
+            raise
+        # Only now the sequence number: one taken and never sent would hold up every
+        # later frame to ``dst``.
+        seq = next(self._send_seq[dst])
+        if reply is not None:
+            reply.set_result((seq, frame.header, buffers))
+            return
+        self._call(dst, seq, frame.header, buffers, frame.request_id)
 
-    def _call(self, dst: int, seq: int, frame: Frame, request_id: int) -> Any:
+    def _call(
+        self, dst: int, seq: int, header: bytes, buffers: list[torch.Tensor], request_id: int
+    ) -> Any:
         ctx = self._ctx
         assert ctx is not None
-        buffers = self._staged(frame.buffers, self._call_devices.get(dst))
         try:
             future = torch_rpc.rpc_async(
                 ctx.names[dst], _receive,
-                args=(ctx.rank, seq, frame.header, buffers, request_id), timeout=0,
+                args=(ctx.rank, seq, header, buffers, request_id), timeout=0,
             )
         except RuntimeError as exc:
-            raise PeerLostError(_describe(exc)) from exc
+            reason = _describe(exc)
+            self._lose(dst, reason)  # its sequence is broken: treat it as gone
+            raise PeerLostError(reason) from exc
         future.add_done_callback(lambda done: self._on_reply(dst, done))
         return future
 
