@@ -25,6 +25,11 @@ goodbye carries a sequence number like any frame, so it is delivered after every
 the peer sent before it. A worker that gets a goodbye it did not expect answers with
 its own, so a peer that leaves alone is not left waiting.
 
+torch's agent is stopped without its ``join()``: that barrier keys the store with a
+process-wide counter that never resets, so a second world in one process would wait on
+keys nobody writes. The price is a C++ warning per pipe a peer closes first at
+shutdown (``TORCH_CPP_LOG_LEVEL=ERROR`` hides them).
+
 One agent per process: torch keeps its RPC agent in a process-wide slot, so a process
 that uses this backend cannot use ``torch.distributed.rpc`` itself at the same time.
 """
