@@ -107,6 +107,7 @@ class TensorPipeTransport:
         # Per peer: devices torch's agent maps for calls to it, and for replies to it.
         self._call_devices: dict[int, set[torch.device]] = {}
         self._reply_devices: dict[int, set[torch.device]] = {}
+        self._reply_future_devices: list[torch.device] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -148,6 +149,9 @@ class TensorPipeTransport:
                     reverse_maps[names[rank]] = cuda  # {here: there}, as torch's
                     self._reply_devices[rank] = set(cuda)
             devices = list(routes.devices)
+        # A reply future carries CUDA tensors only if it is told their devices
+        # (torch refuses set_result otherwise); CPU needs no entry.
+        self._reply_future_devices = [d for d in devices if d.type != "cpu"] or None
         source = ctx.options
         options = torch_rpc.TensorPipeRpcBackendOptions(
             num_worker_threads=max(
@@ -328,7 +332,9 @@ class TensorPipeTransport:
     def _incoming(
         self, src: int, seq: int, header: bytes, buffers: list[torch.Tensor], request_id: int
     ) -> torch.futures.Future[Any]:
-        reply: torch.futures.Future[Any] = torch.futures.Future()
+        reply: torch.futures.Future[Any] = torch.futures.Future(
+            devices=self._reply_future_devices  # type: ignore[arg-type]
+        )
         with self._lock:
             if request_id and src not in self._goodbye_sent:
                 self._replies[(src, request_id)] = reply
