@@ -72,3 +72,19 @@ def test_peer_errors_read_without_cpp_locations() -> None:
         "eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)\nmore"
     ))
     assert reason == "is unreachable: eof"
+
+
+def test_nothing_is_delivered_after_a_goodbye_or_a_loss() -> None:
+    delivered: list[tuple[int, bytes]] = []
+    lost: list[tuple[int, str]] = []
+    transport = _transport(delivered)
+    transport._ctx.peer_lost = lambda rank, reason: lost.append((rank, reason))
+    transport._watches = {}
+    transport._send_seq[1] = iter(range(100))
+    transport._arrive(1, 0, Frame(b"f0"))
+    transport._arrive(1, 2, Frame(b"f2"))  # sent after the goodbye: must be dropped
+    transport._arrive(1, 1, Frame(tensorpipe._GOODBYE.header))
+    transport._arrive(1, 3, Frame(b"f3"))
+    assert delivered == [(1, b"f0")]
+    assert lost == [(1, "has shut down")]
+    assert not transport._inboxes[1].waiting and not transport._inboxes[1].delivering

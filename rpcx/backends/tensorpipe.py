@@ -71,13 +71,14 @@ _active: TensorPipeTransport | None = None  # this process's transport (torch al
 class _Inbox:
     """Frames from one peer, re-ordered by sequence number before delivery."""
 
-    __slots__ = ("delivering", "lock", "next", "waiting")
+    __slots__ = ("delivering", "ended", "lock", "next", "waiting")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.next = 0
         self.waiting: dict[int, Frame] = {}
         self.delivering = False
+        self.ended = False  # the peer said goodbye or died: nothing more is delivered
 
 
 class TensorPipeTransport:
@@ -96,6 +97,7 @@ class TensorPipeTransport:
         # (peer, request id) -> the torch future that answers that peer's call.
         self._replies: dict[tuple[int, int], torch.futures.Future[Any]] = {}
         self._gone: set[int] = set()
+        self._closed = False  # torch's agent is being stopped: ignore what still arrives
         # Watches: the peers' open watch calls here (answered when this worker leaves),
         # and the peers whose goodbye has not arrived yet.
         self._watches: dict[int, torch.futures.Future[Any]] = {}
@@ -229,6 +231,7 @@ class TensorPipeTransport:
         for future in open_replies:  # requests this worker will never answer
             if not future.done():
                 future.set_result(None)
+        self._closed = True  # watches failing from here on are not peers dying
         try:
             if self._agent is not None:
                 self._agent.shutdown()
@@ -253,6 +256,10 @@ class TensorPipeTransport:
         if not watch.done():
             watch.set_result((seq, _GOODBYE.header, []))
 
+    def _me(self) -> str:
+        ctx = self._ctx
+        return ctx.names[ctx.rank] if ctx is not None else "?"
+
     def _release_slot(self) -> None:
         global _active
         with _active_lock:
@@ -265,6 +272,8 @@ class TensorPipeTransport:
         """Send ``frame``: as the reply to ``dst``'s open call if it answers one."""
         if dst in self._gone:
             raise PeerLostError("has shut down")
+        if self._closed or dst in self._goodbye_sent:
+            raise PeerLostError(f"cannot be reached: worker {self._me()!r} has shut down")
         reply = None
         if frame.reply_to:
             with self._lock:
@@ -281,7 +290,11 @@ class TensorPipeTransport:
         # later frame to ``dst``.
         seq = next(self._send_seq[dst])
         if reply is not None:
-            reply.set_result((seq, frame.header, buffers))
+            try:
+                reply.set_result((seq, frame.header, buffers))
+            except Exception as exc:  # the number is spent: the pair cannot go on
+                self._lose(dst, _describe(exc))
+                raise PeerLostError(_describe(exc)) from exc
             return
         self._call(dst, seq, frame.header, buffers, frame.request_id)
 
@@ -295,7 +308,10 @@ class TensorPipeTransport:
                 ctx.names[dst], _receive,
                 args=(ctx.rank, seq, header, buffers, request_id), timeout=0,
             )
-        except RuntimeError as exc:
+        except Exception as exc:
+            if self._closed:
+                raise PeerLostError(f"cannot be reached: worker {self._me()!r} has shut down"
+                                    ) from exc
             reason = _describe(exc)
             self._lose(dst, reason)  # its sequence is broken: treat it as gone
             raise PeerLostError(reason) from exc
@@ -323,10 +339,12 @@ class TensorPipeTransport:
         try:
             value = done.value()
         except Exception as exc:
-            self._lose(dst, _describe(exc))
+            if not self._closed:
+                self._lose(dst, _describe(exc))
             return
         if value is not None:
             seq, header, buffers = value
+            _wait_for_arrival(buffers)
             self._arrive(dst, seq, Frame(header, list(buffers)))
 
     def _incoming(
@@ -340,6 +358,7 @@ class TensorPipeTransport:
                 self._replies[(src, request_id)] = reply
             else:
                 reply.set_result(None)
+        _wait_for_arrival(buffers)
         self._arrive(src, seq, Frame(header, list(buffers)))
         return reply
 
@@ -360,29 +379,39 @@ class TensorPipeTransport:
         if ctx is None or inbox is None:
             return
         with inbox.lock:
+            if inbox.ended or self._closed:
+                return
             inbox.waiting[seq] = frame
             if inbox.delivering:
                 return  # the thread delivering for this peer will pick it up
             inbox.delivering = True
-        while True:
-            with inbox.lock:
-                ready = inbox.waiting.pop(inbox.next, None)
-                if ready is None:
-                    inbox.delivering = False
+        try:
+            while True:
+                with inbox.lock:
+                    ready = inbox.waiting.pop(inbox.next, None)
+                    if ready is None or inbox.ended:
+                        return
+                    inbox.next += 1
+                if ready.header == _GOODBYE.header:
+                    self._lose(src, "has shut down")
                     return
-                inbox.next += 1
-            if ready.header == _GOODBYE.header:
-                self._lose(src, "has shut down")
-                continue
-            try:
-                ctx.deliver(src, ready)
-            except Exception:
-                log.exception("%s: delivering a frame from rank %d failed",
-                              ctx.names[ctx.rank], src)
+                try:
+                    ctx.deliver(src, ready)
+                except Exception:
+                    log.exception("%s: delivering a frame from rank %d failed",
+                                  ctx.names[ctx.rank], src)
+        finally:
+            with inbox.lock:
+                inbox.delivering = False
 
     def _lose(self, rank: int, reason: str) -> None:
         """``rank`` left or died: nothing more comes from it, answer what it waits for."""
         ctx = self._ctx
+        inbox = self._inboxes.get(rank)
+        if inbox is not None:
+            with inbox.lock:  # frames after a goodbye, or held behind a gap, are dropped
+                inbox.ended = True
+                inbox.waiting.clear()
         with self._lock:
             if ctx is None or rank in self._gone:
                 return
@@ -415,6 +444,17 @@ def _receive(
     if transport is None:
         raise RpcError("rpcx's tensorpipe transport is not running in this process")
     return transport._incoming(src, seq, header, buffers, request_id)
+
+
+def _wait_for_arrival(buffers: list[torch.Tensor]) -> None:
+    """Block until CUDA buffers that just arrived are readable from any stream.
+
+    torch makes them ready on the streams current on this thread (its receive streams,
+    or the streams a reply callback runs on). rpcx decodes and uses them on other
+    threads and streams, so wait here; CPU buffers need nothing.
+    """
+    for device in {b.device for b in buffers if b.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _describe(exc: BaseException) -> str:

@@ -59,6 +59,8 @@ def _create(
 def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_to(v, device) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(_to(v, device) for v in value)
     if isinstance(value, dict):
