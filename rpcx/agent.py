@@ -360,20 +360,12 @@ class RpcAgent:
         self._transmit(dst.id, frame, ctx, 0)
 
     def _request_context(self, dst: int) -> EncodeContext:
-        routes = self.routes
-        return EncodeContext(
-            dst, agent=self, device_map=routes.for_request(dst),
-            unmapped=lambda device: routes.missing_request_entry(dst, device),
-            stage_devices=self._stage_devices,
-        )
+        return EncodeContext(dst, agent=self, routes=self.routes,
+                             stage_devices=self._stage_devices)
 
     def _response_context(self, src: int, scope: int | None = None) -> EncodeContext:
-        routes = self.routes
-        return EncodeContext(
-            src, agent=self, scope=scope, device_map=routes.for_response(src),
-            unmapped=lambda device: routes.missing_response_entry(src, device),
-            stage_devices=self._stage_devices,
-        )
+        return EncodeContext(src, agent=self, scope=scope, routes=self.routes, response=True,
+                             stage_devices=self._stage_devices)
 
     def _transmit(self, dst: int, frame: Frame, ctx: EncodeContext, rid: int) -> None:
         """Run the frame's before-send hooks and send it; failures fail request ``rid``."""

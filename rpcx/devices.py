@@ -116,11 +116,6 @@ class DeviceRoutes:
     incoming: dict[int, DeviceMap] = field(default_factory=dict)
     devices: list[torch.device] = field(default_factory=list)
 
-    @property
-    def any(self) -> bool:
-        """True if some map is set on either side."""
-        return bool(self.outgoing or self.incoming)
-
     def for_request(self, dst: int) -> Mapping[torch.device, torch.device] | None:
         """The map a request (or one-way message) to rank ``dst`` takes."""
         found = self.outgoing.get(dst)
@@ -135,23 +130,26 @@ class DeviceRoutes:
             return SAME_DEVICE
         return found
 
-    def missing_request_entry(self, dst: int, device: torch.device) -> str:
-        """Why a tensor on ``device`` cannot travel in a request to ``dst``, and the fix."""
-        me, peer = self.names[self.rank], self.names[dst]
-        return (
-            f"worker {me!r} has no device map entry for {device} toward worker {peer!r}; "
-            f"call options.set_device_map({peer!r}, {{{str(device)!r}: <device on "
-            f"{peer}>}}) before init_rpc on {me!r}, or move the tensor to the CPU"
-        )
+    def target(self, peer: int, device: torch.device, response: bool) -> torch.device | None:
+        """Where a tensor on ``device`` lands at ``peer``; ``None`` if no map says."""
+        mapping = self.for_response(peer) if response else self.for_request(peer)
+        return None if mapping is None else mapping.get(device)
 
-    def missing_response_entry(self, src: int, device: torch.device) -> str:
-        """Why a tensor on ``device`` cannot travel in a response to ``src``, and the fix."""
-        me, peer = self.names[self.rank], self.names[src]
+    def explain_missing(self, peer: int, device: torch.device, response: bool) -> str:
+        """Why a tensor on ``device`` cannot travel to ``peer``, and which map to set."""
+        me, other = self.names[self.rank], self.names[peer]
+        if not response:
+            return (
+                f"worker {me!r} has no device map entry for {device} toward worker "
+                f"{other!r}; call options.set_device_map({other!r}, {{{str(device)!r}: "
+                f"<device on {other}>}}) before init_rpc on {me!r}, or move the tensor "
+                "to the CPU"
+            )
         return (
-            f"a response from worker {me!r} to {peer!r} holds a tensor on {device}, and "
-            f"responses travel along the inverse of {peer!r}'s device map to {me!r}, "
+            f"a response from worker {me!r} to {other!r} holds a tensor on {device}, and "
+            f"responses travel along the inverse of {other!r}'s device map to {me!r}, "
             f"which has no entry mapping to {device}; call options.set_device_map({me!r}, "
-            f"{{<device on {peer}>: {str(device)!r}}}) before init_rpc on {peer!r}, "
+            f"{{<device on {other}>: {str(device)!r}}}) before init_rpc on {other!r}, "
             "or return CPU tensors"
         )
 
@@ -241,7 +239,9 @@ def exchange_devices(
     """Share this worker's declaration through ``store``; return its checked routes."""
     mine = WorkerDevices.of(name, options)
     gathered = rendezvous.all_gather(
-        store, "devices", name, rank, world_size, mine.to_bytes(), timeout
+        store, "devices", rank, world_size, mine.to_bytes(), timeout,
+        what=(f"init_rpc: worker {name!r} (rank {rank}) waiting for every worker's device "
+              "maps (bounded by rpc_timeout)"),
     )
     return plan_routes(rank, [WorkerDevices.from_bytes(b) for b in gathered])
 

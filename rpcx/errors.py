@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import re
 import sys
 import traceback
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "UnknownWorkerError",
+    "without_cpp_locations",
 ]
 
 
@@ -146,3 +148,19 @@ def _add_note(exc: BaseException, note: str) -> None:
         notes.append(note)
         with contextlib.suppress(AttributeError):
             exc.__notes__ = notes  # type: ignore[attr-defined]
+
+
+# torch's C++ errors name their source: "[../gloo/transport.cc:12] ..." (c10) or
+# "... (this error originated at tensorpipe/core/pipe_impl.cc:356)" (TensorPipe).
+_CPP_LOCATION = re.compile(
+    r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*|\s*\(this error originated at [^)]*\)"
+)
+
+
+def without_cpp_locations(text: str) -> str:
+    """``text`` (a torch/C++ error message) without its C++ source locations.
+
+    Transports use it for the reasons they give ``peer_lost``: users read those, and
+    a file and line inside gloo or TensorPipe tells them nothing.
+    """
+    return _CPP_LOCATION.sub("", text).strip()

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pluggy
-import torch.distributed.rpc
 
 from rpcx import hookspecs
 from rpcx.errors import BackendNotFoundError
@@ -116,12 +115,12 @@ def _load() -> dict[str, BackendSpec]:
             ("rpcx.backends.loopback", loopback),
             ("rpcx.backends.gloo", gloo),
         ]
-        if torch.distributed.rpc.is_available():  # torch built without RPC has no TensorPipe
+        try:  # a torch built without its RPC module has no TensorPipe agent
             from rpcx.backends import tensorpipe
-
-            plugins.append(("rpcx.backends.tensorpipe", tensorpipe))
+        except ImportError as exc:
+            _errors["tensorpipe"] = f"unavailable in this torch build: {exc}"
         else:
-            _errors["tensorpipe"] = "this torch build has no torch.distributed.rpc"
+            plugins.append(("rpcx.backends.tensorpipe", tensorpipe))
         for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT_NAME):
             try:
                 plugins.append((f"{ep.name} ({ep.value})", ep.load()))

@@ -98,16 +98,11 @@ def join_world(
     session = prefixed(store, f"rpcx/s{(joined - 1) // world_size}")
     if session.add(f"rank/{rank}", 1) != 1:
         raise RpcError(f"init_rpc: rank {rank} was claimed twice (worker {name!r} came second)")
-    session.set(f"name/{rank}", name)
-    _wait_for(
-        session,
-        [f"name/{r}" for r in range(world_size)],
-        timeout,
-        is_gone=lambda r: False,
+    gathered = all_gather(
+        session, "name", rank, world_size, name.encode(), timeout,
         what=f"init_rpc: worker {name!r} (rank {rank}) waiting for workers to join",
-        describe=lambda ranks: "ranks " + ", ".join(map(str, ranks)),
     )
-    names = [session.get(f"name/{r}").decode() for r in range(world_size)]
+    names = [value.decode() for value in gathered]
     seen: dict[str, int] = {}
     for r, other in enumerate(names):
         if other in seen:
@@ -122,16 +117,16 @@ def join_world(
 def all_gather(
     store: Any,
     tag: str,
-    name: str,
     rank: int,
     world_size: int,
     value: bytes,
     timeout: float | None,
+    *,
+    what: str,
 ) -> list[bytes]:
     """Publish ``value`` under ``tag`` and return every rank's value, in rank order.
 
-    ``name`` (this worker's) and ``timeout`` (``init_rpc``'s ``rpc_timeout``) only shape
-    the error raised when some rank never publishes.
+    ``what`` describes the wait in the error raised when some rank never publishes.
     """
     store.set(f"{tag}/{rank}", value)
     _wait_for(
@@ -139,8 +134,7 @@ def all_gather(
         [f"{tag}/{r}" for r in range(world_size)],
         timeout,
         is_gone=lambda r: False,
-        what=(f"init_rpc: worker {name!r} (rank {rank}) waiting for every worker's "
-              f"{tag!r} (bounded by rpc_timeout)"),
+        what=what,
         describe=lambda ranks: "ranks " + ", ".join(map(str, ranks)),
     )
     return [bytes(store.get(f"{tag}/{r}")) for r in range(world_size)]

@@ -27,14 +27,17 @@ import io
 import pickle
 import struct
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rpcx.errors import SerializationError
 from rpcx.transport import Frame
+
+if TYPE_CHECKING:
+    from rpcx.devices import DeviceRoutes
 
 __all__ = [
     "DecodeContext",
@@ -84,9 +87,10 @@ class EncodeContext:
             arrives, before the frame itself is served (payloads: plain data only).
         keep_alive: objects the sender holds until the frame has been handed to the
             transport (what the notes refer to, say).
-        device_map: ``{local device: remote device}`` for this message's non-CPU
-            tensors (see :mod:`rpcx.devices`); ``None`` means none may be sent.
-        unmapped: explains, for a device with no entry, which map to set.
+        routes: the sender's device routes (:mod:`rpcx.devices`); consulted only when a
+            non-CPU tensor is sent. ``None``: no non-CPU tensor may be sent.
+        response: this message answers a request of ``peer`` (it travels along the
+            inverse of the peer's map).
         stage_devices: copy non-CPU tensors to host memory for the transport (which
             cannot move device memory); the receiver places them on the mapped device.
         placements: ``id(tensor) -> device`` overriding the map for single tensors
@@ -102,8 +106,8 @@ class EncodeContext:
     scope_tag: int = 0
     notes: list[tuple[int, Any]] = field(default_factory=list)
     keep_alive: list[Any] = field(default_factory=list)
-    device_map: Mapping[torch.device, torch.device] | None = None
-    unmapped: Callable[[torch.device], str] | None = None
+    routes: DeviceRoutes | None = None
+    response: bool = False
     stage_devices: bool = True
     placements: dict[int, torch.device] = field(default_factory=dict)
 
@@ -226,11 +230,12 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
 def _target_of(tensor: torch.Tensor, ctx: EncodeContext) -> torch.device:
     """The device a non-CPU tensor lands on at the receiver, or a SerializationError."""
     target = ctx.placements.get(id(tensor)) if ctx.placements else None
-    if target is None and ctx.device_map is not None:
-        target = ctx.device_map.get(tensor.device)
+    routes = ctx.routes
+    if target is None and routes is not None:
+        target = routes.target(ctx.peer, tensor.device, ctx.response)
     if target is None:
-        if ctx.unmapped is not None:
-            reason = ctx.unmapped(tensor.device)
+        if routes is not None:
+            reason = routes.explain_missing(ctx.peer, tensor.device, ctx.response)
         else:
             reason = (f"no device map covers {tensor.device}; set one with "
                       "TensorPipeRpcBackendOptions.set_device_map, or move it to the CPU")

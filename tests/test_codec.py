@@ -264,9 +264,12 @@ def test_non_cpu_tensor_without_a_map_refused_naming_the_device_and_the_fix() ->
 
 
 def test_unmapped_device_error_comes_from_the_routes() -> None:
+    from rpcx.devices import WorkerDevices, plan_routes
+
+    routes = plan_routes(0, [WorkerDevices("a", 0), WorkerDevices("b", 0)])
     tensor = torch.empty(2, device="meta")
-    ctx = EncodeContext(0, device_map={}, unmapped=lambda device: f"map {device} somewhere")
-    with pytest.raises(SerializationError, match="map meta somewhere"):
+    ctx = EncodeContext(1, routes=routes, response=True)
+    with pytest.raises(SerializationError, match="a response from worker 'a' to 'b'"):
         encode(KIND, RID, {"x": [tensor]}, ctx)
 
 

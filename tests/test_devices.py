@@ -90,24 +90,25 @@ def test_declarations_travel_as_plain_data() -> None:
 
 def test_missing_entry_messages_say_which_map_to_set() -> None:
     routes = plan_routes(0, [declare("a"), declare("b")])
-    request = routes.missing_request_entry(1, CUDA0)
+    request = routes.explain_missing(1, CUDA0, response=False)
     assert "set_device_map('b'" in request and "'a'" in request and "cuda:0" in request
-    response = routes.missing_response_entry(1, CUDA1)
+    response = routes.explain_missing(1, CUDA1, response=True)
     assert "set_device_map('a'" in response and "inverse" in response
 
 
 def test_codec_records_the_mapped_device_and_refuses_unmapped_ones() -> None:
     # meta tensors stand in for GPU tensors: the codec decides placement before any copy.
     routes = plan_routes(0, [declare("a", b={0: 1}), declare("b")])
-    ctx = EncodeContext(1, device_map=routes.for_request(1),
-                        unmapped=lambda d: routes.missing_request_entry(1, d),
-                        stage_devices=False)
+    assert routes.target(1, CUDA0, response=False) == CUDA1
+    assert routes.target(1, CUDA1, response=False) is None
+    ctx = EncodeContext(1, routes=routes, stage_devices=False)
     with pytest.raises(rpcx.SerializationError, match=r"set_device_map\('b'"):
         encode(3, 1, torch.empty(2, device="meta"), ctx)
 
 
 def test_cpu_tensors_ignore_maps() -> None:
-    ctx = EncodeContext(1, device_map={CPU: CUDA0})
+    routes = plan_routes(0, [declare("a", b={"cpu": 0}), declare("b")])
+    ctx = EncodeContext(1, routes=routes)
     frame = encode(3, 1, torch.ones(3), ctx)
     got = decode_payload(frame, DecodeContext(1))
     assert got.device == CPU and torch.equal(got, torch.ones(3))

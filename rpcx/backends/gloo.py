@@ -28,7 +28,6 @@ import collections
 import ipaddress
 import logging
 import os
-import re
 import socket
 import struct
 import threading
@@ -41,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from rpcx._memory import empty_bytes
-from rpcx.errors import PeerLostError, RpcTimeoutError
+from rpcx.errors import PeerLostError, RpcTimeoutError, without_cpp_locations
 from rpcx.hookspecs import hookimpl
 from rpcx.options import TensorPipeRpcBackendOptions
 from rpcx.transport import Capabilities, Frame, TransportContext
@@ -63,9 +62,6 @@ _TAG_SLOT, _TAG_DATA = 0, 1
 # infinite: an idle peer is not a dead peer. Dead peers surface as closed connections.
 _PAIR_TIMEOUT = timedelta(days=3650)
 _BYE_TIMEOUT = timedelta(seconds=10)
-_CPP_LOCATION = re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
-
-
 class GlooRpcBackendOptions(TensorPipeRpcBackendOptions):
     """Options of the gloo backend: torch's fields plus where to listen.
 
@@ -403,7 +399,7 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def _clean(exc: BaseException) -> str:
     """gloo's message without the C++ source location it starts with."""
-    return _CPP_LOCATION.sub("", str(exc)).strip()
+    return without_cpp_locations(str(exc))
 
 
 def _device(ctx: TransportContext) -> Any:

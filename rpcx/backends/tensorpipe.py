@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 import threading
 from typing import Any, ClassVar
 
@@ -48,7 +47,7 @@ import torch.distributed.rpc as torch_rpc
 import torch.distributed.rpc.api
 
 from rpcx._memory import copy_of
-from rpcx.errors import PeerLostError, RpcError
+from rpcx.errors import PeerLostError, RpcError, without_cpp_locations
 from rpcx.hookspecs import hookimpl
 from rpcx.options import DEFAULT_NUM_WORKER_THREADS, TensorPipeRpcBackendOptions
 from rpcx.transport import Capabilities, Frame, TransportContext
@@ -62,8 +61,6 @@ torch_rpc_api: Any = torch.distributed.rpc.api
 torch_autograd: Any = torch.distributed.autograd
 
 _GOODBYE = Frame(b"")  # the frame a watch is answered with when its peer leaves
-# "(this error originated at tensorpipe/core/pipe_impl.cc:356)", "[agent.cpp:12]"
-_CPP_ORIGIN = re.compile(r"\s*\(this error originated at [^)]*\)|\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
 _active_lock = threading.Lock()
 _active: TensorPipeTransport | None = None  # this process's transport (torch allows one)
 
@@ -460,7 +457,7 @@ def _wait_for_arrival(buffers: list[torch.Tensor]) -> None:
 def _describe(exc: BaseException) -> str:
     """A peer-lost reason from torch's error: first line, C++ source locations removed."""
     lines = str(exc).strip().splitlines()
-    text = _CPP_ORIGIN.sub("", lines[0]).strip() if lines else ""
+    text = without_cpp_locations(lines[0]) if lines else ""
     return f"is unreachable: {text or type(exc).__name__}"
 
 

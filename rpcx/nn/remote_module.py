@@ -82,8 +82,8 @@ def _forward(
     out = local(*args, **kwargs)
     # As torch's RemoteModule: outputs come back on the device only if the caller's
     # device map routes it; otherwise they come back on the CPU.
-    route = _context.current_agent().routes.for_response(caller) if caller is not None else None
-    if route is None or route.get(device) is None:
+    routes = _context.current_agent().routes
+    if caller is None or routes.target(caller, device, response=True) is None:
         out = _to(out, torch.device("cpu"))
     return out
 
