@@ -58,6 +58,59 @@ def test_concurrent_arrivals_deliver_each_frame_once_in_order() -> None:
     assert [int(h) for _, h in delivered] == seqs
 
 
+class _PausingLock:
+    """A lock that stops one thread just after a chosen release, until told to go on.
+
+    It forces the window between a delivering thread's last look at the inbox and its
+    giving up the delivering role, where a frame arriving on another thread used to be
+    stranded.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.pause_thread: threading.Thread | None = None  # pause it at its next release
+        self.paused = threading.Event()
+        self.resume = threading.Event()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        if self.pause_thread is threading.current_thread():
+            self.pause_thread = None
+            self.paused.set()
+            assert self.resume.wait(10), "the test never resumed the paused thread"
+
+
+def test_a_frame_arriving_while_the_deliverer_gives_up_is_still_delivered() -> None:
+    delivered: list[bytes] = []
+    transport = tensorpipe.TensorPipeTransport()
+    lock = _PausingLock()
+    inbox = tensorpipe._Inbox()
+    inbox.lock = lock  # type: ignore[assignment]
+    transport._inboxes[1] = inbox
+
+    def deliver(src: int, frame: Frame) -> None:
+        delivered.append(frame.header)
+        if frame.header == b"f0":  # pause the deliverer right after its next look
+            lock.pause_thread = threading.current_thread()
+
+    transport._ctx = SimpleNamespace(rank=0, names=["a", "b"], deliver=deliver)
+    first = threading.Thread(target=transport._arrive, args=(1, 0, Frame(b"f0")))
+    first.start()
+    try:
+        assert lock.paused.wait(10), "the delivering thread never reached the window"
+        # The deliverer found nothing after f0 and is paused in the window: f1 arrives.
+        transport._arrive(1, 1, Frame(b"f1"))
+    finally:
+        lock.resume.set()
+        first.join(10)
+    assert not first.is_alive()
+    assert delivered == [b"f0", b"f1"]
+    assert not inbox.waiting and not inbox.delivering
+
+
 def test_sends_use_private_copies_of_cpu_buffers() -> None:
     big, small = torch.zeros(5 << 20, dtype=torch.uint8), torch.arange(4.0)
     staged = tensorpipe.TensorPipeTransport._staged([big, small], None)

@@ -382,24 +382,30 @@ class TensorPipeTransport:
             if inbox.delivering:
                 return  # the thread delivering for this peer will pick it up
             inbox.delivering = True
+        # This thread now delivers for ``src`` until nothing in order is left. Finding
+        # nothing and giving up the role must happen under one acquisition of the lock:
+        # a frame that arrives in between would otherwise see ``delivering`` still set,
+        # leave itself to this thread, and never be delivered.
         try:
             while True:
                 with inbox.lock:
                     ready = inbox.waiting.pop(inbox.next, None)
                     if ready is None or inbox.ended:
+                        inbox.delivering = False
                         return
                     inbox.next += 1
                 if ready.header == _GOODBYE.header:
-                    self._lose(src, "has shut down")
-                    return
+                    self._lose(src, "has shut down")  # ends the inbox: the loop stops
+                    continue
                 try:
                     ctx.deliver(src, ready)
                 except Exception:
                     log.exception("%s: delivering a frame from rank %d failed",
                                   ctx.names[ctx.rank], src)
-        finally:
-            with inbox.lock:
+        except BaseException:
+            with inbox.lock:  # not delivering any more: a later arrival takes over
                 inbox.delivering = False
+            raise
 
     def _lose(self, rank: int, reason: str) -> None:
         """``rank`` left or died: nothing more comes from it, answer what it waits for."""
