@@ -56,9 +56,11 @@ class WorkerPool:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on a pool thread. Exceptions are logged, not raised."""
-        if self._closed:
-            raise RpcShutdownError(f"{self._name}: the request pool has shut down")
         with self._lock:
+            # Checked under the lock shutdown() takes to close the pool: an item queued
+            # behind the threads' stop markers would never run.
+            if self._closed:
+                raise RpcShutdownError(f"{self._name}: the request pool has shut down")
             self._queued += 1
             self._queue.put((fn, args))
             self._spawn_if_needed_locked()

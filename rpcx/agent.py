@@ -36,7 +36,7 @@ from rpcx.errors import (
     SerializationError,
     UnknownWorkerError,
 )
-from rpcx.futures import RpcFuture
+from rpcx.futures import RpcFuture, settle_inline
 from rpcx.messages import MessageKind
 from rpcx.options import RpcBackendOptions
 from rpcx.serialization import (
@@ -316,10 +316,7 @@ class RpcAgent:
         every later failure (timeout, remote error, lost peer) goes to the future.
         """
         if self._state == _CLOSED:
-            raise RpcShutdownError(
-                f"{api}({describe_target(target)}) to worker {dst.name!r}: "
-                f"RPC on worker {self.name!r} has shut down"
-            )
+            raise self._shut_down_error(api, describe_target(target), dst)
         rid = next(self._ids)
         ctx = self._request_context(dst.id)
         if self.scope is not None:
@@ -335,6 +332,10 @@ class RpcAgent:
         started = time.monotonic()
         pending = _Pending(future, dst, api, target, started, timeout, describe_target)
         with self._lock:
+            # Under the lock _close() takes to cancel what is pending: a call registered
+            # after it looked would wait forever (its timer is stopped too).
+            if self._state == _CLOSED:
+                raise self._shut_down_error(api, describe_target(target), dst)
             lost = self._lost.get(dst.id)
             if lost is None:
                 self._pending[rid] = pending
@@ -346,6 +347,11 @@ class RpcAgent:
         frame.request_id = rid
         self._transmit(dst.id, frame, ctx, rid)
         return future
+
+    def _shut_down_error(self, api: str, target: str, dst: WorkerInfo) -> RpcShutdownError:
+        return RpcShutdownError(
+            f"{api}({target}) to worker {dst.name!r}: RPC on worker {self.name!r} has shut down"
+        )
 
     def notify(self, dst: WorkerInfo, kind: MessageKind, payload: Any) -> None:
         """Send a one-way message (no reply, no future); failures are only logged."""
@@ -591,17 +597,18 @@ class RpcAgent:
             return
         outcome = None if exception is None else exception(pending)
         future = pending.future
-        here = current_pool()
-        inline = here is self._completions or (
-            not future.has_callbacks and (future.has_waiter or future.has_internal)
-        )
-        if not inline:
-            try:
-                self._completions.submit(_settle, future, value, outcome)
-                return
-            except RpcShutdownError:
-                pass  # shutting down: complete it here
-        _settle(future, value, outcome)
+        if current_pool() is self._completions:
+            _settle(future, value, outcome)
+            return
+        if not future.has_callbacks and (future.has_waiter or future.has_internal):
+            # No user callback to run: complete it here, saving a hand-off. One attached
+            # since that check is sent to the completion lane when it runs.
+            settle_inline(future, value, outcome, self._completions.submit)
+            return
+        try:
+            self._completions.submit(_settle, future, value, outcome)
+        except RpcShutdownError:
+            _settle(future, value, outcome)  # shutting down: complete it here
 
     def _expire(self, rid: int) -> None:
         self._complete(rid, exception=self._timeout_error)

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import threading
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 import torch
 
 from rpcx._pool import current_pool
+from rpcx.errors import RpcShutdownError
 
-__all__ = ["RpcFuture", "add_internal_callback", "wait"]
+__all__ = ["RpcFuture", "add_internal_callback", "settle_inline", "wait"]
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -57,14 +59,16 @@ class RpcFuture(torch.futures.Future[T]):
             except BaseException as exc:
                 result.set_exception(exc)  # type: ignore[arg-type]
 
-        torch._C.Future.add_done_callback(self, run)
+        torch._C.Future.add_done_callback(self, _off_the_settling_thread(run))
         return result
 
     def add_done_callback(self, callback: Callable[[torch.futures.Future[T]], None]) -> None:
         """Like ``torch.futures.Future.add_done_callback``."""
         self.has_callbacks = True
         context = contextvars.copy_context()
-        super().add_done_callback(lambda future: context.run(callback, future))
+        super().add_done_callback(
+            _off_the_settling_thread(lambda future: context.run(callback, future))
+        )
 
     def wait(self) -> T:
         """Block until the value is ready and return it, or raise the call's error.
@@ -88,6 +92,52 @@ class RpcFuture(torch.futures.Future[T]):
             return super().value()
         except BaseException as exc:
             _raise_detached(exc)
+
+
+class _Settling(threading.local):
+    # Set while the agent completes a future on a thread that must not run user code
+    # (a transport's receiving thread, the timer): where such callbacks go instead.
+    lane: Callable[..., None] | None = None
+
+
+_settling = _Settling()
+
+
+def settle_inline(
+    future: torch.futures.Future[Any],
+    value: Any,
+    exception: BaseException | None,
+    lane: Callable[..., None],
+) -> None:
+    """Complete ``future`` here, sending any user callback on it to ``lane`` instead.
+
+    The agent completes a future on its receiving thread only when no user callback is
+    attached, but one can be attached between that check and the completion: such a
+    callback notices, at the moment it runs, that it must not run here, and goes to
+    ``lane`` (``lane(fn, arg)``; it may raise ``RpcShutdownError``, then it runs here).
+    """
+    outer, _settling.lane = _settling.lane, lane
+    try:
+        if exception is None:
+            future.set_result(value)
+        else:
+            future.set_exception(exception)
+    finally:
+        _settling.lane = outer
+
+
+def _off_the_settling_thread(callback: Callable[[Any], None]) -> Callable[[Any], None]:
+    def run(future: Any) -> None:
+        lane = _settling.lane
+        if lane is not None:
+            try:
+                lane(callback, future)
+                return
+            except RpcShutdownError:
+                pass  # no lane any more: run it here
+        callback(future)
+
+    return run
 
 
 def _raise_detached(exc: BaseException) -> NoReturn:
