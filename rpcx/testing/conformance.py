@@ -184,11 +184,17 @@ class TestAsyncExecution:
             rpcx.rpc_sync(W1, remote.async_returns_wrong_type)
 
     def test_torch_decorator_is_honoured(self, rpc_world: World) -> None:
-        # Programs that still decorate with torch's async_execution keep working.
+        # Programs that still decorate with torch's async_execution keep working: the
+        # reply is the returned future's value (not the future), here and via RRefs.
         from torch.distributed.rpc import functions as torch_functions
 
         wrapped = torch_functions.async_execution(remote.echo)  # type: ignore[no-untyped-call]
         assert rpcx.functions.is_async_execution(wrapped)
+        assert rpcx.rpc_sync(W1, remote.torch_async_add_via, args=(W2, 1, 2)) == 4
+        assert rpcx.rpc_async(W1, remote.torch_async_add_via, args=(W0, 2, 2)).wait() == 5
+        assert rpcx.remote(W2, remote.torch_async_add_via, args=(W3, 3, 3)).to_here() == 7
+        counter = rpcx.remote(W1, remote.Counter, args=(5,))
+        assert counter.rpc_sync().torch_async_double() == 10
 
 
 # A timeout must not fire early, nor late by more than this: generous, for loaded CI

@@ -15,6 +15,15 @@ import torch
 import rpcx
 from rpcx.functions import async_execution
 
+
+def _torch_async_execution(fn: Any) -> Any:
+    """torch's ``@rpc.functions.async_execution`` (``fn`` unchanged without torch RPC)."""
+    try:
+        from torch.distributed.rpc import functions as torch_functions
+    except ImportError:  # a torch build without its RPC package
+        return fn
+    return torch_functions.async_execution(fn)  # type: ignore[no-untyped-call]
+
 # ------------------------------------------------------------------------------ plain
 
 
@@ -106,6 +115,15 @@ def ping_pong(depth: int, a: str, b: str) -> int:
 def async_add_via(to: str, a: Any, b: Any) -> torch.futures.Future[Any]:
     """``a + b + 1``: adds on ``to`` without holding a thread here while waiting."""
     return rpcx.rpc_async(to, add, args=(a, b)).then(lambda fut: fut.wait() + 1)
+
+
+def _torch_async_add_via(to: str, a: Any, b: Any) -> torch.futures.Future[Any]:
+    return rpcx.rpc_async(to, add, args=(a, b)).then(lambda fut: fut.wait() + 1)
+
+
+# The same, decorated with torch's own decorator (as unported programs do).
+torch_async_add_via = _torch_async_execution(_torch_async_add_via)
+torch_async_add_via.__qualname__ = torch_async_add_via.__name__ = "torch_async_add_via"
 
 
 @async_execution
@@ -283,6 +301,11 @@ class Counter:
     def value(self) -> int:
         """The current count."""
         return self.count
+
+    def _torch_async_double(self) -> torch.futures.Future[int]:
+        return rpcx.rpc_async(rpcx.get_worker_info(), add, args=(self.count, self.count))
+
+    torch_async_double = _torch_async_execution(_torch_async_double)
 
     @async_execution
     def async_double(self) -> torch.futures.Future[int]:
@@ -582,3 +605,27 @@ def send_gradient(context_id: int, to: str, tag: int, index: int, grad: torch.Te
     svc = service(agent)
     wait(svc._send_gradients(svc.get(context_id), agent.resolve(to).id,
                              [(tag, index, grad)], run=False))
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def wait_until_lost(name: str, timeout: float) -> dict[str, str]:
+    """Wait (at most ``timeout``) until this worker knows ``name`` is gone; return
+    ``debug_info()["lost_peers"]``."""
+    agent = _context_agent()
+    rank = agent.resolve(name).id
+    lost = threading.Event()
+
+    def hook(gone: int) -> None:
+        if gone == rank:
+            lost.set()
+
+    agent.on_peer_lost.append(hook)
+    try:
+        if name not in agent.lost_peers():
+            lost.wait(timeout)
+    finally:
+        agent.on_peer_lost.remove(hook)
+    found: dict[str, str] = rpcx.debug_info()["lost_peers"]
+    return found
