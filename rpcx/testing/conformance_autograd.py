@@ -446,6 +446,31 @@ class TestRemoteModule:
         with pytest.raises(RuntimeError, match="only be pickled by rpcx"):
             pickle.dumps(wrapped)
 
+    def test_error_paths(self, rpc_world: World) -> None:
+        for bad, message in [
+            ("/cpu", "names no worker"),
+            (f"{W1}/no_such_device", "bad device 'no_such_device'"),
+            (42, "must be a string"),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                RemoteModule(bad, training.Linear, args=(2, 2, 1))  # type: ignore[arg-type]
+        with pytest.raises(rpcx.UnknownWorkerError, match="worker3"):
+            RemoteModule("rank:99/cpu", training.Linear, args=(2, 2, 1))
+        # Built on the owner: its errors keep their type and say what went wrong.
+        with pytest.raises(TypeError, match=r"built a int, not an nn\.Module"):
+            RemoteModule(f"{W1}/cpu", remote.not_a_module)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            RemoteModule(f"{W1}/cpu", training.Linear, args=(2,))  # missing arguments
+        rref = rpcx.remote(W3, training.Linear, args=(2, 2, 8))
+        with pytest.raises(ValueError, match="owned by 'worker3', not by 'worker1'"):
+            RemoteModule.init_from_module_rref(f"{W1}/cpu", rref)
+        module = RemoteModule(f"{W2}/cpu", training.Linear, args=(2, 2, 1))
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            module(torch.ones(1, 5))  # the forward fails on the owner
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            module.forward_async(torch.ones(1, 5)).wait()
+        assert _close(module(torch.ones(1, 2)), training.Linear(2, 2, 1)(torch.ones(1, 2)))
+
     def test_training_lowers_the_loss(self, rpc_world: World) -> None:
         remote_mlp = RemoteModule(f"{W1}/cpu", training.MLP, args=(4, 8, 1, 3))
         opt = DistributedOptimizer(torch.optim.Adam, remote_mlp.remote_parameters(), lr=0.05)

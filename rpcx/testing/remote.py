@@ -629,3 +629,8 @@ def wait_until_lost(name: str, timeout: float) -> dict[str, str]:
         agent.on_peer_lost.remove(hook)
     found: dict[str, str] = rpcx.debug_info()["lost_peers"]
     return found
+
+
+def not_a_module() -> int:
+    """A "module class" for RemoteModule that builds something else."""
+    return 7
