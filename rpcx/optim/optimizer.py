@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,15 +29,16 @@ class _LocalOptimizer:
     ) -> None:
         self.params = [rref.local_value() for rref in params]
         self.optimizer = optimizer_class(self.params, *args, **kwargs)
-        self._lock = threading.Lock()
 
     def step(self, context_id: int) -> None:
         """Apply the gradients of ``context_id`` held on this worker."""
         svc = autograd_service(_context.current_agent())
         grads = svc.get(context_id).grads
         # The optimizer reads .grad: lend it the context's gradients for the step. The
-        # gradient lock keeps backward passes (which also borrow .grad) out meanwhile.
-        with self._lock, svc.grad_lock:
+        # worker's gradient lock serializes this with every other step on this worker
+        # (other trainers' optimizers over the same parameters included) and keeps
+        # backward passes, which also borrow .grad, out meanwhile.
+        with svc.grad_lock:
             saved = [p.grad for p in self.params]
             try:
                 for param in self.params:

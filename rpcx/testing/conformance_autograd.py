@@ -16,6 +16,8 @@ import torch
 
 import rpcx
 import rpcx.autograd as dist_autograd
+from rpcx import _context
+from rpcx.autograd.service import service as autograd_service
 from rpcx.nn import RemoteModule
 from rpcx.optim import DistributedOptimizer
 from rpcx.testing import remote, training
@@ -118,6 +120,22 @@ class TestDistAutograd:
             y = rpcx.rpc_sync(W1, training.clip_then_fan_out, args=(x, [W2, W3]))
             dist_autograd.backward(context_id, [y.sum()])
             assert _close(dist_autograd.get_gradients(context_id)[x], expected)
+
+    def test_gradients_waiting_on_one_sent_tensor_are_summed(self, rpc_world: World) -> None:
+        # Gradients for a tensor this worker sent wait for its next pass; two that
+        # arrive for the same tensor before that pass (paths of different lengths
+        # through other workers can do that) must add up, not replace each other.
+        # Delivered here by worker1 over the wire, as its passes would deliver them.
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        svc = autograd_service(_context.current_agent())
+        with dist_autograd.context() as context_id:
+            rpcx.rpc_sync(W1, training.scale, args=(x, 3.0))
+            (tag,) = svc.get(context_id).sends
+            for grad in (torch.tensor([1.0, 10.0]), torch.tensor([100.0, 1000.0])):
+                rpcx.rpc_sync(W1, remote.send_gradient, args=(context_id, W0, tag, 0, grad))
+            assert svc.handle_run(rpcx.get_worker_info(W1), (context_id, True)) == []
+            grads = dist_autograd.get_gradients(context_id)
+        assert _close(grads[x], torch.tensor([101.0, 1010.0]))
 
     def test_ladder_costs_passes_linear_in_depth(self, rpc_world: World) -> None:
         # y <- f(y) on worker1 + f(y) on worker2, eight times: 2**8 paths to the leaf.
@@ -339,6 +357,43 @@ class TestDistributedOptimizer:
         after = rpcx.rpc_sync(W3, training.parameters_of, args=(module,))
         assert not any(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
+    @pytest.mark.parametrize("shared", [False, True], ids=["own-optimizers", "one-optimizer"])
+    def test_concurrent_steps_do_not_mix_gradients(self, rpc_world: World, shared: bool) -> None:
+        # Two trainers step the same owner's parameters at the same moment, each with
+        # its own context's gradients. A step lends those to .grad; unserialized, one
+        # step would run with the other's gradients (and leave them in .grad). The
+        # probe optimizer holds the first step open until the second begins (bounded),
+        # so a missing lock shows every time, not by chance.
+        module = rpcx.remote(W3, training.Linear, args=(2, 2, 9))
+        params = training._param_rrefs(module)
+        before = rpcx.rpc_sync(W3, training.parameters_of, args=(module,))
+        probe = uuid.uuid4().hex
+
+        def make() -> DistributedOptimizer:
+            return DistributedOptimizer(remote.OverlapProbeSGD, params, lr=1.0, probe=probe)
+
+        one = make() if shared else None
+        inputs = [torch.full((1, 2), 1.0), torch.full((1, 2), 3.0)]
+        both_ready = threading.Barrier(2)
+
+        def trainer(x: torch.Tensor) -> None:
+            opt = one or make()
+            with dist_autograd.context() as context_id:
+                dist_autograd.backward(context_id, [module.rpc_sync().forward(x).sum()])
+                both_ready.wait(60)
+                opt.step(context_id)
+
+        _in_threads([lambda x=x: trainer(x) for x in inputs])
+        entered, overlapped = rpcx.rpc_sync(W3, remote.probe_overlaps, args=(probe,))
+        assert (entered, overlapped) == (2, 0), "optimizer steps on one owner overlapped"
+        reference = training.Linear(2, 2, 9)
+        for x in inputs:
+            reference(x).sum().backward()  # .grad: the sum of both trainers' gradients
+        after = rpcx.rpc_sync(W3, training.parameters_of, args=(module,))
+        for got, start, param in zip(after, before, reference.parameters(), strict=True):
+            assert _close(got, start - param.grad)
+        assert rpcx.rpc_sync(W3, training.grads_are_untouched, args=(module,))
+
     def test_errors_name_the_owner(self, rpc_world: World) -> None:
         module = rpcx.remote(W2, training.Linear, args=(2, 2, 9))
         opt = DistributedOptimizer(torch.optim.SGD, training._param_rrefs(module), lr=0.1)
@@ -390,6 +445,31 @@ class TestRemoteModule:
         assert _close(here, there)
         with pytest.raises(RuntimeError, match="only be pickled by rpcx"):
             pickle.dumps(wrapped)
+
+    def test_error_paths(self, rpc_world: World) -> None:
+        for bad, message in [
+            ("/cpu", "names no worker"),
+            (f"{W1}/no_such_device", "bad device 'no_such_device'"),
+            (42, "must be a string"),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                RemoteModule(bad, training.Linear, args=(2, 2, 1))  # type: ignore[arg-type]
+        with pytest.raises(rpcx.UnknownWorkerError, match="worker3"):
+            RemoteModule("rank:99/cpu", training.Linear, args=(2, 2, 1))
+        # Built on the owner: its errors keep their type and say what went wrong.
+        with pytest.raises(TypeError, match=r"built a int, not an nn\.Module"):
+            RemoteModule(f"{W1}/cpu", remote.not_a_module)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            RemoteModule(f"{W1}/cpu", training.Linear, args=(2,))  # missing arguments
+        rref = rpcx.remote(W3, training.Linear, args=(2, 2, 8))
+        with pytest.raises(ValueError, match="owned by 'worker3', not by 'worker1'"):
+            RemoteModule.init_from_module_rref(f"{W1}/cpu", rref)
+        module = RemoteModule(f"{W2}/cpu", training.Linear, args=(2, 2, 1))
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            module(torch.ones(1, 5))  # the forward fails on the owner
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            module.forward_async(torch.ones(1, 5)).wait()
+        assert _close(module(torch.ones(1, 2)), training.Linear(2, 2, 1)(torch.ones(1, 2)))
 
     def test_training_lowers_the_loss(self, rpc_world: World) -> None:
         remote_mlp = RemoteModule(f"{W1}/cpu", training.MLP, args=(4, 8, 1, 3))

@@ -15,6 +15,15 @@ import torch
 import rpcx
 from rpcx.functions import async_execution
 
+
+def _torch_async_execution(fn: Any) -> Any:
+    """torch's ``@rpc.functions.async_execution`` (``fn`` unchanged without torch RPC)."""
+    try:
+        from torch.distributed.rpc import functions as torch_functions
+    except ImportError:  # a torch build without its RPC package
+        return fn
+    return torch_functions.async_execution(fn)  # type: ignore[no-untyped-call]
+
 # ------------------------------------------------------------------------------ plain
 
 
@@ -108,6 +117,15 @@ def async_add_via(to: str, a: Any, b: Any) -> torch.futures.Future[Any]:
     return rpcx.rpc_async(to, add, args=(a, b)).then(lambda fut: fut.wait() + 1)
 
 
+def _torch_async_add_via(to: str, a: Any, b: Any) -> torch.futures.Future[Any]:
+    return rpcx.rpc_async(to, add, args=(a, b)).then(lambda fut: fut.wait() + 1)
+
+
+# The same, decorated with torch's own decorator (as unported programs do).
+torch_async_add_via = _torch_async_execution(_torch_async_add_via)
+torch_async_add_via.__qualname__ = torch_async_add_via.__name__ = "torch_async_add_via"
+
+
 @async_execution
 def async_returns_wrong_type() -> Any:
     """Breaks the @async_execution contract."""
@@ -133,6 +151,18 @@ def wait_for_release(key: str, bound: float = 30.0) -> bool:
 def release(key: str) -> None:
     """Let every :func:`wait_for_release` with ``key`` return."""
     _gate(key).set()
+
+
+class SlowToPickle:
+    """A value whose pickling (sending it anywhere) waits for :func:`release` of ``key``."""
+
+    def __init__(self, key: str, bound: float = 30.0) -> None:
+        self.key = key
+        self.bound = bound
+
+    def __reduce__(self) -> Any:
+        wait_for_release(self.key, self.bound)
+        return (SlowToPickle, (self.key, self.bound))
 
 
 # ---------------------------------------------------------------------------- errors
@@ -272,6 +302,11 @@ class Counter:
         """The current count."""
         return self.count
 
+    def _torch_async_double(self) -> torch.futures.Future[int]:
+        return rpcx.rpc_async(rpcx.get_worker_info(), add, args=(self.count, self.count))
+
+    torch_async_double = _torch_async_execution(_torch_async_double)
+
     @async_execution
     def async_double(self) -> torch.futures.Future[int]:
         """``2 * count``, through a future."""
@@ -282,6 +317,10 @@ class Counter:
     def fail(self) -> None:
         """Raise ``KeyError``."""
         raise KeyError("counter failure")
+
+    def wait_for_release(self, key: str, bound: float = 30.0) -> bool:
+        """Block like :func:`wait_for_release` (a method that takes its time)."""
+        return wait_for_release(key, bound)
 
 
 def make_rref(value: Any) -> rpcx.RRef[Any]:
@@ -451,11 +490,147 @@ def forward_held(key: str, path: list[str], expected: Any) -> list[str]:
 
 
 class Holder:
-    """Holds one value; two Holders holding RRefs to each other form a cycle."""
+    """Holds one value; two Holders holding RRefs to each other form a cycle.
 
-    def __init__(self) -> None:
+    With a ``marker`` path, the Holder appends a :func:`lifecycle_phase` line to that
+    file when it is freed, so a test can see that (and when) its owner let it go, even
+    after a worker process has exited.
+    """
+
+    def __init__(self, marker: str | None = None) -> None:
         self.value: Any = None
+        self.marker = marker
+
+    def __del__(self) -> None:
+        if self.marker is not None:
+            append_line(self.marker, lifecycle_phase())
 
     def set(self, value: Any) -> None:
         """Keep ``value``."""
         self.value = value
+
+
+def append_line(path: str, line: str) -> None:
+    """Append one line to ``path`` in a single write (safe across processes)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def lifecycle_phase() -> str:
+    """Where this thread's worker is in its life: ``running`` (serving, or draining in
+    a graceful shutdown), ``closed`` (shut down: shutdown releases what is left),
+    ``exiting`` (the interpreter is finalizing) or ``unbound`` (no worker here)."""
+    import sys
+
+    from rpcx import _context
+
+    if sys.is_finalizing():
+        return "exiting"
+    agent = _context._thread_agent.get() or _context._process_agent
+    if agent is None:
+        return "unbound"
+    return "running" if agent.is_running else "closed"
+
+
+class Marked:
+    """A value that records (with :func:`append_line`) the phase in which it was freed."""
+
+    def __init__(self, marker: str, label: str) -> None:
+        self.marker = marker
+        self.label = label
+
+    def __del__(self) -> None:
+        append_line(self.marker, f"{self.label} {lifecycle_phase()}")
+
+
+# ------------------------------------------------------------------ optimizer probes
+
+_probe_cond = threading.Condition()
+_probe_entered: dict[str, int] = {}
+_probe_active: dict[str, int] = {}
+_probe_overlaps: dict[str, int] = {}
+
+
+class OverlapProbeSGD(torch.optim.SGD):
+    """SGD whose ``step`` waits (bounded) for a second step under the same ``probe``
+    key to begin, and counts steps that overlapped.
+
+    A worker that serializes optimizer steps never lets the second one in while the
+    first waits (it costs one ``join_wait``); one that does not lets both run at once,
+    with one context's gradients lent to ``.grad`` while the other steps.
+    """
+
+    def __init__(self, params: Any, lr: float, *, probe: str, join_wait: float = 1.0) -> None:
+        super().__init__(params, lr=lr)
+        self.probe = probe
+        self.join_wait = join_wait
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One SGD step, after letting a concurrent step catch up."""
+        key = self.probe
+        with _probe_cond:
+            _probe_entered[key] = _probe_entered.get(key, 0) + 1
+            _probe_active[key] = _probe_active.get(key, 0) + 1
+            if _probe_active[key] > 1:
+                _probe_overlaps[key] = _probe_overlaps.get(key, 0) + 1
+            _probe_cond.notify_all()
+            _probe_cond.wait_for(lambda: _probe_entered[key] >= 2, self.join_wait)
+        try:
+            return super().step(closure)
+        finally:
+            with _probe_cond:
+                _probe_active[key] -= 1
+
+
+def probe_overlaps(key: str) -> tuple[int, int]:
+    """(steps entered, steps that overlapped another) for an :class:`OverlapProbeSGD` key."""
+    with _probe_cond:
+        return _probe_entered.get(key, 0), _probe_overlaps.get(key, 0)
+
+
+# ------------------------------------------------------------------ autograd helpers
+
+
+def send_gradient(context_id: int, to: str, tag: int, index: int, grad: torch.Tensor) -> None:
+    """From this worker, deliver ``grad`` for tensor ``index`` of ``to``'s send ``tag``
+    in ``context_id``, as a backward pass here would (without running ``to``'s pass)."""
+    from rpcx.autograd.service import service
+    from rpcx.futures import wait
+
+    agent = _context_agent()
+    svc = service(agent)
+    wait(svc._send_gradients(svc.get(context_id), agent.resolve(to).id,
+                             [(tag, index, grad)], run=False))
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def wait_until_lost(name: str, timeout: float) -> dict[str, str]:
+    """Wait (at most ``timeout``) until this worker knows ``name`` is gone; return
+    ``debug_info()["lost_peers"]``."""
+    agent = _context_agent()
+    rank = agent.resolve(name).id
+    lost = threading.Event()
+
+    def hook(gone: int) -> None:
+        if gone == rank:
+            lost.set()
+
+    agent.on_peer_lost.append(hook)
+    try:
+        if name not in agent.lost_peers():
+            lost.wait(timeout)
+    finally:
+        agent.on_peer_lost.remove(hook)
+    found: dict[str, str] = rpcx.debug_info()["lost_peers"]
+    return found
+
+
+def not_a_module() -> int:
+    """A "module class" for RemoteModule that builds something else."""
+    return 7

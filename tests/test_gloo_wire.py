@@ -1,0 +1,231 @@
+"""The gloo backend's wire format, without gloo: two GlooTransports over a fake group.
+
+The fake process group hands each ``send`` (a copy) to the ``recv`` posted for the same
+(source, destination, tag), in order, as gloo pairs do. Tests check the bytes on the
+wire against the format in rpcx/backends/gloo.py's docstring, built by hand, so that
+encoder and decoder cannot drift together, and that frames of every shape round-trip.
+"""
+
+from __future__ import annotations
+
+import queue
+import struct
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from rpcx.backends import gloo
+from rpcx.transport import Frame
+
+TIMEOUT = 30.0
+INLINE, EXTENDED, BYE = 1, 2, 3
+SLOT_TAG, DATA_TAG = 0, 1
+
+
+class _Sent:
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+class _Received:
+    def __init__(self, source: queue.Queue[torch.Tensor], into: torch.Tensor) -> None:
+        self._source = source
+        self._into = into
+
+    def wait(self, timeout: Any = None) -> bool:
+        try:
+            data = self._source.get(timeout=TIMEOUT)
+        except queue.Empty:
+            raise RuntimeError("fake wire: nothing arrived") from None
+        assert data.numel() <= self._into.numel(), "a message larger than its receive"
+        self._into[: data.numel()].copy_(data)
+        return True
+
+
+class Wire:
+    """Every message sent, in order, and one FIFO per (source, destination, tag)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[int, int, int, bytes]] = []
+        self._queues: dict[tuple[int, int, int], queue.Queue[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def fifo(self, key: tuple[int, int, int]) -> queue.Queue[torch.Tensor]:
+        with self._lock:
+            return self._queues.setdefault(key, queue.Queue())
+
+    def sent(self, src: int) -> list[tuple[int, bytes]]:
+        """(tag, bytes) of every message ``src`` sent."""
+        return [(tag, data) for s, _, tag, data in self.log if s == src]
+
+
+class FakeGroup:
+    def __init__(self, wire: Wire, rank: int) -> None:
+        self.wire = wire
+        self.rank = rank
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Sent:
+        (tensor,) = tensors
+        assert tensor.dtype is torch.uint8 and tensor.dim() == 1
+        copy = tensor.clone()
+        with self.wire._lock:
+            self.wire.log.append((self.rank, dst, tag, bytes(copy.tolist())))
+        self.wire.fifo((self.rank, dst, tag)).put(copy)
+        return _Sent()
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Received:
+        (tensor,) = tensors
+        return _Received(self.wire.fifo((src, self.rank, tag)), tensor)
+
+
+class End:
+    """One side: a GlooTransport on the fake group, with what it delivered and lost."""
+
+    def __init__(self, wire: Wire, rank: int) -> None:
+        self.delivered: queue.Queue[tuple[int, Frame]] = queue.Queue()
+        self.lost: queue.Queue[tuple[int, str]] = queue.Queue()
+        self.transport = gloo.GlooTransport()
+        self.transport._ctx = SimpleNamespace(  # type: ignore[assignment]
+            rank=rank, world_size=2, names=["w0", "w1"],
+            deliver=lambda src, frame: self.delivered.put((src, frame)),
+            peer_lost=lambda peer, why: self.lost.put((peer, why)),
+        )
+        self.transport._pg = FakeGroup(wire, rank)
+        other = 1 - rank
+        peer = gloo._Peer()
+        self.transport._peers = {other: peer}
+        peer.thread = threading.Thread(
+            target=self.transport._receive_loop, args=(other,), daemon=True
+        )
+        peer.thread.start()
+
+    def next_frame(self) -> Frame:
+        _, frame = self.delivered.get(timeout=TIMEOUT)
+        return frame
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Wire, End, End]]:
+    wire = Wire()
+    a, b = End(wire, 0), End(wire, 1)
+    yield wire, a, b
+    a.transport.close(TIMEOUT)
+    for end in (a, b):
+        for peer in end.transport._peers.values():
+            assert peer.thread is not None
+            peer.thread.join(TIMEOUT)
+            assert not peer.thread.is_alive()
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.contiguous().reshape(-1)
+    return bytes(flat.view(torch.uint8).tolist()) if flat.numel() else b""
+
+
+def _same(frame: Frame, header: bytes, buffers: list[torch.Tensor]) -> bool:
+    return frame.header == header and [_bytes(b) for b in frame.buffers] == [
+        _bytes(b) for b in buffers
+    ]
+
+
+BUFFERS = [
+    torch.tensor([1, 2, 3], dtype=torch.int32),
+    torch.empty(0, dtype=torch.float64),
+    torch.tensor([True, False]),
+]
+
+
+def test_small_frame_is_one_slot_laid_out_as_documented(pair: tuple[Wire, End, End]) -> None:
+    wire, a, b = pair
+    header = b"header bytes"
+    a.transport.send(1, Frame(header, BUFFERS))
+    assert _same(b.next_frame(), header, BUFFERS)
+    ((tag, slot),) = wire.sent(0)
+    sizes = [12, 0, 2]
+    expected = (
+        struct.pack("<BxxxIQ", INLINE, 3, 8 * 3 + len(header) + sum(sizes))
+        + struct.pack("<3Q", *sizes) + header
+        + struct.pack("<3i", 1, 2, 3) + b"\x01\x00"
+    )
+    assert tag == SLOT_TAG and len(slot) == gloo.SLOT_BYTES
+    assert slot[: len(expected)] == expected
+
+
+def test_decoding_a_slot_built_by_hand() -> None:
+    header = b"\x00\xffhdr"
+    payload = [b"abcd", b"", b"xyz"]
+    body = struct.pack("<3Q", 4, 0, 3) + header + b"".join(payload)
+    slot = bytearray(gloo.SLOT_BYTES)
+    slot[: 16 + len(body)] = struct.pack("<BxxxIQ", INLINE, 3, len(body)) + body
+    mode, n, body_len = gloo._HEAD.unpack_from(slot)
+    assert (mode, n, body_len) == (INLINE, 3, len(body))
+    frame = gloo._unpack_inline(slot, torch.frombuffer(slot, dtype=torch.uint8), n, body_len)
+    assert frame.header == header
+    assert [_bytes(b) for b in frame.buffers] == payload
+
+
+def test_large_frame_is_slot_then_body_then_each_non_empty_buffer(
+    pair: tuple[Wire, End, End],
+) -> None:
+    wire, a, b = pair
+    header = b"h" * 40
+    big = torch.arange(2000, dtype=torch.float32)  # 8000 bytes: more than a slot
+    buffers = [big, torch.empty(0), torch.tensor([7], dtype=torch.int64)]
+    a.transport.send(1, Frame(header, buffers))
+    assert _same(b.next_frame(), header, buffers)
+    sent = wire.sent(0)
+    assert [tag for tag, _ in sent] == [SLOT_TAG, DATA_TAG, DATA_TAG, DATA_TAG]
+    body = struct.pack("<3Q", 8000, 0, 8) + header
+    assert sent[0][1][:16] == struct.pack("<BxxxIQ", EXTENDED, 3, len(body))
+    assert sent[1][1] == body
+    assert sent[2][1] == _bytes(big) and sent[3][1] == struct.pack("<q", 7)
+
+
+def test_the_slot_boundary(pair: tuple[Wire, End, End]) -> None:
+    wire, a, b = pair
+    header = b"x" * 8
+    room = gloo.SLOT_BYTES - 16 - 8 - len(header)  # one buffer fills the slot exactly
+    fits = torch.ones(room, dtype=torch.uint8)
+    too_big = torch.ones(room + 1, dtype=torch.uint8)
+    a.transport.send(1, Frame(header, [fits]))
+    a.transport.send(1, Frame(header, [too_big]))
+    assert _same(b.next_frame(), header, [fits])
+    assert _same(b.next_frame(), header, [too_big])
+    modes = [data[0] for tag, data in wire.sent(0) if tag == SLOT_TAG]
+    assert modes == [INLINE, EXTENDED]
+
+
+def test_frames_arrive_whole_and_in_order_both_ways(pair: tuple[Wire, End, End]) -> None:
+    _, a, b = pair
+    frames = []
+    for i in range(3 * gloo.RECEIVE_DEPTH):  # more than the receives posted at once
+        size = [0, 10, 5000][i % 3]
+        payload = torch.full((size,), i % 256, dtype=torch.uint8)
+        frames.append(Frame(f"frame {i}".encode(), [payload]))
+    senders = [threading.Thread(target=lambda: [a.transport.send(1, f) for f in frames]),
+               threading.Thread(target=lambda: [b.transport.send(0, f) for f in frames])]
+    for thread in senders:
+        thread.start()
+    for end in (b, a):
+        for frame in frames:
+            assert _same(end.next_frame(), frame.header, frame.buffers)
+    for thread in senders:
+        thread.join(TIMEOUT)
+        assert not thread.is_alive()
+
+
+def test_goodbye_ends_both_receivers_and_reports_the_peer_gone(
+    pair: tuple[Wire, End, End],
+) -> None:
+    wire, a, b = pair
+    a.transport.close(TIMEOUT)
+    assert b.lost.get(timeout=TIMEOUT) == (0, "has shut down")
+    assert a.lost.empty()  # the one that left expects the answer, it is not a loss
+    last = {src: [d for tag, d in wire.sent(src) if tag == SLOT_TAG][-1] for src in (0, 1)}
+    assert last[0][:16] == last[1][:16] == struct.pack("<BxxxIQ", BYE, 0, 0)
+    with pytest.raises(gloo.PeerLostError):
+        a.transport.send(1, Frame(b"after goodbye", []))

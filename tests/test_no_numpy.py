@@ -1,0 +1,82 @@
+"""rpcx works where numpy cannot be imported (torch's own TensorPipe init_rpc does not).
+
+Each test runs a small program in fresh processes whose ``sitecustomize`` makes
+``import numpy`` fail (``sys.modules["numpy"] = None``), in every process the program
+starts too. The program checks the blocker took effect (torch itself reports numpy as
+unavailable), then runs init_rpc, calls, an RRef and shutdown on the backend under test.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+BLOCKER = '''\
+import sys
+sys.modules["numpy"] = None  # "import numpy" now raises ImportError
+'''
+
+PROGRAM = '''\
+import sys
+
+import torch
+
+import rpcx
+
+
+def run(rank, world_size, init_method, backend):
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        raise AssertionError("numpy is importable: the blocker did not work")
+    try:
+        torch.ones(1).numpy()
+    except RuntimeError as exc:
+        assert "Numpy is not available" in str(exc), exc
+    else:
+        raise AssertionError("torch still sees numpy")
+    rpcx.init_rpc(f"w{rank}", backend=backend, rank=rank, world_size=world_size,
+                  rpc_backend_options=rpcx.TensorPipeRpcBackendOptions(
+                      init_method=init_method, rpc_timeout=60))
+    if rank == 0:
+        out = rpcx.rpc_sync("w1", torch.add, args=(torch.ones(3), 1))
+        assert torch.equal(out, torch.full((3,), 2.0)), out
+        rref = rpcx.remote("w1", torch.arange, args=(4,))
+        assert torch.equal(rref.to_here(), torch.arange(4))
+        print("numpy-free OK on", backend, flush=True)
+    rpcx.shutdown()
+
+
+if __name__ == "__main__":
+    backend, init_method = sys.argv[1], sys.argv[2]
+    rpcx.spawn(run, args=(2, init_method, backend), nprocs=2, backend=backend)
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_init_rpc_works_without_numpy(rpcx_backend: str, tmp_path: Path) -> None:
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(BLOCKER)
+    program = tmp_path / "program.py"
+    program.write_text(PROGRAM)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(blocker), env.get("PYTHONPATH")) if p)
+    env.pop("RPCX_BACKEND", None)
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    done = subprocess.run(
+        [sys.executable, str(program), rpcx_backend, init_method],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"numpy-free OK on {rpcx_backend}" in done.stdout, done.stdout + done.stderr[-3000:]
