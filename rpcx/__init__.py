@@ -22,6 +22,7 @@ from rpcx.api import (
 )
 from rpcx.errors import (
     BackendNotFoundError,
+    InvalidWorkerNameError,
     PeerLostError,
     RemoteException,
     RemoteTraceback,
@@ -55,6 +56,7 @@ __all__ = [
     "UNSET_RPC_TIMEOUT",
     "BackendNotFoundError",
     "BackendType",
+    "InvalidWorkerNameError",
     "PeerLostError",
     "RRef",
     "RemoteException",

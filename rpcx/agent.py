@@ -510,7 +510,14 @@ class RpcAgent:
                     )
                     self._recover_undecodable(caller, kind, frame, error)
                     raise error from None
+                gates = ctx.before_serve
                 del ctx
+                if gates is not None:
+                    # (never blocking a delivering thread: inline handlers skip them)
+                    if not _delivering.active:
+                        for gate in gates:
+                            gate()
+                    del gates
                 result = handler(caller, payload)
                 del payload  # the arguments (RRefs among them) need not outlive the call
         except BaseException as exc:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "BackendNotFoundError",
+    "InvalidWorkerNameError",
     "PeerLostError",
     "RemoteException",
     "RemoteTraceback",
@@ -46,6 +47,13 @@ class RpcTimeoutError(RpcError, TimeoutError):
 
 class UnknownWorkerError(RpcError, ValueError):
     """The destination is not a worker of this RPC world."""
+
+
+class InvalidWorkerNameError(RpcError, ValueError):
+    """A worker name breaks torch's rule: 1 to 127 letters, digits, ``_``, ``-``, ``:``.
+
+    A ``RuntimeError`` (as torch raises for ``WorkerInfo("abc*", 0)``) and a ``ValueError``.
+    """
 
 
 class PeerLostError(RpcError, ConnectionError):

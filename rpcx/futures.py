@@ -47,8 +47,10 @@ class RpcFuture(torch.futures.Future[T]):
         """Like ``torch.futures.Future.then``, returning an :class:`RpcFuture`.
 
         Waiting on the returned future from a request thread lets the pool grow, as
-        waiting on this one does.
+        waiting on this one does. A callback that is not callable is a ``TypeError``
+        here, as in torch, not later on the thread that completes the future.
         """
+        _check_callable("then", callback)
         self.has_callbacks = True
         result: RpcFuture[S] = RpcFuture()
         context = contextvars.copy_context()
@@ -64,6 +66,7 @@ class RpcFuture(torch.futures.Future[T]):
 
     def add_done_callback(self, callback: Callable[[torch.futures.Future[T]], None]) -> None:
         """Like ``torch.futures.Future.add_done_callback``."""
+        _check_callable("add_done_callback", callback)
         self.has_callbacks = True
         context = contextvars.copy_context()
         super().add_done_callback(
@@ -138,6 +141,16 @@ def _off_the_settling_thread(callback: Callable[[Any], None]) -> Callable[[Any],
         callback(future)
 
     return run
+
+
+def _check_callable(method: str, callback: object) -> None:
+    # torch's pybind binding refuses a non-callable with this wording; rpcx wraps the
+    # callback in a closure, so it has to check itself.
+    if not callable(callback):
+        raise TypeError(
+            f"{method}(): incompatible function arguments: the callback must be callable, "
+            f"got {type(callback).__name__}"
+        )
 
 
 def _raise_detached(exc: BaseException) -> NoReturn:

@@ -19,6 +19,7 @@ Proxy calls (``rref.rpc_sync().m()``) send only the id: the caller's RRef stays 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -26,6 +27,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from rpcx import _context
+from rpcx._pool import current_pool
 from rpcx.agent import Deferred, RpcAgent, describe_callable
 from rpcx.errors import RpcError, RpcShutdownError
 from rpcx.functions import async_execution, is_async_execution
@@ -44,6 +46,9 @@ __all__ = ["RRef", "create_remote", "install", "service"]
 
 T = TypeVar("T")
 _SERVICE = "rref"
+_CONFIRM_WAIT = 60.0  # bound on waiting for an owner's confirmation when calls have none
+
+log = logging.getLogger("rpcx.rref")
 
 
 def service(agent: RpcAgent) -> RRefService:
@@ -131,13 +136,40 @@ class RRef(Generic[T]):
         """The owner's name."""
         return self._owner.name
 
+    # Set (with _confirmed, to wake waiters) when no confirmation can come any more:
+    # the owner is gone, or this worker shut down.
+    _unconfirmable = False
+
     def confirmed_by_owner(self) -> bool:
         """True once the owner is known to have registered this reference."""
-        return self._confirmed.is_set()
+        return self._confirmed.is_set() and not self._unconfirmable
 
     def _wait_confirmed(self, timeout: float) -> bool:
         """Block until confirmed (for tests and debugging); False after ``timeout``."""
-        return self._confirmed.wait(timeout)
+        return self._confirmed.wait(timeout) and not self._unconfirmable
+
+    def _await_confirmation(self) -> None:
+        """Before a request that carried this RRef runs: wait for the owner's word.
+
+        As in torch, a function receiving an RRef that a third worker forked runs once
+        the owner has confirmed it, so ``confirmed_by_owner()`` is true inside it. The
+        owner was told before the request left, so the wait is about one message. It is
+        bounded (the default RPC timeout) and ends at once if the owner is lost; the
+        call then runs with the RRef unconfirmed.
+        """
+        if self._confirmed.is_set():
+            return
+        bound = self._agent.timeout_for(None) or _CONFIRM_WAIT
+        pool = current_pool()
+        with pool.blocking() if pool is not None else contextlib.nullcontext():
+            confirmed = self._confirmed.wait(bound)
+        if not confirmed:
+            log.warning("%s: %r not confirmed by its owner within %g s; running the call "
+                        "that carried it anyway", self._agent.name, self, bound)
+
+    def _mark_unconfirmable(self) -> None:
+        self._unconfirmable = True
+        self._confirmed.set()
 
     def _mark_confirmed(self) -> None:
         self._confirmed.set()
@@ -246,12 +278,13 @@ class RRef(Generic[T]):
         if dist_autograd_ctx_id == -1:
             if not self.is_owner():
                 raise RuntimeError(
-                    f"RRef.backward() without a context id runs a local backward pass, so it "
+                    "User RRefs require 'dist_autograd_ctx_id' to be specified: "
+                    "RRef.backward() without a context id runs a local backward pass, so it "
                     f"must be called on the owner {self._owner.name!r}; pass "
                     "dist_autograd_ctx_id to run a distributed pass from here"
                 )
-            value: Any = self.local_value()
-            value.backward(retain_graph=retain_graph)
+            root = _tensor_for_backward(self.local_value())
+            torch.autograd.backward([root], retain_graph=retain_graph)
             return
         self._check_usable("backward")
         self._raise_if_creation_failed()
@@ -270,7 +303,17 @@ class RRef(Generic[T]):
 def _backward_on_owner(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
     from rpcx import autograd  # the autograd service sits beside this one
 
-    autograd.backward(context_id, [rref.local_value()], retain_graph=retain_graph)
+    root = _tensor_for_backward(rref.local_value())
+    autograd.backward(context_id, [root], retain_graph=retain_graph)
+
+
+def _tensor_for_backward(value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(
+            f"RRef should contain a tensor for .backward(), but it holds a "
+            f"{type(value).__qualname__}"
+        )
+    return value
 
 
 def _first_failure_or(
@@ -529,12 +572,19 @@ def _reduce_rref(rref: RRef[Any], ctx: EncodeContext) -> Any:
 def _rebuild_rref(
     rref_id: RRefId, owner_rank: int, owner_name: str, fork: ForkId, from_owner: bool
 ) -> RRef[Any]:
-    agent: RpcAgent = current_decode_context().agent
+    ctx = current_decode_context()
+    agent: RpcAgent = ctx.agent
     confirmed = from_owner or owner_rank == agent.rank
-    return RRef._make(
-        agent, (rref_id[0], rref_id[1]), WorkerInfo(owner_name, owner_rank),
-        (fork[0], fork[1]), None, confirmed,
-    )
+    owner = agent.workers[owner_rank] if 0 <= owner_rank < agent.world_size else None
+    if owner is None or owner.name != owner_name:
+        owner = WorkerInfo(owner_name, owner_rank)
+    rref = RRef._make(agent, (rref_id[0], rref_id[1]), owner, (fork[0], fork[1]), None,
+                      confirmed)
+    if not rref._confirmed.is_set():  # forked by a third worker: the owner confirms
+        if ctx.before_serve is None:
+            ctx.before_serve = []
+        ctx.before_serve.append(rref._await_confirmation)
+    return rref
 
 
 register_extension(RRef, _reduce_rref)

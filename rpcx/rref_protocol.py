@@ -38,6 +38,7 @@ import queue
 import threading
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -193,6 +194,7 @@ class RRefService:
                 else:
                     self._free_if_unused_locked(rref_id, entry, freed)
         self._release(freed)
+        self._wake_unconfirmed(lambda rref: rref._owner.id == rank)
         for entry in orphans:
             if not entry.value.done():
                 entry.value.set_exception(
@@ -241,6 +243,12 @@ class RRefService:
         with self._lock:
             self._objects[fork] = rref
             return self._confirmed_early.pop(fork, False) is None
+
+    def _wake_unconfirmed(self, which: Callable[[RRef[Any]], bool]) -> None:
+        """RRefs waiting for a confirmation that cannot come now: stop their waits."""
+        for rref in list(self._objects.values()):
+            if not rref._confirmed.is_set() and which(rref):
+                rref._mark_unconfirmable()
 
     def confirm(self, forks: list[ForkId]) -> None:
         """The owner registered these forks."""
@@ -380,6 +388,7 @@ class RRefService:
         """The worker has shut down: stop the deleter and release every owned value."""
         self._closed = True
         self._wake.put(False)
+        self._wake_unconfirmed(lambda rref: True)
         if self._deleter is not threading.current_thread():
             self._deleter.join(5.0)
         with self._lock:

@@ -125,6 +125,10 @@ class DecodeContext:
         scope_count: how many tensors the scope hooks have seen in this message.
         source_device: while a tensor is rebuilt, the device it was on at the sender
             (``None`` for CPU tensors); the scope hooks read it.
+        before_serve: callables the agent runs, in order, after decoding a request and
+            before its handler runs, on the thread that will run the handler (an RRef
+            forked by a third worker waits there for its owner's confirmation).
+            ``None`` until an extension adds one; ignored for responses.
     """
 
     peer: int
@@ -135,6 +139,7 @@ class DecodeContext:
     scope_tag: int = 0
     scope_count: int = 0
     source_device: torch.device | None = None
+    before_serve: list[Callable[[], None]] | None = None
 
 
 class ReduceError(Exception):
@@ -198,6 +203,8 @@ def current_decode_context() -> DecodeContext:
 
 def _reduce_tensor(tensor: torch.Tensor) -> Any:
     if tensor.layout is not torch.strided or tensor.is_quantized:
+        if tensor.layout in _SPARSE_LAYOUTS:
+            return _reduce_sparse(tensor)
         return tensor.__reduce_ex__(_PROTOCOL)  # type: ignore[no-untyped-call]  # rare layouts: torch's own pickling, in band
     ctx = current_encode_context()
     target: torch.device | None = None
@@ -205,8 +212,9 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         target = _target_of(tensor, ctx)
     # Lazily conjugated or negated views must be materialized before a raw byte view.
     data = tensor.detach().resolve_conj().resolve_neg()
+    stride: tuple[int, ...] | None = None
     if not data.is_contiguous():
-        data = data.contiguous()
+        data, stride = _view_buffer(data)
     elif data.dim() and data.stride(-1) != 1:
         # Contiguous by torch's rules yet not viewable as bytes: a size-1 dimension with
         # stride 0 (gradients of sum() look like this). Give it ordinary strides.
@@ -224,7 +232,27 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     )
     if target is not None:
         args += (str(target), str(tensor.device))
+    if stride is not None:
+        return (_rebuild_view, (stride, *args))
     return (_rebuild_tensor, args)
+
+
+# A non-contiguous view travels as the span of storage it covers, with its strides, so
+# that it arrives with the same strides (as in torch), unless that span is both large
+# and mostly not the view's (torch's rule: 8 KiB, twice the view's size): then it
+# travels as a contiguous copy, and arrives contiguous.
+_VIEW_SPAN_SMALL = 8 << 10
+_VIEW_SPAN_FACTOR = 2
+
+
+def _view_buffer(data: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """``(buffer, strides)`` for a non-contiguous tensor; strides ``None``: contiguous copy."""
+    # Not contiguous implies at least one element; torch strides are never negative.
+    span = 1 + sum((n - 1) * s for n, s in zip(data.shape, data.stride(), strict=True))
+    numel = data.numel()
+    if span * data.element_size() < _VIEW_SPAN_SMALL or span < _VIEW_SPAN_FACTOR * numel:
+        return data.as_strided((span,), (1,)), tuple(data.stride())
+    return data.contiguous(), None
 
 
 def _target_of(tensor: torch.Tensor, ctx: EncodeContext) -> torch.device:
@@ -273,6 +301,124 @@ def _rebuild_tensor(
         tensor.requires_grad_(True)
     ctx.tensors.append(tensor)
     return tensor
+
+
+def _rebuild_view(
+    stride: tuple[int, ...],
+    index: int,
+    dtype_name: str,
+    shape: tuple[int, ...],
+    requires_grad: bool,
+    param: bool,
+    device: str | None = None,
+    source: str | None = None,
+) -> torch.Tensor:
+    """A non-contiguous tensor: its storage span, viewed with the sender's strides."""
+    ctx = current_decode_context()
+    data = ctx.buffers[index]
+    dtype = _DTYPES[dtype_name]
+    if data.dtype is not dtype:
+        data = data.view(-1).view(dtype)
+    if device is not None and data.device != torch.device(device):
+        data = data.to(device)  # the span first: moving the view would make it contiguous
+    if data.dim() != 1 or any(n < 0 for n in shape) or any(s < 0 for s in stride):
+        raise SerializationError("malformed tensor view in the message")
+    if shape and min(shape) > 0:
+        reach = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+        if reach > data.numel():
+            raise SerializationError("tensor view reaches past its buffer")
+    return _finish(ctx, data.as_strided(shape, stride), requires_grad, param, source)
+
+
+def _finish(
+    ctx: DecodeContext,
+    tensor: torch.Tensor,
+    requires_grad: bool,
+    param: bool,
+    source: str | None,
+) -> torch.Tensor:
+    """What every rebuilt tensor goes through last: its autograd role (as in
+    :func:`_rebuild_tensor`, which has it inline: that is the hot path)."""
+    ctx.source_device = torch.device(source) if source is not None else None
+    if requires_grad and ctx.scope is not None and _scope_hooks is not None:
+        tensor = _scope_hooks[1](ctx, tensor)
+    elif param:
+        tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    elif requires_grad:
+        tensor.requires_grad_(True)
+    ctx.tensors.append(tensor)
+    return tensor
+
+
+# Sparse tensors travel as their parts (each a dense tensor, out of band), rebuilt and
+# validated by rpcx, with ``requires_grad`` and the scope hooks applied to the sparse
+# tensor itself: so a sparse tensor keeps its autograd graph across a call in a
+# distributed autograd context. (torch's own pickling drops ``requires_grad``, leaves
+# the parts unvalidated until a ``torch.load`` that never comes, and keeps every sparse
+# tensor it rebuilds in a module-level list until then.)
+_SPARSE_LAYOUTS = frozenset({
+    torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc
+})
+
+
+def _sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if tensor.layout is torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
+
+
+def _reduce_sparse(tensor: torch.Tensor) -> Any:
+    ctx = current_encode_context()
+    parts = tuple(part.detach() for part in _sparse_parts(tensor))
+    source: str | None = None
+    if tensor.device.type != "cpu":
+        # The parts go where the sparse tensor itself is routed (a gradient sent back
+        # with Placed has its own target).
+        target = _target_of(tensor, ctx)
+        for part in parts:
+            ctx.placements[id(part)] = target
+        source = str(tensor.device)
+    if ctx.scope is not None and tensor.requires_grad and _scope_hooks is not None:
+        _scope_hooks[0](ctx, tensor)
+    coalesced = tensor.is_coalesced() if tensor.layout is torch.sparse_coo else None
+    return (
+        _rebuild_sparse,
+        (str(tensor.layout), parts, tuple(tensor.shape), coalesced, tensor.requires_grad,
+         source),
+    )
+
+
+_LAYOUTS = {str(layout): layout for layout in _SPARSE_LAYOUTS}
+
+
+def _rebuild_sparse(
+    layout_name: str,
+    parts: tuple[torch.Tensor, ...],
+    size: tuple[int, ...],
+    coalesced: bool | None,
+    requires_grad: bool,
+    source: str | None,
+) -> torch.Tensor:
+    ctx = current_decode_context()
+    layout = _LAYOUTS[layout_name]
+    tensor: torch.Tensor
+    # Checked before use, as torch.load does: a malformed sparse tensor can make later
+    # operations read out of bounds.
+    if layout is torch.sparse_coo:
+        indices, values = parts
+        torch._validate_sparse_coo_tensor_args(indices, values, size, coalesced)
+        tensor = torch.sparse_coo_tensor(
+            indices, values, size, is_coalesced=coalesced, check_invariants=False
+        )
+    else:
+        compressed, plain, values = parts
+        torch._validate_sparse_compressed_tensor_args(compressed, plain, values, size, layout)
+        tensor = torch.sparse_compressed_tensor(
+            compressed, plain, values, size, layout=layout, check_invariants=False
+        )
+    return _finish(ctx, tensor, requires_grad, False, source)
 
 
 _dispatch: dict[type, Callable[[Any], Any]] = {}

@@ -6,6 +6,8 @@ import functools
 import re
 from typing import Any
 
+from rpcx.errors import InvalidWorkerNameError
+
 __all__ = ["WorkerInfo", "validate_worker_name"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_\-:]+")
@@ -17,7 +19,8 @@ class WorkerInfo:
     """The name and id (rank) of a worker in the RPC world.
 
     Immutable, hashable, comparable and picklable, so it can be used as a dict key and
-    passed in calls, like ``torch.distributed.rpc.WorkerInfo``.
+    passed in calls, like ``torch.distributed.rpc.WorkerInfo``. As torch's, it refuses
+    an invalid name (see :func:`validate_worker_name`).
     """
 
     __slots__ = ("_id", "_name")
@@ -25,7 +28,7 @@ class WorkerInfo:
     _name: str
 
     def __init__(self, name: str, id: int) -> None:
-        object.__setattr__(self, "_name", str(name))
+        object.__setattr__(self, "_name", _checked(str(name)))
         object.__setattr__(self, "_id", int(id))
 
     @property
@@ -62,15 +65,35 @@ class WorkerInfo:
 
 
 def validate_worker_name(name: object) -> str:
-    """Return ``name`` if it is a valid worker name, else raise ``ValueError`` saying why."""
+    """Return ``name`` if it is a valid worker name, else raise saying why.
+
+    Valid: 1 to 127 letters, digits, ``_``, ``-`` and ``:`` (torch's rule). The error is
+    an :class:`~rpcx.errors.InvalidWorkerNameError`, both a ``ValueError`` and (as
+    torch raises) a ``RuntimeError``; its message contains torch's wording ("Worker name
+    must match", "must be non-empty", "shorter than 128"). A non-string is a ``TypeError``.
+    """
     if not isinstance(name, str):
         raise TypeError(f"worker name must be a str, got {type(name).__name__}")
-    if not name or len(name) >= MAX_NAME_LENGTH:
-        raise ValueError(
-            f"worker name must have 1 to {MAX_NAME_LENGTH - 1} characters, got {len(name)}"
+    return _checked(name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked(name: str) -> str:
+    # Cached: WorkerInfo objects are rebuilt from the same few names on every RRef that
+    # arrives, and a name once valid stays valid. Errors are not cached.
+    if not name:
+        raise InvalidWorkerNameError(
+            f"Worker name must be non-empty: a worker name has 1 to {MAX_NAME_LENGTH - 1} "
+            "characters, got 0"
+        )
+    if len(name) >= MAX_NAME_LENGTH:
+        raise InvalidWorkerNameError(
+            f"Worker name must be shorter than {MAX_NAME_LENGTH} characters: a worker name "
+            f"has 1 to {MAX_NAME_LENGTH - 1} characters, got {len(name)} ({name[:32]!r}...)"
         )
     if not _NAME_RE.fullmatch(name):
-        raise ValueError(
-            f"worker name {name!r} may only contain letters, digits, '_', '-' and ':'"
+        raise InvalidWorkerNameError(
+            f"Worker name must match ^[A-Za-z0-9_:-]+$: worker name {name!r} may only "
+            "contain letters, digits, '_', '-' and ':'"
         )
     return name

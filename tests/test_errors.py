@@ -16,6 +16,7 @@ import rpcx
 from rpcx import errors
 from rpcx.errors import (
     BackendNotFoundError,
+    InvalidWorkerNameError,
     PeerLostError,
     RemoteErrorInfo,
     RemoteException,
@@ -77,6 +78,7 @@ ALL_ERRORS = [
     PeerLostError,
     SerializationError,
     BackendNotFoundError,
+    InvalidWorkerNameError,
     RemoteException,
 ]
 
@@ -109,6 +111,7 @@ def test_mixed_in_builtin_bases() -> None:
     assert issubclass(PeerLostError, ConnectionError)
     assert issubclass(SerializationError, pickle.PicklingError)
     assert issubclass(BackendNotFoundError, ValueError)
+    assert issubclass(InvalidWorkerNameError, ValueError)
 
 
 def test_errors_are_exported_from_the_package() -> None:

@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 
+from rpcx.errors import InvalidWorkerNameError
 from rpcx.worker import MAX_NAME_LENGTH, WorkerInfo, validate_worker_name
 
 # ----------------------------------------------------------------------------- WorkerInfo
@@ -117,3 +118,21 @@ def test_bad_characters_rejected(name: str) -> None:
 def test_non_str_rejected(name: object) -> None:
     with pytest.raises(TypeError, match="str"):
         validate_worker_name(name)
+
+
+# torch's test_invalid_names: WorkerInfo itself refuses an invalid name, with RuntimeError.
+@pytest.mark.parametrize(
+    ("name", "torch_phrase"),
+    [("abc*", "Worker name must match"), (" ", "Worker name must match"),
+     ("", "must be non-empty"), ("a" * 500, "shorter than 128")],
+)
+def test_worker_info_refuses_invalid_names_as_torch_does(name: str, torch_phrase: str) -> None:
+    with pytest.raises(RuntimeError, match=torch_phrase) as raised:
+        WorkerInfo(name, 0)
+    assert isinstance(raised.value, InvalidWorkerNameError)
+    assert isinstance(raised.value, ValueError)
+
+
+def test_worker_info_accepts_the_longest_valid_name() -> None:
+    name = "a" * (MAX_NAME_LENGTH - 1)
+    assert WorkerInfo(name, 0).name == name

@@ -39,7 +39,7 @@ import torch
 if TYPE_CHECKING:
     from rpcx.autograd.service import AutogradService
 
-__all__ = ["Outbox", "find_leaves", "make_recv", "run_pass"]
+__all__ = ["Outbox", "Pass", "find_leaves", "make_recv", "run_pass"]
 
 log = logging.getLogger("rpcx.autograd")
 
@@ -58,6 +58,10 @@ class _RecvBackward(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.origin = origin
         ctx.set_materialize_grads(False)
+        if received.layout is not torch.strided:
+            # autograd views an input returned as is, and sparse tensors have no views:
+            # return another tensor object over the same data.
+            return received.detach()
         return received
 
     @staticmethod
@@ -118,21 +122,44 @@ def find_leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return leaves
 
 
+# Leaf gradients (leaf, gradient), as run_pass returns them.
+Grads = list[tuple[torch.Tensor, torch.Tensor]]
+Pass = tuple[Grads, Grads, Outbox]
+
+
 def run_pass(
     service: AutogradService,
     context_id: int,
     tensors: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Outbox]:
+    earlier: Sequence[torch.Tensor] = (),
+) -> Pass:
     """Run the local engine from ``tensors`` with ``grads``.
 
-    Returns the leaves' gradients from this pass (``.grad`` is left as it was) and the
-    gradients owed to peers. The caller adds the first to its context and sends the second.
+    Returns ``(found, rewritten, outbox)``: the gradients this pass produced for the
+    leaves it reached, to be added to the context; the gradients written during the
+    pass into leaves of ``earlier`` (leaves given gradients by earlier passes of this
+    context) that it did not reach, which replace the context's; and the gradients owed
+    to peers. ``.grad`` is left as it was.
+
+    Only a hook can write a leaf's gradient without the pass reaching the leaf: DDP
+    does, when the last of its buckets becomes ready in this pass, writing every
+    parameter's all-reduced gradient, also of parameters an earlier pass reached (its
+    bucket holds their gradients since). That written value is the whole gradient, so
+    it replaces what the context has, as torch's DDP does to a torch context.
     """
     with service.grad_lock:
         leaves = [leaf for leaf in find_leaves(tensors) if leaf is not service.anchor]
+        if earlier:
+            reached = {id(leaf) for leaf in leaves}
+            others = [leaf for leaf in earlier if id(leaf) not in reached]
+        else:
+            others = []
         saved = [leaf.grad for leaf in leaves]
+        saved_others = [leaf.grad for leaf in others]
         for leaf in leaves:
+            leaf.grad = None
+        for leaf in others:
             leaf.grad = None
         outbox: Outbox = {}
         # (CPU nodes run on this thread, CUDA nodes on torch's device threads; recv
@@ -142,12 +169,19 @@ def run_pass(
             torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
         finally:
             service.active_pass = None
-            found: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for leaf, old in zip(leaves, saved, strict=True):
-                grad = leaf.grad
-                leaf.grad = old
-                if grad is not None:
-                    # A gradient that is a view of some buffer (DDP's bucket views) would
-                    # change under us next iteration: keep a copy.
-                    found.append((leaf, grad.clone() if grad._is_view() else grad))
-    return found, outbox
+            found = _take_grads(leaves, saved)
+            rewritten = _take_grads(others, saved_others)
+    return found, rewritten, outbox
+
+
+def _take_grads(leaves: Sequence[torch.Tensor], saved: Sequence[torch.Tensor | None]) -> Grads:
+    """The gradients ``leaves`` hold now; each gets its ``saved`` gradient back."""
+    taken: Grads = []
+    for leaf, old in zip(leaves, saved, strict=True):
+        grad = leaf.grad
+        leaf.grad = old
+        if grad is not None:
+            # A gradient that is a view of some buffer (DDP's bucket views) would
+            # change under us next iteration: keep a copy.
+            taken.append((leaf, grad.clone() if grad._is_view() else grad))
+    return taken

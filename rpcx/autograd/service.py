@@ -72,12 +72,23 @@ class AutogradContext:
     pending: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def accumulate(self, found: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Add a pass's leaf gradients."""
+    def accumulate(
+        self,
+        found: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        rewritten: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    ) -> None:
+        """Add a pass's leaf gradients; ``rewritten`` ones replace (see ``run_pass``)."""
         with self.lock:
             for leaf, grad in found:
                 old = self.grads.get(leaf)
                 self.grads[leaf] = grad if old is None else old + grad
+            for leaf, grad in rewritten:
+                self.grads[leaf] = grad
+
+    def leaves(self) -> list[torch.Tensor]:
+        """The leaves that have gradients in this context so far."""
+        with self.lock:
+            return list(self.grads)
 
 
 def service(agent: RpcAgent) -> AutogradService:
@@ -352,9 +363,9 @@ class AutogradService:
         sole: bool,
     ) -> set[int]:
         """One pass, then delivery; returns the ranks holding gradients for next round."""
-        found, outbox = run_pass(self, context.id, tensors, grads)
+        found, rewritten, outbox = run_pass(self, context.id, tensors, grads, context.leaves())
         self.passes += 1
-        context.accumulate(found)
+        context.accumulate(found, rewritten)
         if not outbox:
             return set()
         if sole and len(outbox) == 1:

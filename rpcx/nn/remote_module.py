@@ -129,11 +129,11 @@ class RemoteModule(torch.nn.Module):
             _module_rref = rpc_sync(
                 self.on, _create, args=(module_cls, tuple(args or ()), dict(kwargs or {}), device)
             )
-        elif _module_rref.owner() != self.on:
-            raise ValueError(
-                f"RemoteModule: the module RRef is owned by {_module_rref.owner_name()!r}, "
-                f"not by {self.on.name!r} named in remote_device {remote_device!r}"
-            )
+        else:
+            # As torch's: a module that already exists runs where it lives, its RRef's
+            # owner, whatever worker remote_device names (torch's own example names the
+            # receiving worker); remote_device still gives the device.
+            self.on = _module_rref.owner()
         self.module_rref = _module_rref
 
     @classmethod
@@ -143,7 +143,12 @@ class RemoteModule(torch.nn.Module):
         module_rref: RRef[torch.nn.Module],
         _module_interface_cls: Any = None,
     ) -> RemoteModule:
-        """A RemoteModule for a module that already exists on its owner."""
+        """A RemoteModule for a module that already exists on its owner.
+
+        Calls go to ``module_rref``'s owner; ``remote_device`` gives the device (its
+        worker part must name a worker of the world, but need not be the owner, as in
+        torch).
+        """
         return cls(remote_device, torch.nn.Module, _module_rref=module_rref)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
