@@ -29,7 +29,7 @@ import torch
 from rpcx import _context
 from rpcx._pool import current_pool
 from rpcx.agent import Deferred, RpcAgent, describe_callable
-from rpcx.errors import RpcError, RpcShutdownError
+from rpcx.errors import RpcError, RpcShutdownError, RpcTimeoutError
 from rpcx.functions import async_execution, is_async_execution
 from rpcx.futures import RpcFuture, add_internal_callback, wait
 from rpcx.messages import MessageKind
@@ -201,15 +201,18 @@ class RRef(Generic[T]):
             return self.local_value()
         self._check_usable("to_here")
         self._raise_if_creation_failed()
+        bound = self._agent.timeout_for(timeout)
         try:
             value: T = _first_failure_or(self._created, self._fetch(timeout)).wait()
+        except RpcTimeoutError:
+            self._raise_if_creation_failed()  # remote()'s own timeout names the call
+            raise  # this to_here's timeout: it is not extended by waiting for remote()
         except BaseException:
             # The owner may report a failed remote() before its reply reaches us; wait
-            # for that reply (bounded by its timeout) so its error, naming the call,
-            # is the one raised, now and on every later use of this RRef.
+            # for that reply (within this to_here's timeout) so its error, naming the
+            # call, is the one raised, now and on every later use of this RRef.
             if self._created is not None and not self._created.done():
-                with contextlib.suppress(BaseException):
-                    wait(self._created)
+                _wait_done(self._created, bound)
             self._raise_if_creation_failed()
             raise
         self._confirmed.set()  # the owner answered for this reference
@@ -341,6 +344,15 @@ def _first_failure_or(
     add_internal_callback(guard, lambda f: settle(f, True))
     add_internal_callback(main, lambda f: settle(f, False))
     return result
+
+
+def _wait_done(future: torch.futures.Future[Any], timeout: float | None) -> bool:
+    """Wait until ``future`` completes or ``timeout`` passes; True if it completed."""
+    done = threading.Event()
+    add_internal_callback(future, lambda _: done.set())
+    pool = current_pool()
+    with pool.blocking() if pool is not None else contextlib.nullcontext():
+        return done.wait(timeout)
 
 
 def _failed(future: torch.futures.Future[Any]) -> bool:

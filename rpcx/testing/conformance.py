@@ -317,11 +317,6 @@ class TestTimeouts:
             rpcx.rpc_sync(W2, remote.release, args=(key,))
         assert isinstance(rref.to_here(timeout=10), remote.SlowToPickle)
 
-    @pytest.mark.xfail(strict=True, reason=(
-        "rpcx bug: RRef.to_here(timeout=t) on an RRef whose remote() is still running "
-        "waits for remote() itself (bounded only by remote()'s own timeout, none here) "
-        "after its fetch timed out, so t is not honoured (rpcx/rref.py, to_here's except)"
-    ))
     def test_to_here_timeout_while_the_value_is_being_created(self, rpc_world: World) -> None:
         key = uuid.uuid4().hex
         block = TIMEOUT + LATE_BY_AT_MOST + 1.0  # just long enough to show the bug
