@@ -170,6 +170,8 @@ class RpcAgent:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when _pending empties
         self._lost: dict[int, str] = {}
+        self._lost_handled: set[int] = set()  # lost peers whose on_peer_lost hooks ran
+        self._lost_cond = threading.Condition(self._lock)
         self._state = _RUNNING
         self.stopping = threading.Event()  # set when shutdown() starts
         self._pool = WorkerPool(
@@ -658,6 +660,19 @@ class RpcAgent:
                 hook(rank)
             except Exception:
                 log.exception("%s: peer-lost hook failed", self.name)
+        with self._lock:
+            self._lost_handled.add(rank)
+            self._lost_cond.notify_all()
+
+    def is_lost(self, rank: int) -> bool:
+        """Whether worker ``rank`` is known to be gone (died, or left the world)."""
+        return rank in self._lost
+
+    def wait_lost(self, rank: int, timeout: float | None) -> bool:
+        """Wait until worker ``rank`` is known gone and this worker has reacted to it
+        (its pending calls failed, the services' hooks run); False after ``timeout``."""
+        with self._lock:
+            return self._lost_cond.wait_for(lambda: rank in self._lost_handled, timeout)
 
     def lost_peers(self) -> dict[str, str]:
         """Workers known to be gone, with the reason, by name."""

@@ -85,11 +85,6 @@ def test_dead_worker_with_rrefs_and_autograd_in_flight(crash_world: object) -> N
         assert torch.equal(dist_autograd.get_gradients(context_id)[x], torch.full((2,), 3.0))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rpcx bug: a distributed autograd context that reached a worker only through a peer "
-    "that then died is never released there (the autograd service has no peer-lost "
-    "hook; releases travel only from peers that took part), so it leaks until shutdown"
-))
 def test_context_reached_through_a_dead_worker_is_released(crash_world: object) -> None:
     x = torch.tensor([1.0, 2.0], requires_grad=True)
     with dist_autograd.context():
@@ -98,6 +93,19 @@ def test_context_reached_through_a_dead_worker_is_released(crash_world: object) 
         # Known dead here before the block ends (a local check: no call to worker2 in
         # the context, which would make worker2 a peer of this worker in it).
         assert list(remote.wait_until_lost(W1, BOUND)) == [W1]
+    # The release cannot travel through worker1: it goes to every live worker, and
+    # this worker's releases are complete once each peer has handled it.
+    assert dist_autograd._wait_released(BOUND) >= 1
     assert list(rpcx.rpc_sync(W2, remote.wait_until_lost, args=(W1, BOUND))) == [W1]
     stats = rpcx.rpc_sync(W2, training.autograd_stats)
     assert stats["contexts"] == 0, stats
+
+
+def test_contexts_of_a_dead_creator_are_released(crash_world: object) -> None:
+    before = rpcx.rpc_sync(W2, training.autograd_stats)["contexts"]
+    with pytest.raises(rpcx.PeerLostError, match=r"worker 'worker1'"):
+        rpcx.rpc_sync(W1, training.open_context_call_then_crash, args=(W2,))
+    # worker2 joined a context of worker1's, which will never release it now.
+    assert list(rpcx.rpc_sync(W2, remote.wait_until_lost, args=(W1, BOUND))) == [W1]
+    stats = rpcx.rpc_sync(W2, training.autograd_stats)
+    assert stats["contexts"] == before, stats

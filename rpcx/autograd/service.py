@@ -24,8 +24,8 @@ import torch
 
 from rpcx.agent import Deferred, RpcAgent
 from rpcx.autograd.engine import Outbox, make_recv, run_pass
-from rpcx.errors import RpcError
-from rpcx.futures import RpcFuture, wait
+from rpcx.errors import PeerLostError, RpcError
+from rpcx.futures import RpcFuture, add_internal_callback, wait
 from rpcx.messages import MessageKind
 from rpcx.serialization import DecodeContext, EncodeContext, Placed, set_scope_hooks
 from rpcx.worker import WorkerInfo
@@ -166,22 +166,55 @@ class AutogradService:
                 self._released.popitem(last=False)
         if context is None:
             return []
-        futures: list[RpcFuture[Any]] = []
         if not self.agent.is_running:
-            return futures
-        for peer in sorted(context.peers):
-            if peer == notify_except:
-                continue
+            return []
+        peers = [p for p in sorted(context.peers) if p != notify_except]
+        if any(self.agent.is_lost(p) for p in peers):
+            # A lost peer cannot pass the word on to the workers that joined through it:
+            # tell everyone (a worker without the context only remembers the id).
+            return self._send_release(context_id, self._everyone_but(notify_except))
+        futures = self._send_release(context_id, peers)
+        for future in futures:  # a peer lost while the release travels: the same
+            add_internal_callback(future, lambda done: self._after_release(done, context_id))
+        return futures
+
+    def _send_release(self, context_id: int, ranks: Sequence[int]) -> list[RpcFuture[Any]]:
+        futures = []
+        for rank in ranks:
             try:
                 futures.append(self.agent.request(
-                    self.agent.workers[peer], MessageKind.AUTOGRAD_RELEASE, context_id,
+                    self.agent.workers[rank], MessageKind.AUTOGRAD_RELEASE, context_id,
                     timeout=self.agent.timeout_for(None), api="dist_autograd.release",
                     target=context_id, describe_target=_describe_context,
                 ))
             except RpcError as exc:
                 log.debug("%s: release of context %d not sent to rank %d: %s",
-                          self.agent.name, context_id, peer, exc)
+                          self.agent.name, context_id, rank, exc)
         return futures
+
+    def _everyone_but(self, notify_except: int | None) -> list[int]:
+        me = self.agent.rank
+        return [r for r in range(self.agent.world_size)
+                if r not in (me, notify_except) and not self.agent.is_lost(r)]
+
+    def _after_release(self, done: torch.futures.Future[Any], context_id: int) -> None:
+        # An internal callback (it must not send): the broadcast goes to the lane.
+        if _failed_with(done, PeerLostError) and self.agent.is_running:
+            self.agent.defer(self._broadcast_release, context_id)
+
+    def _broadcast_release(self, context_id: int) -> None:
+        futures = self._send_release(context_id, self._everyone_but(None))
+        with self._lock:
+            self._releasing.extend(futures)
+
+    def on_peer_lost(self, rank: int) -> None:
+        """A worker died or left: release the contexts it created, which it never will."""
+        with self._lock:
+            orphans = [c for c in self._contexts if c >> _RANK_SHIFT == rank]
+        for context_id in orphans:
+            futures = self.release(context_id, notify_except=rank)
+            with self._lock:
+                self._releasing.extend(futures)
 
     def release_from_user(self, context_id: int) -> None:
         """Release a context whose ``with`` block ended; the peers are told in the
@@ -439,6 +472,16 @@ class AutogradService:
         return 0
 
 
+def _failed_with(future: torch.futures.Future[Any], kind: type[BaseException]) -> bool:
+    try:
+        future.value()
+    except kind:
+        return True
+    except BaseException:
+        return False
+    return False
+
+
 def all_done(futures: Sequence[torch.futures.Future[Any]]) -> torch.futures.Future[None]:
     """A future that completes when all of ``futures`` have, failing with the first error."""
 
@@ -471,6 +514,7 @@ def install(agent: RpcAgent) -> None:
     agent.register_handler(MessageKind.AUTOGRAD_RUN, svc.handle_run)
     agent.register_handler(MessageKind.AUTOGRAD_RELEASE, svc.handle_release)
     agent.on_drain.append(svc.drain)
+    agent.on_peer_lost.append(svc.on_peer_lost)
 
 
 def _on_encode(ctx: EncodeContext, tensor: torch.Tensor) -> None:

@@ -611,22 +611,10 @@ def send_gradient(context_id: int, to: str, tag: int, index: int, grad: torch.Te
 
 
 def wait_until_lost(name: str, timeout: float) -> dict[str, str]:
-    """Wait (at most ``timeout``) until this worker knows ``name`` is gone; return
-    ``debug_info()["lost_peers"]``."""
+    """Wait (at most ``timeout``) until this worker knows ``name`` is gone and has
+    reacted (failed calls, services' hooks); return ``debug_info()["lost_peers"]``."""
     agent = _context_agent()
-    rank = agent.resolve(name).id
-    lost = threading.Event()
-
-    def hook(gone: int) -> None:
-        if gone == rank:
-            lost.set()
-
-    agent.on_peer_lost.append(hook)
-    try:
-        if name not in agent.lost_peers():
-            lost.wait(timeout)
-    finally:
-        agent.on_peer_lost.remove(hook)
+    agent.wait_lost(agent.resolve(name).id, timeout)
     found: dict[str, str] = rpcx.debug_info()["lost_peers"]
     return found
 

@@ -102,6 +102,15 @@ def square_then_call(x: torch.Tensor, path: list[str]) -> torch.Tensor:
     return out
 
 
+def open_context_call_then_crash(peer: str) -> None:
+    """Open a context, make ``peer`` join it with a call, then end this process inside
+    the context: nobody is left to release it."""
+    x = torch.ones(2, requires_grad=True)
+    with dist_autograd.context():
+        rpcx.rpc_sync(peer, scale, args=(x, 2.0))
+        os._exit(3)
+
+
 def use_twice_remotely(x: torch.Tensor, helper: str) -> torch.Tensor:
     """Sends ``x`` to ``helper`` twice and combines the results with ``x`` itself."""
     a: torch.Tensor = rpcx.rpc_sync(helper, scale, args=(x, 2.0))
