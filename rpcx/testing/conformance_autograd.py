@@ -462,8 +462,9 @@ class TestRemoteModule:
         with pytest.raises(TypeError):
             RemoteModule(f"{W1}/cpu", training.Linear, args=(2,))  # missing arguments
         rref = rpcx.remote(W3, training.Linear, args=(2, 2, 8))
-        with pytest.raises(ValueError, match="owned by 'worker3', not by 'worker1'"):
-            RemoteModule.init_from_module_rref(f"{W1}/cpu", rref)
+        # Not an error (as in torch): the module runs on its RRef's owner, whatever
+        # worker remote_device names.
+        assert RemoteModule.init_from_module_rref(f"{W1}/cpu", rref).on.name == W3
         module = RemoteModule(f"{W2}/cpu", training.Linear, args=(2, 2, 1))
         with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
             module(torch.ones(1, 5))  # the forward fails on the owner
