@@ -59,6 +59,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from torch_suite.expectations import expected_failure
 
     for item in items:
+        if "test_torch_rpc.py::" not in item.nodeid:
+            continue
         known = expected_failure(_key(item.nodeid), _backend())
         if known is not None:
             item.add_marker(pytest.mark.xfail(reason=f"[{known.category}] {known.reason}",
@@ -66,6 +68,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "test_torch_rpc.py::" not in report.nodeid:  # the harness's own tests
+        return
     outcomes = _OUTCOMES
     key = _key(report.nodeid)
     if report.when == "call" or (report.when == "setup" and not report.passed):

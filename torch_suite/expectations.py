@@ -333,9 +333,13 @@ KNOWN: dict[str, Known] = {
         BUG, "being fixed: confirmed_by_owner() stays False on a forked RRef's receiver"),
     "DdpUnderDistAutogradTest.test_backward_ddp_outside": Known(
         BUG, "being fixed: DDP under distributed autograd gets different gradients"),
-    "DistAutogradTest.test_no_grad_copy": Known(BUG, "being fixed: gradients are copied"),
+    "DistAutogradTest.test_no_grad_copy": Known(
+        BUG, "being fixed: a gradient torch would hand over as is (the same storage) is "
+             "copied"),
     "DistAutogradTest.test_backward_unused_send_function": Known(
-        BUG, "being fixed: backward does not wait for an unused send function"),
+        BUG, "being fixed: torch's backward waits for every send function of the context, "
+             "also one no gradient ever reaches (the test asserts it still runs after "
+             "10 s); rpcx's backward returns"),
     "ThreeWorkersRemoteModuleTest.test_create_remote_module_from_module_rref": Known(
         BUG, "being fixed: init_from_module_rref refuses an RRef owned by another worker"),
     "RemoteModuleTest.test_unsupported_methods": Known(
