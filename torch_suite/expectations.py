@@ -334,12 +334,14 @@ KNOWN: dict[str, Known] = {
     "DdpUnderDistAutogradTest.test_backward_ddp_outside": Known(
         BUG, "being fixed: DDP under distributed autograd gets different gradients"),
     "DistAutogradTest.test_no_grad_copy": Known(
-        BUG, "being fixed: a gradient torch would hand over as is (the same storage) is "
-             "copied"),
+        DIFFERENCE, "a gradient torch would hand over as is (the same storage) is copied "
+                    "(listed as a bug in issue 9; the fixes branch documents it as a "
+                    "deliberate difference)"),
     "DistAutogradTest.test_backward_unused_send_function": Known(
-        BUG, "being fixed: torch's backward waits for every send function of the context, "
-             "also one no gradient ever reaches (the test asserts it still runs after "
-             "10 s); rpcx's backward returns"),
+        DIFFERENCE, "torch's backward waits for every send function of the context, also "
+                    "one no gradient ever reaches (the test asserts it still runs after "
+                    "10 s); rpcx's backward returns (listed as a bug in issue 9; the fixes "
+                    "branch documents it as a deliberate difference)"),
     "ThreeWorkersRemoteModuleTest.test_create_remote_module_from_module_rref": Known(
         BUG, "being fixed: init_from_module_rref refuses an RRef owned by another worker"),
     "RemoteModuleTest.test_unsupported_methods": Known(
