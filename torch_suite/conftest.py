@@ -39,6 +39,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # Workers fork from this process: keep OpenMP out of it (and 4 workers on 2 cores
     # gain nothing from more threads).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Before any test module is collected: torch's test helpers bind
+    # torch.distributed.rpc when first imported, whichever module imports them first.
+    from torch_suite import shim
+
+    if shim.backend() != "torch":
+        shim.install()
 
 
 def _backend() -> str:

@@ -84,7 +84,7 @@ class ForkHelper(MultiProcessTestCase):
     """torch's SpawnHelper, with forked workers unless ``$TORCH_SUITE_START=spawn``.
 
     Spawning imports torch four times per test (seconds each on a small machine); a fork
-    of the pytest process, which has started no RPC, threads or OpenMP pool, does not. A
+    of the pytest process, which has started no RPC, torch threads or OpenMP pool, does not. A
     forked child would skip ``atexit`` handlers (multiprocessing ends it with os._exit),
     and an rpcx worker that returns without ``shutdown()`` leaves through one: so the
     child drops the handlers it inherited and runs its own at the end, as a spawned
