@@ -14,7 +14,7 @@ from rpcx.autograd import service as autograd_service
 from rpcx.errors import RpcError
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
-from rpcx.options import RpcBackendOptions
+from rpcx.options import RpcBackendOptions, as_rpcx_options
 from rpcx.registry import BackendSpec, resolve_backend
 from rpcx.worker import WorkerInfo, validate_worker_name
 
@@ -52,7 +52,7 @@ def init_rpc(
     backend: object = None,
     rank: int = -1,
     world_size: int | None = None,
-    rpc_backend_options: RpcBackendOptions | None = None,
+    rpc_backend_options: object = None,
 ) -> None:
     """Join the RPC world as worker ``name``; returns once every worker has joined.
 
@@ -65,12 +65,18 @@ def init_rpc(
         world_size: number of workers; ``None`` reads ``$WORLD_SIZE`` with ``env://``.
         rpc_backend_options: any options object; defaults to the backend's own type.
             ``init_method`` and ``rpc_timeout`` (also used as the bound on waiting for
-            the other workers to join) apply to every backend.
+            the other workers to join) apply to every backend. torch's own
+            ``TensorPipeRpcBackendOptions`` and ``RpcBackendOptions`` are read into
+            rpcx's (:func:`rpcx.options.as_rpcx_options`).
     """
     validate_worker_name(name)
     spec = resolve_backend(backend, _context.spawn_backend.get())
     _check_not_initialized(name, spec)
-    options = rpc_backend_options if rpc_backend_options is not None else spec.options_type()
+    options = (
+        as_rpcx_options(rpc_backend_options)
+        if rpc_backend_options is not None
+        else spec.options_type()
+    )
     options.validate()
     rank, world_size = _rank_and_size(spec, options, rank, world_size)
     join_timeout = options.rpc_timeout or None

@@ -8,7 +8,7 @@ fields it understands. Device maps are validated here, once, for all backends.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -19,6 +19,7 @@ __all__ = [
     "DeviceLike",
     "RpcBackendOptions",
     "TensorPipeRpcBackendOptions",
+    "as_rpcx_options",
     "invert_device_map",
     "normalize_device",
     "normalize_device_map",
@@ -131,6 +132,64 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         super().validate()
         for to, device_map in self.device_maps.items():
             _check_one_to_one(device_map, to)
+
+
+def as_rpcx_options(options: object) -> RpcBackendOptions:
+    """The options object ``init_rpc`` uses for ``options``.
+
+    rpcx's own options (and any object with rpcx's ``validate()``, such as a plugin's)
+    pass through unchanged. torch's ``torch.distributed.rpc.TensorPipeRpcBackendOptions``
+    and ``RpcBackendOptions``, left over in a program whose imports were changed to rpcx,
+    are read into rpcx's equivalents: ``init_method``, ``rpc_timeout``,
+    ``num_worker_threads``, ``device_maps`` and ``devices``. (torch's object does not
+    keep the private ``_transports``/``_channels`` it was built with, so those are lost.)
+    Anything else raises ``TypeError`` naming the class to use instead.
+    """
+    if isinstance(options, RpcBackendOptions):
+        return options
+    torch_kind = _torch_options_kind(options)
+    if torch_kind == "tensorpipe":
+        theirs: Any = options
+        return TensorPipeRpcBackendOptions(
+            num_worker_threads=theirs.num_worker_threads,
+            rpc_timeout=theirs.rpc_timeout,
+            init_method=theirs.init_method,
+            device_maps={to: dict(device_map) for to, device_map in theirs.device_maps.items()},
+            devices=list(theirs.devices),
+        )
+    if torch_kind == "base":
+        theirs = options
+        return RpcBackendOptions(rpc_timeout=theirs.rpc_timeout, init_method=theirs.init_method)
+    if torch_kind is not None:
+        raise TypeError(
+            f"rpc_backend_options: torch's {type(options).__qualname__} has no rpcx "
+            "equivalent (its extra settings belong to one of torch's own agents); "
+            "use rpcx.TensorPipeRpcBackendOptions (or rpcx.RpcBackendOptions) with "
+            "init_method, rpc_timeout, num_worker_threads, device_maps and devices"
+        )
+    if callable(getattr(options, "validate", None)):
+        return options  # type: ignore[return-value]  # duck-typed options (a plugin's)
+    raise TypeError(
+        "rpc_backend_options must be an options object such as "
+        "rpcx.TensorPipeRpcBackendOptions(init_method=..., rpc_timeout=...), "
+        f"got {type(options).__qualname__}"
+    )
+
+
+def _torch_options_kind(options: object) -> str | None:
+    """``"tensorpipe"`` or ``"base"`` for torch's two public options classes, ``"other"``
+    for another of torch's (its test agent's ``FaultyTensorPipeRpcBackendOptions``),
+    ``None`` if ``options`` is not torch's. Reads class names: importing
+    torch.distributed.rpc here would cost every rpcx program its start-up time."""
+    classes = [(c.__module__, c.__qualname__) for c in type(options).__mro__]
+    if ("torch.distributed.rpc.options", "TensorPipeRpcBackendOptions") in classes:
+        return "tensorpipe"
+    if classes[0] == ("torch._C._distributed_rpc", "RpcBackendOptions"):
+        return "base"
+    if any(module.startswith("torch.") and name == "RpcBackendOptions"
+           for module, name in classes):
+        return "other"
+    return None
 
 
 def normalize_device(device: DeviceLike) -> torch.device:

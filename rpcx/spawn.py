@@ -9,6 +9,7 @@ other backend they are processes, with the backend exported as ``$RPCX_BACKEND``
 from __future__ import annotations
 
 import contextvars
+import logging
 import os
 import threading
 import traceback
@@ -18,11 +19,15 @@ from typing import Any
 
 from torch.multiprocessing.spawn import start_processes
 
-from rpcx import _context
+from rpcx import _context, api
 from rpcx.errors import RpcError
 from rpcx.registry import ENV_VAR, resolve_backend
 
 __all__ = ["SpawnContext", "WorkerFailedError", "spawn"]
+
+log = logging.getLogger("rpcx")
+
+_ERROR_GRACE = 10.0  # seconds join() waits for the other workers after one raised
 
 
 class WorkerFailedError(RpcError):
@@ -70,6 +75,26 @@ def _process_entry(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], bac
     fn(rank, *args)
 
 
+def _leave_if_running(rank: int) -> None:
+    """A worker thread that ends without ``shutdown()`` leaves as a process does at exit.
+
+    A process's worker is shut down non-gracefully by an ``atexit`` handler; a thread has
+    none. Left running, its agent would keep the others' graceful ``shutdown()`` waiting
+    for it forever, and its threads blocked in torch at interpreter exit abort the process.
+    """
+    agent = _context._thread_agent.get()
+    if agent is None or not agent.is_running:
+        return
+    log.warning(
+        "worker %r (spawned thread %d) ended without rpcx.shutdown(); leaving without "
+        "waiting for peers", agent.name, rank,
+    )
+    try:
+        api.shutdown(graceful=False)
+    except Exception:
+        log.exception("worker %r: shutdown after its thread ended failed", agent.name)
+
+
 class SpawnContext:
     """The threads of an in-process world started by :func:`spawn`."""
 
@@ -94,13 +119,16 @@ class SpawnContext:
             thread.start()
 
     def _run(self, rank: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        error: BaseException | None = None
         try:
             fn(rank, *args)
         except BaseException as exc:
-            with self._cond:
-                self._errors[rank] = exc
+            error = exc
         finally:
+            _leave_if_running(rank)  # before join() can see the error and the program exit
             with self._cond:
+                if error is not None:
+                    self._errors[rank] = error
                 self._finished.add(rank)
                 self._cond.notify_all()
 
@@ -114,6 +142,12 @@ class SpawnContext:
                 lambda: self._errors or len(self._finished) == len(self.threads), timeout
             )
             if self._errors:
+                # The failed worker has left; the others' graceful shutdowns now finish
+                # promptly. Give them a moment, so a program that exits on the error does
+                # not leave worker threads inside torch at interpreter exit.
+                self._cond.wait_for(
+                    lambda: len(self._finished) == len(self.threads), _ERROR_GRACE
+                )
                 rank = min(self._errors)
                 exc = self._errors[rank]
                 text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -1,0 +1,1 @@
+"""torch's own RPC test suite, run against rpcx (see README.md)."""
