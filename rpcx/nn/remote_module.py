@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -179,7 +179,7 @@ class RemoteModule(torch.nn.Module):
     def train(self, mode: bool = True) -> RemoteModule:
         """Set training mode on the remote module (and this wrapper)."""
         rpc_sync(self.on, _set_training, args=(self.module_rref, mode))
-        super().train(mode)
+        self.training = mode  # the wrapper has no children of its own to visit
         return self
 
     def eval(self) -> RemoteModule:
@@ -198,6 +198,13 @@ class RemoteModule(torch.nn.Module):
             f"worker {self.on.name!r}; use remote_parameters() with DistributedOptimizer"
         )
 
+    def _not_supported(self, method: str) -> NoReturn:
+        raise ValueError(
+            f"Method ``{method}`` not supported for RemoteModule: the module lives on "
+            f"worker {self.on.name!r} and this wrapper holds nothing of it; call it there "
+            "through get_module_rref() (rref.rpc_sync().<method>(...))"
+        )
+
     def __reduce__(self) -> Any:
         # Travels as (where, module RRef): the receiver rebuilds a wrapper around the same
         # remote module. Only rpcx can pickle the RRef, so only calls can carry it.
@@ -214,9 +221,35 @@ class RemoteModule(torch.nn.Module):
         return f"RemoteModule(on={self.on.name!r}, device={str(self.device)!r})"
 
 
+# nn.Module methods that would act on the empty local wrapper, not on the remote module:
+# each raises, as torch's RemoteModule does (same wording), instead of silently working
+# on nothing.
+_UNSUPPORTED = (
+    "add_module", "apply", "bfloat16", "buffers", "children", "cpu", "cuda", "double",
+    "extra_repr", "float", "half", "ipu", "load_state_dict", "modules", "named_buffers",
+    "named_children", "named_modules", "named_parameters", "register_backward_hook",
+    "register_buffer", "register_forward_hook", "register_forward_pre_hook",
+    "register_parameter", "requires_grad_", "share_memory", "state_dict", "to", "type",
+    "xpu", "zero_grad",
+)
+
+
+def _unsupported(method: str) -> Any:
+    def refuse(self: RemoteModule, *args: Any, **kwargs: Any) -> NoReturn:
+        self._not_supported(method)
+
+    refuse.__name__ = method
+    refuse.__doc__ = f"Not supported: raises ValueError (``{method}`` would act on nothing)."
+    return refuse
+
+
+for _method in _UNSUPPORTED:
+    setattr(RemoteModule, _method, _unsupported(_method))
+
+
 def _rebuild(
     remote_device: str, module_rref: RRef[torch.nn.Module], training: bool
 ) -> RemoteModule:
     module = RemoteModule(remote_device, torch.nn.Module, _module_rref=module_rref)
-    torch.nn.Module.train(module, training)
+    module.training = training  # locally only: the remote module keeps its own mode
     return module

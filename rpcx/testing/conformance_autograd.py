@@ -446,6 +446,26 @@ class TestRemoteModule:
         with pytest.raises(RuntimeError, match="only be pickled by rpcx"):
             pickle.dumps(wrapped)
 
+    def test_methods_that_would_act_on_the_local_stub_raise(self, rpc_world: World) -> None:
+        """torch's test_unsupported_methods: same type and wording as torch."""
+        module = RemoteModule(f"{W1}/cpu", training.Linear, args=(2, 2, 1))
+        calls = {
+            "register_buffer": lambda: module.register_buffer("b", torch.ones(1)),
+            "register_parameter": lambda: module.register_parameter(
+                "p", torch.nn.Parameter(torch.ones(1))),
+            "add_module": lambda: module.add_module("m", None),
+            "state_dict": module.state_dict,
+            "to": lambda: module.to("cpu"),
+            "named_parameters": module.named_parameters,
+            "zero_grad": module.zero_grad,
+            "register_forward_hook": lambda: module.register_forward_hook(lambda *a: None),
+        }
+        for method, call in calls.items():
+            with pytest.raises(ValueError, match=rf"Method ``{method}`` not supported"):
+                call()
+        assert not module._buffers and not module._parameters  # nothing landed locally
+        assert _close(module(torch.ones(1, 2)), training.Linear(2, 2, 1)(torch.ones(1, 2)))
+
     def test_error_paths(self, rpc_world: World) -> None:
         for bad, message in [
             ("/cpu", "names no worker"),
