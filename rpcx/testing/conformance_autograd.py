@@ -9,6 +9,7 @@ import contextvars
 import pickle
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -449,7 +450,7 @@ class TestRemoteModule:
     def test_methods_that_would_act_on_the_local_stub_raise(self, rpc_world: World) -> None:
         """torch's test_unsupported_methods: same type and wording as torch."""
         module = RemoteModule(f"{W1}/cpu", training.Linear, args=(2, 2, 1))
-        calls = {
+        calls: dict[str, Callable[[], object]] = {
             "register_buffer": lambda: module.register_buffer("b", torch.ones(1)),
             "register_parameter": lambda: module.register_parameter(
                 "p", torch.nn.Parameter(torch.ones(1))),
