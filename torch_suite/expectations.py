@@ -43,8 +43,6 @@ def _each(
 NOT_TENSORPIPE = frozenset({"gloo", "loopback"})
 
 
-_SPARSE = "being fixed: sparse tensors lose their autograd graph in distributed autograd"
-
 KNOWN: dict[str, Known] = {
     # ------------------------------------------------------------------ private
     **_each(
@@ -91,9 +89,15 @@ KNOWN: dict[str, Known] = {
     "RpcTest.test_all_gather_timeout": Known(
         PRIVATE, "torch's rpc.api._all_gather (on tensorpipe it reaches torch's agent, whose "
         "timeout message is not rpcx's)"),
+    "RpcTest.test_wait_all": Known(
+        PRIVATE, "torch's rpc.api._wait_all(), which collects futures that torch's own "
+        "rpc_async registers in a thread-local (on tensorpipe rpcx sends through torch's "
+        "rpc_async from the caller's thread, so torch's _wait_all finds that future and "
+        "the test passes: it then tests torch's agent)",
+        NOT_TENSORPIPE,
+    ),
     **_each(
-        """RpcTest.test_wait_all
-        RpcTest.test_wait_all_multiple_call
+        """RpcTest.test_wait_all_multiple_call
         RpcTest.test_wait_all_raise_in_user_func
         RpcTest.test_wait_all_timeout""",
         PRIVATE,
@@ -296,54 +300,19 @@ KNOWN: dict[str, Known] = {
     "TensorPipeAgentRpcTest.test_rref_proxy_timeout": Known(
         DIFFERENCE, "rref.remote(timeout=).f() returns at once and its timeout surfaces on "
                     "the result's next use; torch's proxy blocks on _get_type first"),
-    "RpcTest.test_user_rref_backward": Known(
-        DIFFERENCE, "RRef.backward() on an RRef to a non-tensor raises TypeError ('roots "
-                    "must be tensors'); torch raises RuntimeError 'RRef should contain a "
-                    "tensor'"),
-    # --------------------------------------------------------------------- bugs
-    **_each(
-        """TensorPipeAgentDistAutogradTest.test_backward_different_dtypes_sparse
-        TensorPipeAgentDistAutogradTest.test_backward_multiple_round_trips_sparse
-        TensorPipeAgentDistAutogradTest.test_backward_no_grad_on_tensor_sparse
-        TensorPipeAgentDistAutogradTest.test_backward_rref_multi_sparse
-        TensorPipeAgentDistAutogradTest.test_backward_rref_nested_sparse
-        TensorPipeAgentDistAutogradTest.test_backward_rref_sparse
-        TensorPipeAgentDistAutogradTest.test_backward_simple_python_udf_sparse
-        TensorPipeAgentDistAutogradTest.test_backward_simple_self_sparse
-        TensorPipeAgentDistAutogradTest.test_backward_simple_sparse
-        TensorPipeAgentDistAutogradTest.test_backwards_nested_python_udf_sparse
-        TensorPipeAgentDistAutogradTest.test_mixed_requires_grad_sparse
-        TensorPipeAgentDistAutogradTest.test_multiple_backward_sparse
-        TensorPipeAgentDistAutogradTest.test_nested_backward_accumulate_grads_sparse
-        TensorPipeAgentDistAutogradTest.test_trainer_ps_sparse""",
-        BUG, _SPARSE,
-    ),
-    "RpcTest.test_non_cont_tensors": Known(
-        BUG, "being fixed: non-contiguous views arrive contiguous"),
-    "RpcTest.test_callback_none": Known(BUG, "being fixed: fut.then(None) is accepted"),
-    "RpcTest.test_invalid_names": Known(
-        BUG, "being fixed: WorkerInfo('abc*', 0) and WorkerInfo('', 0) are accepted"),
-    "RpcTest.test_owner_rref_backward": Known(
-        BUG, "being fixed: RRef('foo').backward() raises AttributeError"),
     "RpcTest.test_rref_proxy_non_exist": Known(
-        BUG, "being fixed: rref.remote().non_exist() does not raise"),
-    "RpcTest.test_user_rrefs_confirmed": Known(
-        BUG, "being fixed: confirmed_by_owner() stays False on a forked RRef's receiver"),
-    "RpcTest.test_user_rrefs_confirmed_remote": Known(
-        BUG, "being fixed: confirmed_by_owner() stays False on a forked RRef's receiver"),
-    "DdpUnderDistAutogradTest.test_backward_ddp_outside": Known(
-        BUG, "being fixed: DDP under distributed autograd gets different gradients"),
+        DIFFERENCE, "rref.remote().non_exist() returns an RRef at once and the "
+                    "AttributeError surfaces on its first use (to_here(), a proxy); torch's "
+                    "proxy fetches the type first and raises at once (docs/migration.md)"),
     "DistAutogradTest.test_no_grad_copy": Known(
         DIFFERENCE, "a gradient torch would hand over as is (the same storage) is copied "
-                    "(listed as a bug in issue 9; the fixes branch documents it as a "
-                    "deliberate difference)"),
+                    "(listed as a bug in issue 9; a deliberate difference, docs/migration.md)"),
     "DistAutogradTest.test_backward_unused_send_function": Known(
         DIFFERENCE, "torch's backward waits for every send function of the context, also "
                     "one no gradient ever reaches (the test asserts it still runs after "
-                    "10 s); rpcx's backward returns (listed as a bug in issue 9; the fixes "
-                    "branch documents it as a deliberate difference)"),
-    "ThreeWorkersRemoteModuleTest.test_create_remote_module_from_module_rref": Known(
-        BUG, "being fixed: init_from_module_rref refuses an RRef owned by another worker"),
+                    "10 s); rpcx's backward returns (listed as a bug in issue 9; a deliberate "
+                    "difference, docs/migration.md)"),
+    # --------------------------------------------------------------------- bugs
     "RemoteModuleTest.test_unsupported_methods": Known(
         BUG, "RemoteModule silently runs nn.Module methods (register_buffer, "
              "register_parameter, add_module, apply, to, state_dict, ...) on its empty "
