@@ -313,10 +313,6 @@ KNOWN: dict[str, Known] = {
                     "10 s); rpcx's backward returns (listed as a bug in issue 9; a deliberate "
                     "difference, docs/migration.md)"),
     # --------------------------------------------------------------------- bugs
-    "RemoteModuleTest.test_unsupported_methods": Known(
-        BUG, "RemoteModule silently runs nn.Module methods (register_buffer, "
-             "register_parameter, add_module, apply, to, state_dict, ...) on its empty "
-             "local stub instead of raising; torch raises ValueError 'not supported'"),
     **_each(
         "RpcTest.test_wait_all_exit_early_python RpcTest.test_wait_all_exit_early_builtin",
         BUG,

@@ -194,8 +194,9 @@ class RemoteModule(torch.nn.Module):
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
         """A RemoteModule holds no local parameters: use :meth:`remote_parameters`."""
         raise ValueError(
-            "RemoteModule.parameters() would return nothing: its parameters live on "
-            f"worker {self.on.name!r}; use remote_parameters() with DistributedOptimizer"
+            "Method ``parameters`` not supported for RemoteModule. Please use "
+            f"``remote_parameters`` instead: the parameters live on worker {self.on.name!r} "
+            "(their RRefs are what DistributedOptimizer takes)"
         )
 
     def _not_supported(self, method: str) -> NoReturn:
