@@ -271,6 +271,15 @@ def _target_of(tensor: torch.Tensor, ctx: EncodeContext) -> torch.device:
     return target
 
 
+def _typed_buffer(ctx: DecodeContext, index: int, dtype_name: str) -> torch.Tensor:
+    """Buffer ``index`` of the message, as elements of ``dtype_name``."""
+    data = ctx.buffers[index]
+    dtype = _DTYPES[dtype_name]
+    if data.dtype is not dtype:
+        data = data.view(-1).view(dtype)
+    return data
+
+
 def _rebuild_tensor(
     index: int,
     dtype_name: str,
@@ -281,26 +290,10 @@ def _rebuild_tensor(
     source: str | None = None,
 ) -> torch.Tensor:
     ctx = current_decode_context()
-    data = ctx.buffers[index]
-    dtype = _DTYPES[dtype_name]
-    if data.dtype is not dtype:
-        data = data.view(-1).view(dtype)
-    tensor = data.reshape(shape)
-    if device is not None:
-        target = torch.device(device)
-        if tensor.device != target:  # staged through host memory, or routed elsewhere
-            tensor = tensor.to(target)
-        ctx.source_device = torch.device(source) if source is not None else None
-    else:
-        ctx.source_device = None
-    if requires_grad and ctx.scope is not None and _scope_hooks is not None:
-        tensor = _scope_hooks[1](ctx, tensor)
-    elif param:
-        tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    elif requires_grad:
-        tensor.requires_grad_(True)
-    ctx.tensors.append(tensor)
-    return tensor
+    tensor = _typed_buffer(ctx, index, dtype_name).reshape(shape)
+    if device is not None and tensor.device != torch.device(device):
+        tensor = tensor.to(device)  # staged through host memory, or routed elsewhere
+    return _finish(ctx, tensor, requires_grad, param, source)
 
 
 def _rebuild_view(
@@ -315,10 +308,7 @@ def _rebuild_view(
 ) -> torch.Tensor:
     """A non-contiguous tensor: its storage span, viewed with the sender's strides."""
     ctx = current_decode_context()
-    data = ctx.buffers[index]
-    dtype = _DTYPES[dtype_name]
-    if data.dtype is not dtype:
-        data = data.view(-1).view(dtype)
+    data = _typed_buffer(ctx, index, dtype_name)
     if device is not None and data.device != torch.device(device):
         data = data.to(device)  # the span first: moving the view would make it contiguous
     if data.dim() != 1 or any(n < 0 for n in shape) or any(s < 0 for s in stride):
@@ -337,8 +327,8 @@ def _finish(
     param: bool,
     source: str | None,
 ) -> torch.Tensor:
-    """What every rebuilt tensor goes through last: its autograd role (as in
-    :func:`_rebuild_tensor`, which has it inline: that is the hot path)."""
+    """What every rebuilt tensor goes through last: the device it came from (for the
+    scope hooks) and its autograd role."""
     ctx.source_device = torch.device(source) if source is not None else None
     if requires_grad and ctx.scope is not None and _scope_hooks is not None:
         tensor = _scope_hooks[1](ctx, tensor)
