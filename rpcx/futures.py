@@ -19,7 +19,7 @@ import torch
 from rpcx._pool import current_pool
 from rpcx.errors import RpcShutdownError
 
-__all__ = ["RpcFuture", "add_internal_callback", "settle_inline", "wait"]
+__all__ = ["RpcFuture", "add_internal_callback", "settle_inline", "wait", "wait_done"]
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -200,3 +200,20 @@ def wait(future: torch.futures.Future[Any]) -> Any:
             return future.wait()
     except BaseException as exc:
         _raise_detached(exc)
+
+
+def wait_done(future: torch.futures.Future[Any], timeout: float | None) -> bool:
+    """Wait until ``future`` completes or ``timeout`` seconds pass; True if it completed.
+
+    Raises nothing about the outcome (read it with ``value()``); tells the pool when
+    this is a pool thread, as :func:`wait` does.
+    """
+    if future.done():
+        return True
+    done = threading.Event()
+    add_internal_callback(future, lambda _: done.set())
+    pool = current_pool()
+    if pool is None:
+        return done.wait(timeout)
+    with pool.blocking():
+        return done.wait(timeout)

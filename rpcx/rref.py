@@ -31,7 +31,7 @@ from rpcx._pool import current_pool
 from rpcx.agent import Deferred, RpcAgent, describe_callable
 from rpcx.errors import RpcError, RpcShutdownError, RpcTimeoutError
 from rpcx.functions import async_execution, is_async_execution
-from rpcx.futures import RpcFuture, add_internal_callback, wait
+from rpcx.futures import RpcFuture, add_internal_callback, wait, wait_done
 from rpcx.messages import MessageKind
 from rpcx.rref_protocol import ForkId, RRefId, RRefService
 from rpcx.serialization import (
@@ -212,7 +212,7 @@ class RRef(Generic[T]):
             # for that reply (within this to_here's timeout) so its error, naming the
             # call, is the one raised, now and on every later use of this RRef.
             if self._created is not None and not self._created.done():
-                _wait_done(self._created, bound)
+                wait_done(self._created, bound)
             self._raise_if_creation_failed()
             raise
         self._confirmed.set()  # the owner answered for this reference
@@ -344,15 +344,6 @@ def _first_failure_or(
     add_internal_callback(guard, lambda f: settle(f, True))
     add_internal_callback(main, lambda f: settle(f, False))
     return result
-
-
-def _wait_done(future: torch.futures.Future[Any], timeout: float | None) -> bool:
-    """Wait until ``future`` completes or ``timeout`` passes; True if it completed."""
-    done = threading.Event()
-    add_internal_callback(future, lambda _: done.set())
-    pool = current_pool()
-    with pool.blocking() if pool is not None else contextlib.nullcontext():
-        return done.wait(timeout)
 
 
 def _failed(future: torch.futures.Future[Any]) -> bool:

@@ -82,6 +82,8 @@ class RRefService:
         self.rank = agent.rank
         self._counter = itertools.count(1)
         self._lock = threading.Lock()
+        self._freeing = 0  # batches of freed values handed to the completion lane
+        self._all_freed = threading.Condition(self._lock)
         self._entries: dict[RRefId, _Entry] = {}
         self._objects: weakref.WeakValueDictionary[ForkId, RRef[Any]] = (
             weakref.WeakValueDictionary()
@@ -209,8 +211,20 @@ class RRefService:
 
     def _release(self, freed: list[_Entry]) -> None:
         # Dropping a value runs whatever __del__ it has: not on a delivering thread.
+        # Counted, so that flush() (shutdown's drain) also waits for the values to go.
         if freed:
-            self.agent.defer(freed.clear)
+            with self._lock:
+                self._freeing += 1
+            self.agent.defer(self._free, freed)
+
+    def _free(self, freed: list[_Entry]) -> None:
+        try:
+            freed.clear()
+        finally:
+            with self._lock:
+                self._freeing -= 1
+                if not self._freeing:
+                    self._all_freed.notify_all()
 
     @staticmethod
     def _add_fork_locked(entry: _Entry, fork: ForkId, holder: int) -> bool:
@@ -358,12 +372,17 @@ class RRefService:
                 if remaining[0] == 0:
                     done.set()
 
-        if not waiting:
-            return sent
-        for future in waiting:
-            torch._C.Future.add_done_callback(future, one_done)
-        if not done.wait(timeout):
-            raise RpcError(f"{self.agent.name}: RRef bookkeeping still pending after {timeout} s")
+        if waiting:
+            for future in waiting:
+                torch._C.Future.add_done_callback(future, one_done)
+            if not done.wait(timeout):
+                raise RpcError(
+                    f"{self.agent.name}: RRef bookkeeping still pending after {timeout} s"
+                )
+        with self._lock:  # values freed by what arrived are dropped on the lane: wait
+            if not self._all_freed.wait_for(lambda: not self._freeing, timeout):
+                raise RpcError(f"{self.agent.name}: freed RRef values still held after "
+                               f"{timeout} s")
         return sent + len(waiting)
 
     # --------------------------------------------------------------------- status

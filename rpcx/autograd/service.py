@@ -25,7 +25,7 @@ import torch
 from rpcx.agent import Deferred, RpcAgent
 from rpcx.autograd.engine import Outbox, make_recv, run_pass
 from rpcx.errors import PeerLostError, RpcError
-from rpcx.futures import RpcFuture, add_internal_callback, wait
+from rpcx.futures import RpcFuture, add_internal_callback, wait, wait_done
 from rpcx.messages import MessageKind
 from rpcx.serialization import DecodeContext, EncodeContext, Placed, set_scope_hooks
 from rpcx.worker import WorkerInfo
@@ -493,9 +493,7 @@ def all_done(futures: Sequence[torch.futures.Future[Any]]) -> torch.futures.Futu
 
 
 def _wait(future: torch.futures.Future[Any], timeout: float) -> None:
-    done = threading.Event()
-    future.add_done_callback(lambda _: done.set())
-    if not done.wait(timeout):
+    if not wait_done(future, timeout):
         raise TimeoutError(f"context release not acknowledged within {timeout:g} s")
     future.value()
 
