@@ -13,22 +13,53 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Protocol
 
 from rpcx.errors import RpcShutdownError
 
-__all__ = ["WorkerPool", "current_pool"]
+__all__ = ["Blocker", "WorkerPool", "blocker", "blocking", "current_pool"]
 
 log = logging.getLogger("rpcx.pool")
 
-_local = threading.local()
 _STOP = None
+
+
+class Blocker(Protocol):
+    """What a thread serves (a pool, a receive lane): told when the thread will block."""
+
+    def blocking(self) -> AbstractContextManager[None]:
+        """Entered around a wait that may block the calling thread."""
+
+
+class _Local(threading.local):
+    pool: WorkerPool | None = None  # the pool this thread belongs to
+    blocker: Blocker | None = None  # told when this thread blocks (its pool, or a lane)
+
+
+_local = _Local()
 
 
 def current_pool() -> WorkerPool | None:
     """The pool the calling thread belongs to, if any."""
-    return getattr(_local, "pool", None)
+    return _local.pool
+
+
+def blocking() -> AbstractContextManager[None]:
+    """Enter around every wait in rpcx that may block: the thread's pool can then grow
+    by one, or the receive lane it serves on hands receiving to another thread."""
+    current = _local.blocker
+    return current.blocking() if current is not None else nullcontext()
+
+
+@contextmanager
+def blocker(what: Blocker) -> Iterator[None]:
+    """Make ``what`` the calling thread's blocker inside the block."""
+    outer, _local.blocker = _local.blocker, what
+    try:
+        yield
+    finally:
+        _local.blocker = outer
 
 
 class WorkerPool:
@@ -110,6 +141,7 @@ class WorkerPool:
 
     def _run(self) -> None:
         _local.pool = self
+        _local.blocker = self
         self._on_thread_start()
         me = threading.current_thread()
         while True:

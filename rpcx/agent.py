@@ -17,13 +17,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from rpcx import _context, rendezvous
+from rpcx._lanes import LaneWatch, ReceiveLane, current_lane
 from rpcx._memory import copy_of
+from rpcx._pending import CLOSED, PendingCall, PendingCalls, describe_callable
 from rpcx._pool import WorkerPool, current_pool
 from rpcx._timer import DeadlineTimer
 from rpcx.devices import DeviceRoutes
@@ -73,6 +75,8 @@ _CLOSE_TIMEOUT = 10.0  # bound on each teardown step when shutdown() has no time
 _GOODBYE_MIN = 2.0  # the goodbye exchange gets at least this long, deadline or not
 _DRAIN_ROUNDS = 8
 _COMPLETION_THREADS = 16  # plus one per thread blocked in a callback (the pool grows)
+# Followers: one per lane receiving plus one per request blocked on a lane; no real bound.
+_FOLLOWERS = 1 << 16
 
 
 class MessageScope(Protocol):
@@ -95,35 +99,6 @@ class Deferred:
     """Returned by a handler whose reply comes later: the reply is this future's outcome."""
 
     future: torch._C.Future[Any]
-
-
-def describe_callable(func: Any) -> str:
-    """``module.qualname`` of a callable, for messages."""
-    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
-    if qualname is None:
-        return repr(func)
-    module = getattr(func, "__module__", None)
-    if module is None:
-        self_obj = getattr(func, "__self__", None)
-        module = getattr(self_obj, "__module__", None) or getattr(
-            type(self_obj), "__module__", None
-        )
-    return f"{module}.{qualname}" if module else qualname
-
-
-@dataclass(eq=False)
-class _Pending:
-    future: RpcFuture[Any]
-    dst: WorkerInfo
-    api: str
-    target: Any
-    started: float
-    timeout: float | None
-    describe_target: Callable[[Any], str] = field(default=describe_callable)
-
-    @property
-    def call(self) -> str:
-        return f"{self.api}({self.describe_target(self.target)})"
 
 
 class RpcAgent:
@@ -166,10 +141,8 @@ class RpcAgent:
         self.on_close: list[Callable[[], None]] = []  # the transport has closed
         self.on_peer_lost: list[Callable[[int], None]] = []  # a peer died or left
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # notified when _pending empties
-        self._lost: dict[int, str] = {}
+        self._pending = PendingCalls()
+        self._lock = threading.Lock()  # guards _state and _lost_handled
         self._lost_handled: set[int] = set()  # lost peers whose on_peer_lost hooks ran
         self._lost_cond = threading.Condition(self._lock)
         self._state = _RUNNING
@@ -185,6 +158,10 @@ class RpcAgent:
         self._timer = DeadlineTimer(
             f"rpcx-{self.name}", self._expire, self._pending.__contains__, self._bind_thread
         )
+        # Receive lanes (see rpcx._lanes): requests are served on the thread that
+        # received them; these threads take over receiving when such a request blocks.
+        self._followers = WorkerPool(_FOLLOWERS, f"rpcx-{self.name}-recv", self._bind_thread)
+        self._lane_watch = LaneWatch(f"rpcx-{self.name}")
 
     # ----------------------------------------------------------------- identity & state
 
@@ -282,8 +259,21 @@ class RpcAgent:
             init_method=self.init_method,
             deliver=self._on_frame,
             peer_lost=self._on_peer_lost,
+            receive_lane=self._new_lane,
         )
         self._transport.start(ctx)
+
+    def _new_lane(self, name: str, resume: Callable[[], None]) -> ReceiveLane:
+        lane = ReceiveLane(name, resume, self._start_follower, owner=self)
+        self._lane_watch.add(lane)
+        return lane
+
+    def _start_follower(self, resume: Callable[[], None]) -> None:
+        try:
+            self._followers.submit(resume)
+        except RpcShutdownError:  # closing: the loop must still run to its goodbye
+            threading.Thread(target=resume, name=f"rpcx-{self.name}-recv-late",
+                             daemon=True).start()
 
     def barrier(self, tag: str, timeout: float | None) -> None:
         """Wait until every live worker reached the barrier ``tag``."""
@@ -293,7 +283,7 @@ class RpcAgent:
             self.rank,
             self.world_size,
             timeout=timeout,
-            is_gone=self._lost.__contains__,
+            is_gone=self.is_lost,
             describe=self._describe_ranks,
             waiter=self.name,
         )
@@ -332,17 +322,12 @@ class RpcAgent:
             ) from exc.__cause__
         future: RpcFuture[Any] = RpcFuture()
         started = time.monotonic()
-        pending = _Pending(future, dst, api, target, started, timeout, describe_target)
-        with self._lock:
-            # Under the lock _close() takes to cancel what is pending: a call registered
-            # after it looked would wait forever (its timer is stopped too).
-            if self._state == _CLOSED:
-                raise self._shut_down_error(api, describe_target(target), dst)
-            lost = self._lost.get(dst.id)
-            if lost is None:
-                self._pending[rid] = pending
-        if lost is not None:
-            future.set_exception(self._lost_error(pending, lost))
+        pending = PendingCall(future, dst, api, target, started, timeout, describe_target)
+        refused = self._pending.add(rid, pending)
+        if refused is CLOSED:
+            raise self._shut_down_error(api, describe_target(target), dst)
+        if refused is not None:
+            future.set_exception(self._lost_error(pending, str(refused)))
             return future
         if timeout is not None:
             self._timer.schedule(started + timeout, rid)
@@ -427,6 +412,15 @@ class RpcAgent:
                 _delivering.active = was_delivering
                 _context._thread_agent.reset(token)
             return
+        lane = current_lane()
+        if lane is not None and lane.owner is self and self._state != _CLOSED:
+            # Served right here, on the receiving thread (see rpcx._lanes).
+            token = _context._thread_agent.set(self)
+            try:
+                lane.serve(self._serve, src, kind, rid, frame)
+            finally:
+                _context._thread_agent.reset(token)
+            return
         try:
             self._pool.submit(self._serve, src, kind, rid, frame)
         except RpcShutdownError:
@@ -457,8 +451,7 @@ class RpcAgent:
             _context._thread_agent.reset(token)
 
     def _on_response(self, src: int, kind: int, rid: int, frame: Frame) -> None:
-        with self._lock:
-            pending = self._pending.get(rid)
+        pending = self._pending.get(rid)
         if pending is None:
             log.debug("%s: response %d from rank %d arrived after its call ended",
                       self.name, rid, src)
@@ -596,12 +589,9 @@ class RpcAgent:
         rid: int,
         *,
         value: Any = None,
-        exception: Callable[[_Pending], BaseException] | None = None,
+        exception: Callable[[PendingCall], BaseException] | None = None,
     ) -> None:
-        with self._lock:
-            pending = self._pending.pop(rid, None)
-            if not self._pending:
-                self._idle.notify_all()
+        pending = self._pending.pop(rid)
         if pending is None:
             return
         outcome = None if exception is None else exception(pending)
@@ -623,14 +613,13 @@ class RpcAgent:
         self._complete(rid, exception=self._timeout_error)
 
     @staticmethod
-    def _timeout_error(pending: _Pending) -> BaseException:
-        elapsed = time.monotonic() - pending.started
+    def _timeout_error(pending: PendingCall) -> BaseException:
         return RpcTimeoutError(
             f"{pending.call} to worker {pending.dst.name!r} timed out after "
-            f"{elapsed:.3g} s (timeout {pending.timeout:g} s)"
+            f"{pending.elapsed:.3g} s (timeout {pending.timeout:g} s)"
         )
 
-    def _lost_error(self, pending: _Pending, reason: str) -> BaseException:
+    def _lost_error(self, pending: PendingCall, reason: str) -> BaseException:
         return PeerLostError(f"{pending.call} to worker {pending.dst.name!r} failed: {reason}")
 
     def _on_peer_lost(self, rank: int, reason: str) -> None:
@@ -644,11 +633,9 @@ class RpcAgent:
     def _peer_lost(self, rank: int, reason: str) -> None:
         name = self.workers[rank].name
         text = f"worker {name!r} (rank {rank}) {reason}"
-        with self._lock:
-            if rank in self._lost:
-                return
-            self._lost[rank] = text
-            victims = [rid for rid, p in self._pending.items() if p.dst.id == rank]
+        victims = self._pending.lose(rank, text)
+        if victims is None:
+            return  # already known
         # A peer that leaves while we shut down is expected; one that dies never is.
         expected = self._state != _RUNNING and "unreachable" not in reason
         level = logging.DEBUG if expected else logging.WARNING
@@ -666,7 +653,7 @@ class RpcAgent:
 
     def is_lost(self, rank: int) -> bool:
         """Whether worker ``rank`` is known to be gone (died, or left the world)."""
-        return rank in self._lost
+        return self._pending.lost_reason(rank) is not None
 
     def wait_lost(self, rank: int, timeout: float | None) -> bool:
         """Wait until worker ``rank`` is known gone and this worker has reacted to it
@@ -676,7 +663,7 @@ class RpcAgent:
 
     def lost_peers(self) -> dict[str, str]:
         """Workers known to be gone, with the reason, by name."""
-        return {self.workers[r].name: why for r, why in self._lost.items()}
+        return {self.workers[r].name: why for r, why in self._pending.lost().items()}
 
     # ---------------------------------------------------------------------- shutdown
 
@@ -721,32 +708,31 @@ class RpcAgent:
             tag = f"drained/{round_}"
             self._store.set(f"{tag}/sent/{self.rank}", str(sent))
             self.barrier(tag, _remaining(deadline))
-            live = [r for r in range(self.world_size) if r not in self._lost]
+            live = [r for r in range(self.world_size) if not self.is_lost(r)]
             if all(int(self._store.get(f"{tag}/sent/{r}")) == 0 for r in live):
                 return
         log.warning("%s: services still busy after %d drain rounds", self.name, _DRAIN_ROUNDS)
 
     def _wait_until_idle(self, deadline: float | None) -> None:
         started = time.monotonic()
-        next_report = started + _PROGRESS_EVERY
-        with self._lock:
-            while self._pending:
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    raise RpcTimeoutError(
-                        f"{len(self._pending)} calls still pending after {now - started:.1f} s"
-                    )
-                if now >= next_report:
-                    log.info("%s: shutdown waits for %d pending calls (%.0f s so far)",
-                             self.name, len(self._pending), now - started)
-                    next_report = now + _PROGRESS_EVERY
-                wait = next_report - now if deadline is None else min(deadline, next_report) - now
-                self._idle.wait(max(wait, 0.001))
+        while True:
+            now = time.monotonic()
+            left = _PROGRESS_EVERY if deadline is None else min(deadline - now, _PROGRESS_EVERY)
+            if self._pending.wait_empty(max(left, 0.0)):
+                return
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise RpcTimeoutError(
+                    f"{len(self._pending)} calls still pending after {now - started:.1f} s"
+                )
+            if now - started >= _PROGRESS_EVERY:
+                log.info("%s: shutdown waits for %d pending calls (%.0f s so far)",
+                         self.name, len(self._pending), now - started)
 
     def _close(self, deadline: float | None, graceful: bool = True) -> None:
         with self._lock:
             self._state = _CLOSED
-            leftovers = list(self._pending)
+        leftovers = self._pending.close()
         for rid in leftovers:
             self._complete(
                 rid,
@@ -766,7 +752,9 @@ class RpcAgent:
             self._transport.close(max(budget(_CLOSE_TIMEOUT), _GOODBYE_MIN))
         except Exception:
             log.exception("%s: error while closing the transport", self.name)
+        self._lane_watch.close(budget(_CLOSE_TIMEOUT))
         self._pool.shutdown(budget(_CLOSE_TIMEOUT))
+        self._followers.shutdown(budget(_CLOSE_TIMEOUT))
         self._completions.shutdown(budget(_CLOSE_TIMEOUT))
         self._timer.close()
         for hook in self.on_close:
@@ -775,7 +763,7 @@ class RpcAgent:
             except Exception:
                 log.exception("%s: close hook failed", self.name)
         rendezvous.leave(
-            self._store, self.rank, self.world_size, self._lost.__contains__,
+            self._store, self.rank, self.world_size, self.is_lost,
             timeout=budget(rendezvous.LEAVE_TIMEOUT) if graceful else 0.0,
         )
         self._store = None  # the last reference may host the rendezvous server: release it

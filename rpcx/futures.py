@@ -16,7 +16,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 
-from rpcx._pool import current_pool
+from rpcx._pool import blocking
 from rpcx.errors import RpcShutdownError
 
 __all__ = ["RpcFuture", "add_internal_callback", "settle_inline", "wait", "wait_done"]
@@ -79,12 +79,11 @@ class RpcFuture(torch.futures.Future[T]):
         The error raised is a copy of the one the future holds (same type, message,
         notes and cause): see :func:`_raise_detached`.
         """
-        pool = current_pool()
         self.has_waiter = True
         try:
-            if pool is None or self.done():
+            if self.done():
                 return super().wait()
-            with pool.blocking():
+            with blocking():
                 return super().wait()
         except BaseException as exc:
             _raise_detached(exc)
@@ -192,11 +191,10 @@ def wait(future: torch.futures.Future[Any]) -> Any:
 
     Errors are raised as copies, as by :meth:`RpcFuture.wait`.
     """
-    pool = current_pool()
     try:
-        if pool is None or future.done():
+        if future.done():
             return future.wait()
-        with pool.blocking():
+        with blocking():
             return future.wait()
     except BaseException as exc:
         _raise_detached(exc)
@@ -212,8 +210,5 @@ def wait_done(future: torch.futures.Future[Any], timeout: float | None) -> bool:
         return True
     done = threading.Event()
     add_internal_callback(future, lambda _: done.set())
-    pool = current_pool()
-    if pool is None:
-        return done.wait(timeout)
-    with pool.blocking():
+    with blocking():
         return done.wait(timeout)

@@ -18,7 +18,6 @@ Proxy calls (``rref.rpc_sync().m()``) send only the id: the caller's RRef stays 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from rpcx import _context
-from rpcx._pool import current_pool
+from rpcx._pool import blocking
 from rpcx.agent import Deferred, RpcAgent, describe_callable
 from rpcx.errors import RpcError, RpcShutdownError, RpcTimeoutError
 from rpcx.functions import async_execution, is_async_execution
@@ -160,8 +159,7 @@ class RRef(Generic[T]):
         if self._confirmed.is_set():
             return
         bound = self._agent.timeout_for(None) or _CONFIRM_WAIT
-        pool = current_pool()
-        with pool.blocking() if pool is not None else contextlib.nullcontext():
+        with blocking():
             confirmed = self._confirmed.wait(bound)
         if not confirmed:
             log.warning("%s: %r not confirmed by its owner within %g s; running the call "

@@ -17,6 +17,7 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
 
+    from rpcx._lanes import ReceiveLane
     from rpcx.devices import DeviceRoutes
     from rpcx.options import RpcBackendOptions
 
@@ -84,6 +85,14 @@ class TransportContext:
         routes: the world's device maps as they apply to this worker (checked at
             ``init_rpc``); a transport that moves device memory configures its routing
             from them. The codec already decided where each tensor lands.
+        receive_lane: optional, for transports that receive on threads of their own:
+            ``receive_lane(name, resume)`` returns a :class:`~rpcx._lanes.ReceiveLane`
+            for one peer's receive loop. Run the loop between ``lane.enter()`` and
+            ``lane.leave()`` and stop when ``lane.still_held()`` is false after a
+            delivery; ``resume()`` must continue the loop (it is started on another
+            thread when a request served on the receiving thread blocks). Requests
+            delivered on a lane are served on the receiving thread, saving the hand-off
+            to the request pool. Without a lane, they go to the pool.
     """
 
     rank: int
@@ -95,6 +104,7 @@ class TransportContext:
     deliver: Callable[[int, Frame], None]
     peer_lost: Callable[[int, str], None]
     routes: DeviceRoutes | None = None
+    receive_lane: Callable[[str, Callable[[], None]], ReceiveLane] | None = None
 
 
 class Transport(Protocol):

@@ -98,10 +98,10 @@ class End:
         other = 1 - rank
         peer = gloo._Peer()
         self.transport._peers = {other: peer}
-        peer.thread = threading.Thread(
-            target=self.transport._receive_loop, args=(other,), daemon=True
+        self.receiver = threading.Thread(
+            target=self.transport._first_receive, args=(other,), daemon=True
         )
-        peer.thread.start()
+        self.receiver.start()
 
     def next_frame(self) -> Frame:
         _, frame = self.delivered.get(timeout=TIMEOUT)
@@ -116,9 +116,9 @@ def pair() -> Iterator[tuple[Wire, End, End]]:
     a.transport.close(TIMEOUT)
     for end in (a, b):
         for peer in end.transport._peers.values():
-            assert peer.thread is not None
-            peer.thread.join(TIMEOUT)
-            assert not peer.thread.is_alive()
+            assert peer.ended.wait(TIMEOUT), "the receive loop did not end after goodbye"
+        end.receiver.join(TIMEOUT)
+        assert not end.receiver.is_alive()
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:

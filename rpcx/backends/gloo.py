@@ -25,6 +25,7 @@ waited on, and a sender whose peer has no receive posted waits for one (back-pre
 from __future__ import annotations
 
 import collections
+import functools
 import ipaddress
 import logging
 import os
@@ -39,6 +40,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from rpcx._lanes import ReceiveLane
 from rpcx._memory import empty_bytes
 from rpcx.errors import PeerLostError, RpcTimeoutError, without_cpp_locations
 from rpcx.hookspecs import hookimpl
@@ -102,16 +104,17 @@ class _Ring:
 
 
 class _Peer:
-    """Per-peer state: the send lock, the goodbye flags, the receive ring and thread."""
+    """Per-peer state: the send lock, the goodbye flags, the receive ring and lane."""
 
-    __slots__ = ("bye_sent", "gone", "lock", "ring", "thread")
+    __slots__ = ("bye_sent", "ended", "gone", "lane", "lock", "ring")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.ring = _Ring()
         self.bye_sent = False
         self.gone = False
-        self.thread: threading.Thread | None = None
+        self.lane: ReceiveLane | None = None  # the receive loop's role (rpcx._lanes)
+        self.ended = threading.Event()  # the receive loop is over: nothing more arrives
 
 
 class GlooTransport:
@@ -138,13 +141,14 @@ class GlooTransport:
             if rank != ctx.rank:
                 self._peers[rank] = _Peer()
         for rank, peer in self._peers.items():
-            peer.thread = threading.Thread(
-                target=self._receive_loop,
-                args=(rank,),
-                name=f"rpcx-{ctx.names[ctx.rank]}-recv-{ctx.names[rank]}",
-                daemon=True,
-            )
-            peer.thread.start()
+            # The receive loop is a lane: requests are served on the thread that
+            # received them, and another thread takes over receiving if one blocks.
+            name = f"rpcx-{ctx.names[ctx.rank]}-recv-{ctx.names[rank]}"
+            if ctx.receive_lane is not None:
+                peer.lane = ctx.receive_lane(name, functools.partial(self._receive_loop, rank))
+            threading.Thread(
+                target=self._first_receive, args=(rank,), name=name, daemon=True
+            ).start()
 
     # ------------------------------------------------------------------------- send
 
@@ -217,9 +221,7 @@ class GlooTransport:
 
     # ---------------------------------------------------------------------- receive
 
-    def _receive_loop(self, src: int) -> None:
-        ctx = self._ctx
-        assert ctx is not None
+    def _first_receive(self, src: int) -> None:
         ring = self._peers[src].ring
         with ring.lock:
             for _ in range(RECEIVE_DEPTH):
@@ -227,6 +229,25 @@ class GlooTransport:
                 ring.owed.append((slot, torch.frombuffer(slot, dtype=torch.uint8)))
         try:
             self._repost(src, ring)
+        except RuntimeError as exc:
+            self._on_broken(src, exc)
+            self._end_receiving(src)
+            return
+        self._receive_loop(src)
+
+    def _receive_loop(self, src: int) -> None:
+        """Receive and deliver ``src``'s frames, in order, until its goodbye.
+
+        Runs on whichever thread holds the peer's lane: it returns early, leaving the
+        loop to that thread, when a request it served moved the role elsewhere.
+        """
+        ctx = self._ctx
+        assert ctx is not None
+        peer = self._peers[src]
+        ring, lane = peer.ring, peer.lane
+        if lane is not None:
+            lane.enter()
+        try:
             while True:
                 with ring.lock:
                     if not ring.posted:  # cannot happen while the ring is kept half full
@@ -236,7 +257,7 @@ class GlooTransport:
                 mode, n, body_len = _HEAD.unpack_from(slot)
                 if mode == _BYE:
                     self._on_bye(src)
-                    return
+                    break
                 if mode == _INLINE:
                     frame = _unpack_inline(slot, slot_tensor, n, body_len)
                 else:
@@ -251,13 +272,23 @@ class GlooTransport:
                 except Exception:
                     log.exception("%s: delivering a frame from rank %d failed",
                                   ctx.names[ctx.rank], src)
+                del frame
+                if lane is not None and not lane.still_held():
+                    return  # a follower receives from here on
         except RuntimeError as exc:
             self._on_broken(src, exc)
-        finally:
-            with ring.lock:  # receives still posted are dropped; nothing more will arrive
-                ring.closed = True
-                ring.posted.clear()
-                ring.owed.clear()
+        self._end_receiving(src)
+
+    def _end_receiving(self, src: int) -> None:
+        peer = self._peers[src]
+        ring = peer.ring
+        with ring.lock:  # receives still posted are dropped; nothing more will arrive
+            ring.closed = True
+            ring.posted.clear()
+            ring.owed.clear()
+        if peer.lane is not None:
+            peer.lane.leave()
+        peer.ended.set()
 
     def _repost(self, src: int, ring: _Ring) -> None:
         """Post the slot receives ``ring`` is owed, in order."""
@@ -314,9 +345,8 @@ class GlooTransport:
             left = max(0.001, deadline - time.monotonic())
             self._send_bye(rank, peer, timedelta(seconds=left))
         for peer in self._peers.values():
-            if peer.thread is not None:
-                peer.thread.join(max(0.0, deadline - time.monotonic()))
-        stuck = [ctx.names[r] for r, p in self._peers.items() if p.thread and p.thread.is_alive()]
+            peer.ended.wait(max(0.0, deadline - time.monotonic()))
+        stuck = [ctx.names[r] for r, p in self._peers.items() if not p.ended.is_set()]
         if stuck:
             # Releasing the group now would abort the process; keep it until exit.
             log.warning(
