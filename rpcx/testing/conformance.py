@@ -92,6 +92,27 @@ class TestCalls:
         depth = 40
         assert rpcx.rpc_sync(W1, remote.ping_pong, args=(depth, "worker0", W1)) == depth
 
+    def test_a_handler_blocked_where_rpcx_cannot_see_does_not_stop_its_peer(
+        self, rpc_world: World
+    ) -> None:
+        # The first call blocks on a plain Event that only the second call, from the
+        # same worker, opens. A transport serving requests on its receiving thread must
+        # move receiving elsewhere (rpcx._lanes: the watchdog), or this never finishes.
+        key = f"event-{uuid.uuid4().hex}"
+        blocked = rpcx.rpc_async(W1, remote.wait_for_event, args=(key, 30.0))
+        assert rpcx.rpc_sync(W1, remote.set_event, args=(key,), timeout=30) == W1
+        assert blocked.wait() is True
+
+    def test_replies_from_a_peer_busy_in_a_long_handler_still_arrive(
+        self, rpc_world: World
+    ) -> None:
+        # worker1 runs a long, never-waiting handler for us; calls to worker1 made
+        # meanwhile (served concurrently) and their replies must not wait for it.
+        busy = rpcx.rpc_async(W1, remote.spin, args=(3.0,))
+        assert rpcx.rpc_sync(W1, remote.add, args=(1, 2), timeout=30) == 3
+        assert not busy.done(), "the call queued behind the spinning handler"
+        assert busy.wait() == 3.0
+
     def test_hundreds_of_concurrent_calls(self, rpc_world: World) -> None:
         futures = [rpcx.rpc_async(W1 if i % 2 else W2, remote.add, args=(i, 1)) for i in range(400)]
         assert [f.wait() for f in futures] == [i + 1 for i in range(400)]

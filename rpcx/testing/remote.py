@@ -47,6 +47,37 @@ def worker_name() -> str:
     return rpcx.get_worker_info().name
 
 
+_events_lock = threading.Lock()
+_events: dict[str, threading.Event] = {}
+
+
+def _event(key: str) -> threading.Event:
+    with _events_lock:
+        return _events.setdefault(key, threading.Event())
+
+
+def wait_for_event(key: str, timeout: float) -> bool:
+    """Block on a plain ``threading.Event`` (a wait rpcx cannot see) until
+    :func:`set_event` sets ``key`` or ``timeout`` passes; whether it was set."""
+    return _event(key).wait(timeout)
+
+
+def set_event(key: str) -> str:
+    """Set the event ``key`` that :func:`wait_for_event` blocks on; returns this worker."""
+    _event(key).set()
+    return rpcx.get_worker_info().name
+
+
+def spin(seconds: float) -> float:
+    """Busy-loop in Python for ``seconds`` (a long handler that never waits)."""
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+    return seconds
+
+
 def mutate_and_return(tensor: torch.Tensor) -> torch.Tensor:
     """Add 1 in place to the received tensor and return it."""
     tensor.add_(1)

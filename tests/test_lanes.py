@@ -1,0 +1,134 @@
+"""Receive lanes (rpcx._lanes): the receiving role moves when a served request blocks."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from rpcx import _pool
+from rpcx._lanes import LaneWatch, ReceiveLane, current_lane
+
+TIMEOUT = 10.0
+
+
+class Loop:
+    """A fake receive loop: delivers items from a list, in order, on the lane's holder."""
+
+    def __init__(self, items: list[Callable[[], None]]) -> None:
+        self.items = items
+        self.next = 0
+        self.lock = threading.Lock()
+        self.threads: list[str] = []
+        self.done = threading.Event()
+        self.lane = ReceiveLane("test", self.run, self.start)
+
+    def start(self, resume: Callable[[], None]) -> None:
+        threading.Thread(target=resume, daemon=True).start()
+
+    def run(self) -> None:
+        self.lane.enter()
+        while True:
+            with self.lock:
+                if self.next == len(self.items):
+                    self.lane.leave()
+                    self.done.set()
+                    return
+                item = self.items[self.next]
+                self.next += 1
+            self.threads.append(threading.current_thread().name)
+            assert current_lane() is self.lane
+            self.lane.serve(item)
+            if not self.lane.still_held():
+                assert current_lane() is None
+                return
+
+
+def test_items_served_on_the_receiving_thread_when_nothing_blocks() -> None:
+    ran: list[int] = []
+    loop = Loop([lambda i=i: ran.append(i) for i in range(5)])  # type: ignore[misc]
+    worker = threading.Thread(target=loop.run, name="receiver")
+    worker.start()
+    assert loop.done.wait(TIMEOUT)
+    worker.join(TIMEOUT)
+    assert ran == [0, 1, 2, 3, 4]
+    assert set(loop.threads) == {"receiver"}
+
+
+def test_a_wait_rpcx_sees_hands_receiving_to_a_follower_at_once() -> None:
+    release = threading.Event()
+    later: list[str] = []
+
+    def blocks() -> None:
+        with _pool.blocking():  # what every rpcx wait does
+            assert release.wait(TIMEOUT)
+
+    def after() -> None:
+        later.append(threading.current_thread().name)
+        release.set()  # only a follower can get here while the first item blocks
+
+    loop = Loop([blocks, after])
+    worker = threading.Thread(target=loop.run, name="receiver")
+    worker.start()
+    assert loop.done.wait(TIMEOUT)
+    worker.join(TIMEOUT)
+    assert later and later[0] != "receiver"
+
+
+def test_the_watchdog_moves_receiving_off_a_wait_rpcx_cannot_see() -> None:
+    release = threading.Event()
+
+    def blocks() -> None:
+        assert release.wait(TIMEOUT)  # a plain Event: no _pool.blocking()
+
+    loop = Loop([blocks, release.set])
+    watch = LaneWatch("test", interval=0.005)
+    watch.add(loop.lane)
+    try:
+        worker = threading.Thread(target=loop.run, name="receiver")
+        worker.start()
+        assert loop.done.wait(TIMEOUT)
+        worker.join(TIMEOUT)
+    finally:
+        watch.close(TIMEOUT)
+    assert loop.threads[0] == "receiver" and loop.threads[1] != "receiver"
+
+
+def test_hand_off_is_one_shot_and_only_while_serving() -> None:
+    lane = ReceiveLane("test", lambda: None, lambda resume: started.append(resume))
+    started: list[Callable[[], None]] = []
+    lane.enter()
+    assert not lane.hand_off()  # not serving: nothing to hand off
+
+    def nested() -> None:
+        assert lane.hand_off()
+        assert not lane.hand_off()
+
+    lane.serve(nested)
+    assert len(started) == 1
+    assert not lane.still_held()
+
+
+@pytest.mark.parametrize("blocks", [True, False])
+def test_order_is_kept_across_hand_offs(blocks: bool) -> None:
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def item(i: int) -> Callable[[], None]:
+        def run() -> None:
+            with lock:
+                seen.append(i)
+            if blocks and i % 3 == 0:
+                with _pool.blocking():
+                    pass
+
+        return run
+
+    loop = Loop([item(i) for i in range(30)])
+    worker = threading.Thread(target=loop.run, name="receiver")
+    worker.start()
+    assert loop.done.wait(TIMEOUT)
+    worker.join(TIMEOUT)
+    # Items start in order (each item's start happens before the next is taken).
+    assert seen == list(range(30))
