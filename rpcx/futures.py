@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -19,7 +19,15 @@ import torch
 from rpcx._pool import blocking
 from rpcx.errors import RpcShutdownError
 
-__all__ = ["RpcFuture", "add_internal_callback", "settle_inline", "wait", "wait_done"]
+__all__ = [
+    "RpcFuture",
+    "add_internal_callback",
+    "all_done",
+    "settle_inline",
+    "wait",
+    "wait_all",
+    "wait_done",
+]
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -212,3 +220,31 @@ def wait_done(future: torch.futures.Future[Any], timeout: float | None) -> bool:
     add_internal_callback(future, lambda _: done.set())
     with blocking():
         return done.wait(timeout)
+
+
+def wait_all(futures: Sequence[torch.futures.Future[Any]]) -> list[Any]:
+    """Every future's value, in order; once all have finished, raise the first error.
+
+    Waiting for all before raising matters: a caller that raises early would leave
+    calls running that touch state it is about to give up (an optimizer step, say).
+    """
+    results, errors = [], []
+    for future in futures:
+        try:
+            results.append(wait(future))
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def all_done(futures: Sequence[torch.futures.Future[Any]]) -> torch.futures.Future[None]:
+    """A future that completes when all of ``futures`` have, failing with the first error
+    (for handlers that reply later: ``Deferred(all_done(...))``)."""
+
+    def check(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
+        for future in done.value():
+            future.value()  # raises that future's error
+
+    return torch.futures.collect_all(list(futures)).then(check)

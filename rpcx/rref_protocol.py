@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rpcx.errors import PeerLostError, RpcError, RpcShutdownError
-from rpcx.futures import add_internal_callback
+from rpcx.futures import add_internal_callback, wait_done
 from rpcx.messages import MessageKind
 
 if TYPE_CHECKING:
@@ -362,23 +362,8 @@ class RRefService:
             with self._lock:
                 waiting = list(self._inflight)
                 sent, self._sent = self._sent, 0
-        done = threading.Event()
-        remaining = [len(waiting)]
-        lock = threading.Lock()
-
-        def one_done(_: Any) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0] == 0:
-                    done.set()
-
-        if waiting:
-            for future in waiting:
-                torch._C.Future.add_done_callback(future, one_done)
-            if not done.wait(timeout):
-                raise RpcError(
-                    f"{self.agent.name}: RRef bookkeeping still pending after {timeout} s"
-                )
+        if waiting and not wait_done(torch.futures.collect_all(waiting), timeout):
+            raise RpcError(f"{self.agent.name}: RRef bookkeeping still pending after {timeout} s")
         with self._lock:  # values freed by what arrived are dropped on the lane: wait
             if not self._all_freed.wait_for(lambda: not self._freeing, timeout):
                 raise RpcError(f"{self.agent.name}: freed RRef values still held after "

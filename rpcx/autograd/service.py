@@ -25,7 +25,7 @@ import torch
 from rpcx.agent import Deferred, RpcAgent
 from rpcx.autograd.engine import Outbox, make_recv, run_pass
 from rpcx.errors import PeerLostError, RpcError
-from rpcx.futures import RpcFuture, add_internal_callback, wait, wait_done
+from rpcx.futures import RpcFuture, add_internal_callback, all_done, wait, wait_done
 from rpcx.messages import MessageKind
 from rpcx.serialization import DecodeContext, EncodeContext, Placed, set_scope_hooks
 from rpcx.worker import WorkerInfo
@@ -480,16 +480,6 @@ def _failed_with(future: torch.futures.Future[Any], kind: type[BaseException]) -
     except BaseException:
         return False
     return False
-
-
-def all_done(futures: Sequence[torch.futures.Future[Any]]) -> torch.futures.Future[None]:
-    """A future that completes when all of ``futures`` have, failing with the first error."""
-
-    def check(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
-        for future in done.value():
-            future.value()  # raises that future's error
-
-    return torch.futures.collect_all(list(futures)).then(check)
 
 
 def _wait(future: torch.futures.Future[Any], timeout: float) -> None:

@@ -10,7 +10,7 @@ import torch
 from rpcx import _context
 from rpcx.api import rpc_async
 from rpcx.autograd.service import service as autograd_service
-from rpcx.futures import wait
+from rpcx.futures import wait_all
 from rpcx.rref import RRef
 from rpcx.worker import WorkerInfo
 
@@ -85,7 +85,7 @@ class DistributedOptimizer:
             rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs, args, kwargs))
             for owner, rrefs in by_owner.items()
         ]
-        self._optimizers: list[RRef[_LocalOptimizer]] = _wait_all(pending)
+        self._optimizers: list[RRef[_LocalOptimizer]] = wait_all(pending)
 
     def step(self, context_id: int) -> None:
         """Step every owner's optimizer with the gradients of ``context_id``, in parallel."""
@@ -101,19 +101,6 @@ class DistributedOptimizer:
                 optimizer.local_value().step(context_id)
             except Exception as exc:
                 error = error or exc
-        _wait_all(futures)
+        wait_all(futures)
         if error is not None:
             raise error
-
-
-def _wait_all(futures: Sequence[torch.futures.Future[Any]]) -> list[Any]:
-    """Every future's value; after all have finished, raise the first error."""
-    results, errors = [], []
-    for future in futures:
-        try:
-            results.append(wait(future))
-        except Exception as exc:
-            errors.append(exc)
-    if errors:
-        raise errors[0]
-    return results
