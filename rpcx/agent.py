@@ -54,7 +54,14 @@ from rpcx.serialization import (
 from rpcx.transport import Frame, Transport, TransportContext
 from rpcx.worker import WorkerInfo
 
-__all__ = ["Deferred", "Handler", "MessageScope", "RpcAgent", "describe_callable"]
+__all__ = [
+    "Deferred",
+    "Handler",
+    "MessageScope",
+    "NoteSource",
+    "RpcAgent",
+    "describe_callable",
+]
 
 log = logging.getLogger("rpcx.agent")
 
@@ -92,6 +99,16 @@ class MessageScope(Protocol):
 
     def entered(self, scope: int, src: int) -> contextlib.AbstractContextManager[Any]:
         """Make ``scope`` current on this thread while a request from ``src`` is served."""
+
+
+class NoteSource(Protocol):
+    """A service whose one-way messages to a peer ride in frames sent to it anyway."""
+
+    def notes_for(self, dst: int) -> list[tuple[int, Any]]:
+        """Notes ``(kind, payload)`` for a frame about to be sent to rank ``dst``."""
+
+    def notes_not_sent(self, dst: int, notes: list[tuple[int, Any]]) -> None:
+        """Take back notes whose frame could not be encoded."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +157,10 @@ class RpcAgent:
         self.on_drain: list[Callable[[], int]] = []
         self.on_close: list[Callable[[], None]] = []  # the transport has closed
         self.on_peer_lost: list[Callable[[int], None]] = []  # a peer died or left
+        # One-way messages owed to a peer that may ride in the next frame to it (RRef
+        # deletions): ``take(dst)`` returns notes, ``give_back(dst, notes)`` takes them
+        # back when the frame could not be encoded.
+        self.note_sources: list[NoteSource] = []
         self._ids = itertools.count(1)
         self._pending = PendingCalls()
         self._lock = threading.Lock()  # guards _state and _lost_handled
@@ -314,7 +335,7 @@ class RpcAgent:
         if self.scope is not None:
             ctx.scope = self.scope.outgoing(dst.id)
         try:
-            frame = encode(kind, rid, payload, ctx)
+            frame = self._encode(kind, rid, payload, ctx)
         except SerializationError as exc:
             raise SerializationError(
                 f"{api}({describe_target(target)}) to worker {dst.name!r}: "
@@ -346,11 +367,28 @@ class RpcAgent:
             return
         ctx = self._request_context(dst.id)
         try:
-            frame = encode(kind, 0, payload, ctx)
+            frame = self._encode(kind, 0, payload, ctx)
         except SerializationError as exc:
             log.warning("%s: one-way message to %s not sent: %s", self.name, dst.name, exc)
             return
         self._transmit(dst.id, frame, ctx, 0)
+
+    def _encode(self, kind: int, rid: int, payload: Any, ctx: EncodeContext) -> Frame:
+        """``encode``, with the notes owed to the destination riding along."""
+        taken: list[tuple[NoteSource, list[tuple[int, Any]]]] = []
+        for source in self.note_sources:
+            notes = source.notes_for(ctx.peer)
+            if notes:
+                taken.append((source, notes))
+                ctx.notes.extend(notes)
+        if not taken:
+            return encode(kind, rid, payload, ctx)
+        try:
+            return encode(kind, rid, payload, ctx)
+        except BaseException:
+            for source, notes in taken:
+                source.notes_not_sent(ctx.peer, notes)
+            raise
 
     def _request_context(self, dst: int) -> EncodeContext:
         return EncodeContext(dst, agent=self, routes=self.routes,
@@ -563,7 +601,7 @@ class RpcAgent:
             return
         ctx = self._response_context(src, scope)
         try:
-            frame = encode(MessageKind.RESULT, rid, value, ctx)
+            frame = self._encode(MessageKind.RESULT, rid, value, ctx)
         except SerializationError as exc:
             self._reply_error(
                 src, rid, SerializationError(f"could not pickle the result: {exc}")
@@ -578,7 +616,7 @@ class RpcAgent:
             return
         info = RemoteErrorInfo.capture(exc, self.name)
         ctx = self._response_context(src)
-        frame = encode(MessageKind.ERROR, rid, info, ctx)
+        frame = self._encode(MessageKind.ERROR, rid, info, ctx)
         frame.reply_to = rid
         self._transmit(src, frame, ctx, 0)
 

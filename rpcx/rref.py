@@ -606,5 +606,6 @@ def install(agent: RpcAgent) -> None:
     agent.register_handler(MessageKind.RREF_DELETE, _handle_delete(agent), in_order=True)
     agent.register_handler(MessageKind.RREF_CONFIRM, _handle_confirm(agent), in_order=True)
     agent.on_drain.append(svc.flush)
+    agent.note_sources.append(svc)
     agent.on_peer_lost.append(svc.drop_rank)
     agent.on_close.append(svc.close)

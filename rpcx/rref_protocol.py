@@ -21,9 +21,13 @@ for it; they are not freed until created. A dead worker's forks are dropped.
 
 Deletions come from ``RRef.__del__``, which may run on any thread, inside any lock, at
 any time the garbage collector chooses. So ``__del__`` only appends the deletion to a
-deque (atomic, lock-free) and posts a wake-up on a ``queue.SimpleQueue`` (whose ``put``
-is reentrant); a thread per worker sends the deletions, batched per owner. Correctness
-never depends on when that happens; only how soon memory is returned does. Reference
+deque (atomic, lock-free) and, if the deleter thread is not already due, posts a wake-up
+on a ``queue.SimpleQueue`` (whose ``put`` is reentrant). A deletion rides as a note in
+the next frame the worker sends its owner (any frame: a call, a reply); the deleter
+sends, one way and batched per owner, what no frame took within ``_LINGER``. Deletions
+are not acknowledged one by one: ``flush()`` (shutdown's drain) sends each owner that got
+some a request whose reply, in per-pair order, acknowledges all of them. Correctness
+never depends on when deletions travel; only how soon memory is returned does. Reference
 cycles through RRefs on different workers are not collected (no distributed cycle
 detection); their values are released at shutdown.
 """
@@ -36,6 +40,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -62,6 +67,7 @@ ForkId = tuple[int, int]  # (rank that made the fork, counter)
 _FREED_IDS_KEPT = 65536  # recently freed ids remembered, to answer late calls
 _CONFIRMED_EARLY_KEPT = 65536  # confirmations parked for RRefs not decoded yet
 _FLUSH_TIMEOUT = 30.0
+_LINGER = 0.002  # seconds a deletion waits for a frame to ride on before going alone
 
 
 @dataclass
@@ -89,12 +95,19 @@ class RRefService:
             weakref.WeakValueDictionary()
         )
         self._confirmed_early: collections.OrderedDict[ForkId, None] = collections.OrderedDict()
-        # __del__ appends here (deque.append is atomic and takes no lock) and posts a
-        # wake-up on the SimpleQueue (whose put is reentrant). Deletions leave the deque
-        # only under _send_lock, so flush() never misses one a sender is holding.
+        # __del__ appends here (deque.append is atomic and takes no lock) and, when the
+        # deleter is not already due, posts a wake-up on the SimpleQueue (whose put is
+        # reentrant). Deletions then ride as notes in the next frame to their owner
+        # (notes_for); the deleter sends those no frame took after _LINGER seconds.
         self._deletions: collections.deque[tuple[int, RRefId, ForkId]] = collections.deque()
         self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
-        self._send_lock = threading.Lock()
+        self._deleter_due = False
+        self._notes_lock = threading.Lock()  # guards _by_owner and _unacknowledged
+        self._by_owner: dict[int, list[tuple[RRefId, ForkId]]] = {}
+        # Owners sent deletions one way (notes, or alone) since the last flush(), which
+        # asks each of them for an acknowledgement of everything before it.
+        self._unacknowledged: set[int] = set()
+        self._send_lock = threading.RLock()  # one sender of queued deletions at a time
         self._inflight: set[torch.futures.Future[Any]] = set()
         self._inflight_forks = 0
         self._sent = 0  # bookkeeping messages sent since the last flush()
@@ -302,42 +315,89 @@ class RRefService:
         """Called from ``RRef.__del__``: reentrant, never blocks, never raises."""
         if not self._closed:
             self._deletions.append((owner, rref_id, fork))
+            if not self._deleter_due:
+                self._deleter_due = True
+                self._wake.put(True)
+
+    def notes_for(self, dst: int) -> list[tuple[int, Any]]:
+        """The deletions owed to ``dst``, as notes for a frame about to be sent to it.
+
+        A deletion may ride in any later frame to its owner: the RRef died after the
+        frames that forked it were sent (their announcements before them), so per-pair
+        order still brings every announcement first. Saves a message and its reply per
+        dropped RRef (``remote().to_here()`` in a loop: one round trip of three).
+        """
+        if not self._deletions and not self._by_owner:
+            return []
+        with self._notes_lock:
+            self._sort_locked()
+            forks = self._by_owner.pop(dst, None)
+            if not forks:
+                return []
+            self._unacknowledged.add(dst)
+        return [(MessageKind.RREF_DELETE, forks)]
+
+    def notes_not_sent(self, dst: int, notes: list[tuple[int, Any]]) -> None:
+        """Take back deletions from :meth:`notes_for` whose frame was never sent."""
+        with self._notes_lock:
+            for kind, forks in notes:
+                if kind == MessageKind.RREF_DELETE:
+                    self._by_owner.setdefault(dst, []).extend(forks)
+        self.schedule_wake()
+
+    def schedule_wake(self) -> None:
+        """Make the deleter look at the queues soon."""
+        if not self._closed:
+            self._deleter_due = True
             self._wake.put(True)
+
+    def _sort_locked(self) -> None:
+        while self._deletions:
+            owner, rref_id, fork = self._deletions.popleft()
+            self._by_owner.setdefault(owner, []).append((rref_id, fork))
+
+    def _take_all(self) -> dict[int, list[tuple[RRefId, ForkId]]]:
+        with self._notes_lock:
+            self._sort_locked()
+            taken, self._by_owner = self._by_owner, {}
+        return taken
 
     def _delete_loop(self) -> None:
         while self._wake.get():
+            time.sleep(_LINGER)  # let frames about to leave carry them
+            self._deleter_due = False  # before taking: a later deletion wakes us again
             with self._send_lock:
-                self._send_deletions(self._take_deletions())
+                for owner, forks in self._take_all().items():
+                    self._send_deletions(owner, forks, acknowledged=False)
 
-    def _take_deletions(self) -> list[tuple[int, RRefId, ForkId]]:
-        batch = []
-        while self._deletions:
-            batch.append(self._deletions.popleft())
-        return batch
-
-    def _send_deletions(self, batch: list[tuple[int, RRefId, ForkId]]) -> list[Any]:
-        by_owner: dict[int, list[tuple[RRefId, ForkId]]] = defaultdict(list)
-        for owner, rref_id, fork in batch:
-            by_owner[owner].append((rref_id, fork))
-        futures = []
-        for owner, forks in by_owner.items():
-            if owner == self.rank:
-                self.remove_forks(forks)
-                continue
-            try:
-                future = self.agent.request(
-                    self.agent.workers[owner], MessageKind.RREF_DELETE, forks,
-                    timeout=self.agent.timeout_for(None), api="release",
-                    target=f"{len(forks)} RRef references", describe_target=str,
-                )
-            except RpcShutdownError:
-                continue  # the world is going away; the owner releases everything
+    def _send_deletions(
+        self, owner: int, forks: list[tuple[RRefId, ForkId]], *, acknowledged: bool
+    ) -> None:
+        """Send ``forks`` to ``owner``: one way, or as a request whose reply acknowledges
+        them and every deletion sent to ``owner`` before."""
+        if owner == self.rank:
+            self.remove_forks(forks)
+            return
+        dst = self.agent.workers[owner]
+        if not acknowledged:
+            with self._notes_lock:
+                self._unacknowledged.add(owner)
+            self.agent.notify(dst, MessageKind.RREF_DELETE, forks)
             with self._lock:
                 self._sent += 1
-                self._inflight.add(future)
-            add_internal_callback(future, lambda f: self._done(f, fork=False))
-            futures.append(future)
-        return futures
+            return
+        try:
+            future = self.agent.request(
+                dst, MessageKind.RREF_DELETE, forks,
+                timeout=self.agent.timeout_for(None), api="release",
+                target=f"{len(forks)} RRef references", describe_target=str,
+            )
+        except RpcShutdownError:
+            return  # the world is going away; the owner releases everything
+        with self._lock:
+            self._sent += 1
+            self._inflight.add(future)
+        add_internal_callback(future, lambda f: self._done(f, fork=False))
 
     def _done(self, future: torch.futures.Future[Any], fork: bool) -> None:
         with self._lock:
@@ -358,7 +418,12 @@ class RRefService:
         """
         gc.collect()
         with self._send_lock:
-            self._send_deletions(self._take_deletions())
+            taken = self._take_all()
+            with self._notes_lock:
+                owners = set(taken) | self._unacknowledged
+                self._unacknowledged.clear()
+            for owner in owners:
+                self._send_deletions(owner, taken.get(owner, []), acknowledged=True)
             with self._lock:
                 waiting = list(self._inflight)
                 sent, self._sent = self._sent, 0
@@ -375,6 +440,8 @@ class RRefService:
     def stats(self) -> dict[str, int]:
         """Counts for ``rpcx.debug_info()``."""
         objects = list(self._objects.values())
+        with self._notes_lock:
+            noted = sum(len(forks) for forks in self._by_owner.values())
         with self._lock:
             return {
                 "owned": len(self._entries),
@@ -384,7 +451,7 @@ class RRefService:
                 "owner_rrefs": sum(1 for r in objects if r._owner.id == self.rank),
                 "pending_forks": self._inflight_forks,
                 "pending_deletes": len(self._deletions) + len(self._inflight)
-                - self._inflight_forks,
+                - self._inflight_forks + noted,
                 "parked_confirmations": len(self._confirmed_early),
             }
 

@@ -1,0 +1,98 @@
+"""RRef deletions ride as notes in the next frame to their owner (rpcx.rref_protocol).
+
+A stub agent records what the service sends, so each test sees exactly which messages
+a deletion cost: none of its own when a frame to the owner takes it, one one-way
+message when none does, and one acknowledged request per owner at flush().
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from rpcx.messages import MessageKind
+from rpcx.rref_protocol import RRefService
+from rpcx.worker import WorkerInfo
+
+TIMEOUT = 10.0
+
+
+class StubAgent:
+    def __init__(self) -> None:
+        self.rank = 0
+        self.name = "w0"
+        self.workers = [WorkerInfo(f"w{i}", i) for i in range(3)]
+        self.sent: list[tuple[str, int, int, Any]] = []  # (how, dst, kind, payload)
+        self.notified = threading.Event()
+
+    def notify(self, dst: WorkerInfo, kind: int, payload: Any) -> None:
+        self.sent.append(("notify", dst.id, kind, payload))
+        self.notified.set()
+
+    def request(self, dst: WorkerInfo, kind: int, payload: Any, **_: Any) -> Any:
+        self.sent.append(("request", dst.id, kind, payload))
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    def timeout_for(self, timeout: Any) -> float:
+        return TIMEOUT
+
+    def defer(self, fn: Any, *args: Any) -> None:
+        fn(*args)
+
+
+def _service() -> tuple[StubAgent, RRefService]:
+    agent = StubAgent()
+    return agent, RRefService(agent)  # type: ignore[arg-type]
+
+
+def test_a_frame_to_the_owner_carries_its_deletions_and_no_other() -> None:
+    agent, svc = _service()
+    try:
+        with svc._send_lock:  # the deleter waits: the frame is first, whatever the load
+            svc.schedule_delete(1, (1, 1), (0, 1))
+            svc.schedule_delete(2, (2, 1), (0, 2))
+            svc.schedule_delete(1, (1, 2), (0, 3))
+            notes = svc.notes_for(1)
+            assert svc.notes_for(1) == []  # taken once
+        assert notes == [(MessageKind.RREF_DELETE, [((1, 1), (0, 1)), ((1, 2), (0, 3))])]
+        # The deleter sends what no frame took (worker 2's) one way, after its linger.
+        assert agent.notified.wait(TIMEOUT)
+        assert agent.sent == [("notify", 2, MessageKind.RREF_DELETE, [((2, 1), (0, 2))])]
+    finally:
+        svc.close()
+
+
+def test_notes_of_a_frame_never_sent_are_taken_back_and_sent() -> None:
+    agent, svc = _service()
+    try:
+        with svc._send_lock:
+            svc.schedule_delete(1, (1, 1), (0, 1))
+            notes = svc.notes_for(1)
+        assert notes
+        svc.notes_not_sent(1, notes)  # the frame failed to encode
+        assert agent.notified.wait(TIMEOUT)
+        assert agent.sent == [("notify", 1, MessageKind.RREF_DELETE, [((1, 1), (0, 1))])]
+    finally:
+        svc.close()
+
+
+def test_flush_asks_every_owner_sent_deletions_one_way_for_an_acknowledgement() -> None:
+    agent, svc = _service()
+    try:
+        with svc._send_lock:
+            svc.schedule_delete(1, (1, 1), (0, 1))
+            assert svc.notes_for(1)  # rode in a frame: unacknowledged
+            svc.schedule_delete(2, (2, 1), (0, 2))  # still queued at flush
+            svc.flush(TIMEOUT)
+        requests = sorted((dst, payload) for how, dst, kind, payload in agent.sent
+                          if how == "request" and kind == MessageKind.RREF_DELETE)
+        assert requests == [(1, []), (2, [((2, 1), (0, 2))])]
+        agent.sent.clear()
+        svc.flush(TIMEOUT)  # nothing new: nothing to acknowledge
+        assert agent.sent == []
+    finally:
+        svc.close()
