@@ -22,7 +22,7 @@ from rpcx.backends import gloo
 from rpcx.transport import Frame
 
 TIMEOUT = 30.0
-INLINE, EXTENDED, BYE = 1, 2, 3
+INLINE, EXTENDED, BYE, SPLIT = 1, 2, 3, 4
 SLOT_TAG, DATA_TAG = 0, 1
 
 
@@ -168,7 +168,7 @@ def test_decoding_a_slot_built_by_hand() -> None:
     assert [_bytes(b) for b in frame.buffers] == payload
 
 
-def test_large_frame_is_slot_then_body_then_each_non_empty_buffer(
+def test_large_frame_is_a_slot_with_the_body_then_each_non_empty_buffer(
     pair: tuple[Wire, End, End],
 ) -> None:
     wire, a, b = pair
@@ -178,11 +178,25 @@ def test_large_frame_is_slot_then_body_then_each_non_empty_buffer(
     a.transport.send(1, Frame(header, buffers))
     assert _same(b.next_frame(), header, buffers)
     sent = wire.sent(0)
-    assert [tag for tag, _ in sent] == [SLOT_TAG, DATA_TAG, DATA_TAG, DATA_TAG]
+    assert [tag for tag, _ in sent] == [SLOT_TAG, DATA_TAG, DATA_TAG]
     body = struct.pack("<3Q", 8000, 0, 8) + header
-    assert sent[0][1][:16] == struct.pack("<BxxxIQ", EXTENDED, 3, len(body))
-    assert sent[1][1] == body
-    assert sent[2][1] == _bytes(big) and sent[3][1] == struct.pack("<q", 7)
+    assert sent[0][1][: 16 + len(body)] == struct.pack("<BxxxIQ", SPLIT, 3, len(body)) + body
+    assert sent[1][1] == _bytes(big) and sent[2][1] == struct.pack("<q", 7)
+
+
+def test_a_header_too_large_for_the_slot_travels_as_its_own_message(
+    pair: tuple[Wire, End, End],
+) -> None:
+    wire, a, b = pair
+    header = b"H" * gloo.SLOT_BYTES
+    buffers = [torch.tensor([5], dtype=torch.int64)]
+    a.transport.send(1, Frame(header, buffers))
+    assert _same(b.next_frame(), header, buffers)
+    sent = wire.sent(0)
+    assert [tag for tag, _ in sent] == [SLOT_TAG, DATA_TAG, DATA_TAG]
+    body = struct.pack("<1Q", 8) + header
+    assert sent[0][1][:16] == struct.pack("<BxxxIQ", EXTENDED, 1, len(body))
+    assert sent[1][1] == body and sent[2][1] == struct.pack("<q", 5)
 
 
 def test_the_slot_boundary(pair: tuple[Wire, End, End]) -> None:
@@ -196,7 +210,7 @@ def test_the_slot_boundary(pair: tuple[Wire, End, End]) -> None:
     assert _same(b.next_frame(), header, [fits])
     assert _same(b.next_frame(), header, [too_big])
     modes = [data[0] for tag, data in wire.sent(0) if tag == SLOT_TAG]
-    assert modes == [INLINE, EXTENDED]
+    assert modes == [INLINE, SPLIT]
 
 
 def test_frames_arrive_whole_and_in_order_both_ways(pair: tuple[Wire, End, End]) -> None:

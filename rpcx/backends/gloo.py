@@ -7,9 +7,12 @@ Wire format, per frame, on one ordered gloo pair per peer:
 
 * a fixed-size *slot* (tag 0): ``mode, buffer count, body length``, then the body. Small
   frames (most calls) fit entirely in the slot: one gloo message per frame.
-* otherwise the slot announces an *extended* frame: the body (buffer sizes and header)
-  follows as one message, then each tensor as its own message (tag 1), sent straight from
-  the tensor's memory.
+* a *split* frame's slot holds the body without the tensor data (buffer sizes, then the
+  header); each non-empty tensor follows as its own message (tag 1), sent straight from
+  the tensor's memory. The receiver posts every tensor's receive as soon as the slot
+  arrives, so large tensors cost one notification round, not two.
+* an *extended* frame (a header too large for the slot) sends the body as a message of
+  its own (tag 1) after the slot, then the tensors.
 * ``BYE`` is the last slot a worker sends a peer. A receiving thread ends only on a BYE or
   a broken connection: gloo offers no way to cancel a pending receive, and a process that
   exits with one pending aborts. So a worker that leaves sends BYE, and a worker that gets
@@ -58,7 +61,7 @@ SLOT_BYTES = 4096  # small frames (most calls) travel whole in one slot
 # of buffers per peer.
 RECEIVE_DEPTH = 64
 _HEAD = struct.Struct("<BxxxIQ")  # mode, number of buffers, body length
-_INLINE, _EXTENDED, _BYE = 1, 2, 3
+_INLINE, _EXTENDED, _BYE, _SPLIT = 1, 2, 3, 4
 _TAG_SLOT, _TAG_DATA = 0, 1
 # gloo fails (and closes the pair) when a receive outlasts this, so make it effectively
 # infinite: an idle peer is not a dead peer. Dead peers surface as closed connections.
@@ -178,14 +181,22 @@ class GlooTransport:
                 offset += size
             messages: list[tuple[int, torch.Tensor]] = [(_TAG_SLOT, slot_tensor)]
         else:
-            body = bytearray(8 * n + len(header))
-            struct.pack_into(f"<{n}Q", body, 0, *sizes)
-            body[8 * n :] = header
-            _HEAD.pack_into(slot, 0, _EXTENDED, n, len(body))
-            messages = [
-                (_TAG_SLOT, slot_tensor),
-                (_TAG_DATA, torch.frombuffer(body, dtype=torch.uint8)),
-            ]
+            body_len = 8 * n + len(header)
+            if _HEAD.size + body_len <= SLOT_BYTES:
+                _HEAD.pack_into(slot, 0, _SPLIT, n, body_len)
+                struct.pack_into(f"<{n}Q", slot, _HEAD.size, *sizes)
+                offset = _HEAD.size + 8 * n
+                slot[offset : offset + len(header)] = header
+                messages = [(_TAG_SLOT, slot_tensor)]
+            else:
+                body = bytearray(body_len)
+                struct.pack_into(f"<{n}Q", body, 0, *sizes)
+                body[8 * n :] = header
+                _HEAD.pack_into(slot, 0, _EXTENDED, n, body_len)
+                messages = [
+                    (_TAG_SLOT, slot_tensor),
+                    (_TAG_DATA, torch.frombuffer(body, dtype=torch.uint8)),
+                ]
             messages += [
                 (_TAG_DATA, _as_bytes(b)) for b, s in zip(frame.buffers, sizes, strict=True) if s
             ]
@@ -260,6 +271,11 @@ class GlooTransport:
                     break
                 if mode == _INLINE:
                     frame = _unpack_inline(slot, slot_tensor, n, body_len)
+                elif mode == _SPLIT:
+                    sizes = struct.unpack_from(f"<{n}Q", slot, _HEAD.size)
+                    start = _HEAD.size + 8 * n
+                    header = bytes(slot[start : _HEAD.size + body_len])
+                    frame = self._receive_buffers(src, header, sizes)
                 else:
                     frame = self._receive_extended(src, n, body_len)
                 with ring.lock:
@@ -302,7 +318,9 @@ class GlooTransport:
         body = bytearray(body_len)
         self._pg.recv([torch.frombuffer(body, dtype=torch.uint8)], src, _TAG_DATA).wait()
         sizes = struct.unpack_from(f"<{n}Q", body, 0)
-        header = bytes(body[8 * n :])
+        return self._receive_buffers(src, bytes(body[8 * n :]), sizes)
+
+    def _receive_buffers(self, src: int, header: bytes, sizes: tuple[int, ...]) -> Frame:
         buffers = [empty_bytes(size) for size in sizes]
         works = [self._pg.recv([b], src, _TAG_DATA) for b in buffers if b.numel()]
         for work in works:
