@@ -93,7 +93,11 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """rpcx backends against torch.distributed.rpc, side by side (not a test)."""
+    """rpcx backends against torch.distributed.rpc, side by side (not a test).
+
+    Runs bench/run.py: every workload, both sweeps and the raw floors; the table on
+    stdout, JSON and plots in bench/results/. Arguments after ``--`` go to it, e.g.
+    ``nox -s bench -- --quick --rounds 1`` or ``-- --only rpc_sync,size_sweep``.
+    """
     _install(session, "bench")
-    session.run("python", "bench/bench_rpc.py", *session.posargs)
-    session.run("python", "bench/bench_rnn.py")
+    session.run("python", "bench/run.py", *session.posargs)

@@ -1,0 +1,73 @@
+"""The systems under comparison: torch.distributed.rpc and each rpcx backend.
+
+A benchmark program is written once against the namespace :func:`api` returns (the
+modules a torch RPC program imports); only the modules differ between systems, exactly
+as in a program ported with ``import rpcx as rpc``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+ALL_SYSTEMS = ("torch", "gloo", "tensorpipe", "loopback")
+BASELINE = "torch"
+RPC_TIMEOUT_S = 60.0  # every call's default timeout: a lost reply becomes an error, not a hang
+NUM_WORKER_THREADS = 16
+
+
+def api(system: str) -> SimpleNamespace:
+    """``rpc``, ``dist_autograd`` and ``DistributedOptimizer`` of ``system``.
+
+    ``torch`` gives torch.distributed's own modules; any other name gives rpcx's (the
+    backend is chosen in :func:`init_worker`).
+    """
+    if system == BASELINE:
+        import torch.distributed.autograd as dist_autograd
+        import torch.distributed.rpc as rpc
+        from torch.distributed.optim import DistributedOptimizer
+    else:
+        import rpcx as rpc
+        import rpcx.autograd as dist_autograd
+        from rpcx.optim import DistributedOptimizer
+    return SimpleNamespace(
+        system=system, rpc=rpc, dist_autograd=dist_autograd,
+        DistributedOptimizer=DistributedOptimizer,
+    )
+
+
+def in_process(system: str) -> bool:
+    """Whether ``system``'s workers are threads of one process (rpcx's loopback)."""
+    return system == "loopback"
+
+
+def init_worker(
+    ns: SimpleNamespace, name: str, rank: int, world_size: int, init_method: str
+) -> None:
+    """``init_rpc`` on ``ns``'s system with the options every system gets alike."""
+    options = ns.rpc.TensorPipeRpcBackendOptions(
+        init_method=init_method, num_worker_threads=NUM_WORKER_THREADS,
+        rpc_timeout=RPC_TIMEOUT_S,
+    )
+    kwargs: dict[str, Any] = {} if ns.system == BASELINE else {"backend": ns.system}
+    ns.rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options,
+                    **kwargs)
+
+
+def missing_requirement(system: str) -> str | None:
+    """Why ``system`` cannot run on this machine, or ``None``."""
+    if system not in ALL_SYSTEMS:
+        return f"unknown system {system!r} (known: {', '.join(ALL_SYSTEMS)})"
+    if system == BASELINE:
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            return "torch.distributed.rpc's TensorPipe init_rpc needs numpy: pip install numpy"
+    else:
+        try:
+            import rpcx
+        except ImportError as exc:
+            return f"rpcx does not import: {exc}"
+        if system not in rpcx.backend_names():
+            return f"rpcx backend {system!r} is not installed"
+    return None
