@@ -286,7 +286,8 @@ SYSTEM_STYLE = {
 def _title_suffix(meta: dict[str, Any]) -> str:
     mode = "quick" if meta.get("quick") else "full"
     return (f"{meta.get('started', '')[:16]}  {meta.get('cpus')} CPUs, torch "
-            f"{meta.get('torch')}, {meta.get('rounds')} round(s), {mode}")
+            f"{meta.get('torch')}, {meta.get('rounds')} round(s), {mode}, "
+            f"OMP_NUM_THREADS={meta.get('omp_num_threads')}")
 
 
 def plot_sizes(path: pathlib.Path, summary: dict[str, Any], systems: list[str],

@@ -151,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     # torch's C++ warnings (TensorPipe's "pipe closed" at every shutdown, for one) would
     # drown the progress lines; TORCH_CPP_LOG_LEVEL=WARNING brings them back.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # Every worker of every system runs with one intra-op thread, as torchrun sets for
+    # several processes per host: with more, OpenMP workers spinning between parallel
+    # regions take the CPU the RPC threads need (on 2 cores, the DDP + RPC epoch took
+    # torch 47-54 ms and rpcx/gloo 166-210 ms with the default, 34-37 and 66 ms with 1).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     started = datetime.datetime.now()
@@ -211,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv, "systems": args.systems, "rounds": args.rounds,
         "quick": args.quick, "only": selected, "torch": torch.__version__,
         "rpcx": _rpcx_version(), "git_commit": _git_commit(), "cpus": os.cpu_count(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "python": platform.python_version(), "platform": platform.platform(),
         "ratio_convention": ">1 is better: rpcx/torch for rates, torch/rpcx for times",
     }
