@@ -290,16 +290,38 @@ def _title_suffix(meta: dict[str, Any]) -> str:
             f"OMP_NUM_THREADS={meta.get('omp_num_threads')}")
 
 
-def plot_sizes(path: pathlib.Path, summary: dict[str, Any], systems: list[str],
-               meta: dict[str, Any]) -> bool:
-    """Latency and GB/s against message size, log-log, one line per system."""
-    sweep = summary["sweeps"].get("size_sweep")
+def _sweep(summary: dict[str, Any], name: str, systems: list[str]) -> dict[str, Any] | None:
+    """The sweep ``name`` if any of ``systems`` has points in it."""
+    sweep: dict[str, Any] | None = summary["sweeps"].get(name)
     if not sweep or not any(sweep.get(s, {}).get("points") for s in systems):
-        return False
+        return None
+    return sweep
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt: Any, fig: Any, path: pathlib.Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sizes(path: pathlib.Path, summary: dict[str, Any], systems: list[str],
+               meta: dict[str, Any]) -> bool:
+    """Latency and GB/s against message size, log-log, one line per system."""
+    sweep = _sweep(summary, "size_sweep", systems)
+    if sweep is None:
+        return False
+    plt = _pyplot()
     from matplotlib.ticker import FixedLocator, NullLocator
 
     fig, (ax_lat, ax_bw) = plt.subplots(1, 2, figsize=(13, 5.2))
@@ -337,23 +359,17 @@ def plot_sizes(path: pathlib.Path, summary: dict[str, Any], systems: list[str],
         ax.legend(fontsize=8)
     fig.suptitle(f"rpcx vs torch.distributed.rpc: echo of one tensor, 2 workers\n"
                  f"{_title_suffix(meta)}", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
 
 
 def plot_clients(path: pathlib.Path, summary: dict[str, Any], systems: list[str],
                  meta: dict[str, Any]) -> bool:
     """Aggregate calls/s against the number of clients, one line per system."""
-    sweep = summary["sweeps"].get("clients_sweep")
-    if not sweep or not any(sweep.get(s, {}).get("points") for s in systems):
+    sweep = _sweep(summary, "clients_sweep", systems)
+    if sweep is None:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 5.2))
     counts: set[int] = set()
@@ -374,10 +390,7 @@ def plot_clients(path: pathlib.Path, summary: dict[str, Any], systems: list[str]
     ax.legend(fontsize=9)
     ax.set_title(f"rpcx vs torch.distributed.rpc: one server, 1-{max(counts)} clients\n"
                  f"{_title_suffix(meta)}", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
 
 

@@ -252,6 +252,14 @@ class GlooTransport:
         Runs on whichever thread holds the peer's lane: it returns early, leaving the
         loop to that thread, when a request it served moved the role elsewhere.
         """
+        if self._receive_frames(src):
+            # Only now, with the loop's frame and the gloo work objects it held gone:
+            # close() releases the process group once every loop has ended, and gloo
+            # objects outliving their group on another thread abort the process at exit.
+            self._end_receiving(src)
+
+    def _receive_frames(self, src: int) -> bool:
+        """The loop itself; True when it ended (goodbye or broken), False if handed off."""
         ctx = self._ctx
         assert ctx is not None
         peer = self._peers[src]
@@ -290,10 +298,10 @@ class GlooTransport:
                                   ctx.names[ctx.rank], src)
                 del frame
                 if lane is not None and not lane.still_held():
-                    return  # a follower receives from here on
+                    return False  # a follower receives from here on
         except RuntimeError as exc:
             self._on_broken(src, exc)
-        self._end_receiving(src)
+        return True
 
     def _end_receiving(self, src: int) -> None:
         peer = self._peers[src]
