@@ -428,7 +428,9 @@ class RpcAgent:
     def _send(self, dst: int, frame: Frame) -> None:
         if dst == self.rank:
             # A call to oneself still crosses the codec, so arguments are copies.
-            self._on_frame(dst, Frame(frame.header, [copy_of(b) for b in frame.buffers]))
+            self._on_frame(dst, Frame(frame.header, [
+                b if i in frame.owned else copy_of(b) for i, b in enumerate(frame.buffers)
+            ]))
         else:
             self._transport.send(dst, frame)
 

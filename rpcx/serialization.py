@@ -95,6 +95,7 @@ class EncodeContext:
             cannot move device memory); the receiver places them on the mapped device.
         placements: ``id(tensor) -> device`` overriding the map for single tensors
             (set through :class:`Placed`).
+        owned: indices of buffers the codec copied while encoding (``Frame.owned``).
     """
 
     peer: int
@@ -110,6 +111,7 @@ class EncodeContext:
     response: bool = False
     stage_devices: bool = True
     placements: dict[int, torch.device] = field(default_factory=dict)
+    owned: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -223,6 +225,8 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         data = data.cpu()  # staged: the receiver puts it on ``target``
     index = len(ctx.buffers)
     ctx.buffers.append(data)
+    if data.numel() and data.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+        ctx.owned.append(index)  # a copy made here: transports need not copy it again
     ctx.tensors.append(tensor)
     if ctx.scope is not None and tensor.requires_grad and _scope_hooks is not None:
         _scope_hooks[0](ctx, tensor)
@@ -519,7 +523,7 @@ def encode(kind: int, request_id: int, payload: Any, ctx: EncodeContext) -> Fram
         header = b"".join((header[:at], _NOTES_LEN.pack(len(notes)), notes, header[at:]))
     if flags:
         header = _ENVELOPE.pack(kind | flags, request_id) + header[_ENVELOPE.size :]
-    return Frame(header, ctx.buffers)
+    return Frame(header, ctx.buffers, owned=frozenset(ctx.owned))
 
 
 def decode_envelope(frame: Frame) -> tuple[int, int]:

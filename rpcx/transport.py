@@ -40,6 +40,10 @@ class Frame:
     # with request/response messages of its own (tensorpipe) pairs the two.
     request_id: int = 0
     reply_to: int = 0
+    # Indices of buffers the codec created for this frame alone (a contiguous copy of a
+    # strided view, a host copy of device memory): nothing else can change them, so a
+    # transport that otherwise copies what it sends later may send these as they are.
+    owned: frozenset[int] = frozenset()
 
     @property
     def nbytes(self) -> int:

@@ -502,3 +502,16 @@ def test_conjugate_view_round_trip_through_uint8_buffers() -> None:
     frame = encode(KIND, RID, lazy, EncodeContext(0))
     got = decode_payload(as_gloo_delivers(frame), DecodeContext(0))
     assert_same_tensor(got.resolve_conj(), lazy.resolve_conj())
+
+
+def test_frame_marks_the_buffers_the_codec_copied_as_owned() -> None:
+    plain = torch.arange(8.0)
+    strided_small = torch.arange(16.0).reshape(4, 4).t()  # travels as its storage span
+    strided_wide = torch.zeros(4096, 64)[:, 0]  # span too wide: a contiguous copy
+    frame = encode(
+        KIND, RID, (plain, strided_small, strided_wide), EncodeContext(peer=1)
+    )
+    assert frame.owned == frozenset({2})
+    assert frame.buffers[0].data_ptr() == plain.data_ptr()  # shared: transports copy it
+    out = decode_payload(frame, DecodeContext(peer=0))
+    assert torch.equal(out[2], strided_wide)

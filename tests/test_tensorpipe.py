@@ -120,6 +120,13 @@ def test_sends_use_private_copies_of_cpu_buffers() -> None:
     assert staged[0].data_ptr() != big.data_ptr() and staged[1].data_ptr() != small.data_ptr()
 
 
+def test_buffers_the_codec_made_are_sent_without_another_copy() -> None:
+    made, users = torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8)
+    staged = tensorpipe.TensorPipeTransport._staged([made, users], None, frozenset({0}))
+    assert staged[0] is made
+    assert staged[1].data_ptr() != users.data_ptr() and torch.equal(staged[1], users)
+
+
 def test_peer_errors_read_without_cpp_locations() -> None:
     reason = tensorpipe._describe(RuntimeError(
         "eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)\nmore"

@@ -277,7 +277,7 @@ class TensorPipeTransport:
                 reply = self._replies.pop((dst, frame.reply_to), None)
         mapped = (self._reply_devices if reply is not None else self._call_devices).get(dst)
         try:
-            buffers = self._staged(frame.buffers, mapped)
+            buffers = self._staged(frame.buffers, mapped, frame.owned)
         except BaseException:
             if reply is not None:  # not answered: closing answers it with nothing
                 with self._lock:
@@ -317,17 +317,21 @@ class TensorPipeTransport:
 
     @staticmethod
     def _staged(
-        buffers: list[torch.Tensor], mapped: set[torch.device] | None
+        buffers: list[torch.Tensor],
+        mapped: set[torch.device] | None,
+        owned: frozenset[int] = frozenset(),
     ) -> list[torch.Tensor]:
         # torch writes the tensors some time after rpc_async returns, and the caller may
-        # change them as soon as send returns: send private copies. Device memory that
-        # torch's maps do not route (a gradient on its way back, say) goes through the
-        # host; rpcx's codec puts it on its device at the receiver.
+        # change them as soon as send returns: send private copies, except of buffers the
+        # codec made for this frame alone (``owned``). Device memory that torch's maps do
+        # not route (a gradient on its way back, say) goes through the host; rpcx's codec
+        # puts it on its device at the receiver.
         return [
-            copy_of(b) if b.device.type == "cpu"
+            b if i in owned and (b.device.type == "cpu" or (mapped and b.device in mapped))
+            else copy_of(b) if b.device.type == "cpu"
             else b.clone() if mapped is not None and b.device in mapped
             else b.cpu()
-            for b in buffers
+            for i, b in enumerate(buffers)
         ]
 
     # -------------------------------------------------------------------- receiving
