@@ -140,20 +140,21 @@ class ReceiveLane:
         self._start_thread(self.resume)
         return True
 
-    def _stalled(self, seen: object | None) -> tuple[object | None, bool]:
-        # The watchdog's look: hand off if the same request is still being served.
+    def _look(self, seen: object | None) -> object | None:
+        """The watchdog's look: hand off if ``seen``, the request being served at the
+        last look, is still being served. Returns what to compare with next time."""
         with self._lock:
             serving = self._serving
             stuck = serving is not None and serving is seen and self._holder is not None
             if stuck:
                 self._holder = None
                 self._serving = None
-        if stuck:
-            log.debug("lane %s: a request has been served for over %.0f ms; another "
-                      "thread takes over receiving", self.name, WATCH_INTERVAL * 1e3)
-            self._start_thread(self.resume)
-            return None, True
-        return serving, False
+        if not stuck:
+            return serving
+        log.debug("lane %s: a request has been served for over %.0f ms; another thread "
+                  "takes over receiving", self.name, WATCH_INTERVAL * 1e3)
+        self._start_thread(self.resume)
+        return None
 
 
 class LaneWatch:
@@ -192,7 +193,7 @@ class LaneWatch:
                 lanes = list(self._lanes)
             for lane in lanes:
                 try:
-                    seen[id(lane)], _ = lane._stalled(seen.get(id(lane)))
+                    seen[id(lane)] = lane._look(seen.get(id(lane)))
                 except Exception:  # a follower that cannot start: logged, retried
                     log.exception("%s: could not hand off lane %s", self._name, lane.name)
             if len(seen) > 2 * len(lanes) + 16:
