@@ -158,8 +158,8 @@ class RpcAgent:
         self.on_close: list[Callable[[], None]] = []  # the transport has closed
         self.on_peer_lost: list[Callable[[int], None]] = []  # a peer died or left
         # One-way messages owed to a peer that may ride in the next frame to it (RRef
-        # deletions): ``take(dst)`` returns notes, ``give_back(dst, notes)`` takes them
-        # back when the frame could not be encoded.
+        # deletions): ``notes_for(dst)`` hands them over, ``notes_not_sent(dst, notes)``
+        # takes them back when the frame could not be encoded.
         self.note_sources: list[NoteSource] = []
         self._ids = itertools.count(1)
         self._pending = PendingCalls()
@@ -381,8 +381,6 @@ class RpcAgent:
             if notes:
                 taken.append((source, notes))
                 ctx.notes.extend(notes)
-        if not taken:
-            return encode(kind, rid, payload, ctx)
         try:
             return encode(kind, rid, payload, ctx)
         except BaseException:

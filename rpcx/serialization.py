@@ -213,20 +213,25 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     if tensor.device.type != "cpu":
         target = _target_of(tensor, ctx)
     # Lazily conjugated or negated views must be materialized before a raw byte view.
+    # ``copied``: the buffer is a copy made here, so transports need not copy it again.
+    copied = tensor.is_conj() or tensor.is_neg()
     data = tensor.detach().resolve_conj().resolve_neg()
     stride: tuple[int, ...] | None = None
     if not data.is_contiguous():
         data, stride = _view_buffer(data)
+        copied = copied or stride is None
     elif data.dim() and data.stride(-1) != 1:
         # Contiguous by torch's rules yet not viewable as bytes: a size-1 dimension with
         # stride 0 (gradients of sum() look like this). Give it ordinary strides.
         data = data.clone(memory_format=torch.contiguous_format)
+        copied = True
     if target is not None and ctx.stage_devices:
         data = data.cpu()  # staged: the receiver puts it on ``target``
+        copied = True
     index = len(ctx.buffers)
     ctx.buffers.append(data)
-    if data.numel() and data.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
-        ctx.owned.append(index)  # a copy made here: transports need not copy it again
+    if copied:
+        ctx.owned.append(index)
     ctx.tensors.append(tensor)
     if ctx.scope is not None and tensor.requires_grad and _scope_hooks is not None:
         _scope_hooks[0](ctx, tensor)

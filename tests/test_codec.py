@@ -508,10 +508,11 @@ def test_frame_marks_the_buffers_the_codec_copied_as_owned() -> None:
     plain = torch.arange(8.0)
     strided_small = torch.arange(16.0).reshape(4, 4).t()  # travels as its storage span
     strided_wide = torch.zeros(4096, 64)[:, 0]  # span too wide: a contiguous copy
+    conjugated = torch.tensor([1 + 2j, 3 - 1j]).conj()  # materialized while encoding
     frame = encode(
-        KIND, RID, (plain, strided_small, strided_wide), EncodeContext(peer=1)
+        KIND, RID, (plain, strided_small, strided_wide, conjugated), EncodeContext(peer=1)
     )
-    assert frame.owned == frozenset({2})
+    assert frame.owned == frozenset({2, 3})
     assert frame.buffers[0].data_ptr() == plain.data_ptr()  # shared: transports copy it
     out = decode_payload(frame, DecodeContext(peer=0))
-    assert torch.equal(out[2], strided_wide)
+    assert torch.equal(out[2], strided_wide) and torch.equal(out[3], conjugated)
