@@ -23,7 +23,9 @@ class MessageKind(enum.IntEnum):
     RREF_FORKS = 6  # payload: [(rref_id, fork_id, holder rank)]; new references to register
     RREF_DELETE = 7  # payload: [(rref_id, fork_id)]; references that are gone
     RREF_CONFIRM = 8  # one-way, payload: [fork_id]; the owner knows these references
-    AUTOGRAD_BACKWARD = 9  # payload: (context_id, [(send tag, index, grad)], run now?)
+    AUTOGRAD_BACKWARD = 9  # payload: (context_id, [(send tag, index, grad)])
     AUTOGRAD_RELEASE = 10  # payload: context_id; forget it (and tell its other peers)
-    AUTOGRAD_RUN = 11  # payload: (context_id, sole); run a round of a backward pass
+    AUTOGRAD_RUN = 11  # payload: (context_id, chain or None); run a round of a backward
+    AUTOGRAD_CHAIN = 12  # one-way, payload: (context_id, [(tag, index, grad)], chain)
+    AUTOGRAD_CHAIN_END = 13  # one-way, payload: (token, next round's ranks, error info)
 

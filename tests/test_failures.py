@@ -85,6 +85,21 @@ def test_dead_worker_with_rrefs_and_autograd_in_flight(crash_world: object) -> N
         assert torch.equal(dist_autograd.get_gradients(context_id)[x], torch.full((2,), 3.0))
 
 
+def test_worker_dying_inside_a_chain_fails_the_backward(crash_world: object) -> None:
+    # worker0 -> worker1 -> worker2, whose backward ends its process. The chain of
+    # passes has left worker0 (it went on one way through worker1), so worker0 hears
+    # it from worker1, which handed the chain to worker2: an error naming worker2,
+    # long before the timeout.
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    with dist_autograd.context() as context_id:
+        z = rpcx.rpc_sync(W1, rpcx.rpc_sync, args=(
+            W2, training.fail_in_backward_then_call, (x, [], True)))
+        started = time.monotonic()
+        with pytest.raises(rpcx.PeerLostError, match="worker2"):
+            dist_autograd.backward(context_id, [z.sum()])
+        assert time.monotonic() - started < BOUND / 4, "backward waited for the dead worker"
+
+
 def test_context_reached_through_a_dead_worker_is_released(crash_world: object) -> None:
     x = torch.tensor([1.0, 2.0], requires_grad=True)
     with dist_autograd.context():

@@ -5,7 +5,8 @@ output of a :class:`_RecvBackward` node, which knows where the tensor came from 
 context, send tag, position). A *pass* runs torch's local autograd engine from some
 tensors with given gradients; when the engine reaches a recv node, the node hands its
 gradient to the pass's outbox, which the service sends back to the peer after the
-local engine is done (one ``AUTOGRAD_BACKWARD`` message per peer).
+local engine is done (one message per peer: ``AUTOGRAD_BACKWARD``, or
+``AUTOGRAD_CHAIN`` when the pass hands a chain on).
 
 The worker that called ``backward()`` drives the passes in rounds (see
 :mod:`rpcx.autograd.service`): in each round every worker runs one pass from all the

@@ -13,10 +13,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import functools
 import itertools
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 
 from rpcx.agent import Deferred, RpcAgent
 from rpcx.autograd.engine import Outbox, make_recv, run_pass
-from rpcx.errors import PeerLostError, RpcError
+from rpcx.errors import PeerLostError, RemoteErrorInfo, RpcError, RpcTimeoutError
 from rpcx.futures import RpcFuture, add_internal_callback, all_done, wait, wait_done
 from rpcx.messages import MessageKind
 from rpcx.serialization import DecodeContext, EncodeContext, Placed, set_scope_hooks
@@ -38,6 +39,9 @@ _SERVICE = "autograd"
 _RANK_SHIFT = 48  # context ids: the creating rank in the high bits, a counter below
 _RELEASED_MEMORY = 65536  # released context ids remembered per worker
 _RELEASE_WAIT = 300.0  # bound on waiting for releases when no timeout is given
+
+# A chain of passes (see AutogradService.start): the driver's rank and its token.
+Chain = tuple[int, int]
 
 # The context the calling thread works in (a context id), or None.
 _current: contextvars.ContextVar[int | None] = contextvars.ContextVar(
@@ -62,6 +66,7 @@ class AutogradContext:
         finished_roots: graph nodes of roots already run without ``retain_graph``.
         pending: gradients delivered for sent tensors, by (send tag, index), waiting for
             this worker's next round.
+        forwarded: chains this worker handed on, as (peer, driver, token).
     """
 
     id: int
@@ -70,6 +75,7 @@ class AutogradContext:
     grads: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
     finished_roots: set[Any] = field(default_factory=set)
     pending: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    forwarded: set[tuple[int, int, int]] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def accumulate(
@@ -108,6 +114,9 @@ class AutogradService:
         self._ids = itertools.count(1)
         self._tags = itertools.count(1)
         self._releasing: list[RpcFuture[Any]] = []
+        self._tokens = itertools.count(1)
+        # Chains this worker drives, by token: (context id, future of the next round).
+        self._chains: dict[int, tuple[int, RpcFuture[list[int]]]] = {}
         self.passes = 0  # local passes run here, ever (debug_info shows it)
         # One local pass at a time on this worker (see rpcx.autograd.engine).
         self.grad_lock = threading.RLock()
@@ -208,9 +217,22 @@ class AutogradService:
             self._releasing.extend(futures)
 
     def on_peer_lost(self, rank: int) -> None:
-        """A worker died or left: release the contexts it created, which it never will."""
+        """A worker died or left: fail the chains handed to it, release the contexts it
+        created (which it never will)."""
         with self._lock:
             orphans = [c for c in self._contexts if c >> _RANK_SHIFT == rank]
+            contexts = list(self._contexts.values())
+        name = self.agent.workers[rank].name
+        for context in contexts:
+            with context.lock:
+                lost = [(d, t) for (peer, d, t) in context.forwarded if peer == rank]
+                context.forwarded.difference_update((rank, d, t) for d, t in lost)
+            for chain in lost:
+                self._end_chain(chain, None, PeerLostError(
+                    f"dist_autograd.backward(context {context.id}): worker {name!r} "
+                    f"(rank {rank}) was lost after worker {self.agent.name!r} sent it "
+                    "gradients; the backward pass cannot finish"
+                ))
         for context_id in orphans:
             futures = self.release(context_id, notify_except=rank)
             with self._lock:
@@ -334,43 +356,91 @@ class AutogradService:
     # bounded by the longest path, not the number of paths.
     #
     # A round with a single worker is a chain: when that worker's pass delivers to a
-    # single peer, no other gradient can join that peer's next round, so it delivers
-    # with "and run": the peer runs at once and the chain goes on without a trip back
-    # to the driver (the common pipeline shape costs one message per hop).
+    # single peer, no other gradient can join that peer's next round, so it forwards
+    # the gradients one way (AUTOGRAD_CHAIN) and the peer runs at once. The chain goes
+    # on from worker to worker with no thread waiting anywhere but on the driver; the
+    # worker where it ends reports to the driver (AUTOGRAD_CHAIN_END) with the ranks of
+    # the next round, or the error. The common pipeline shape costs one message per
+    # hop plus one.
 
     def start(
         self, context: AutogradContext, roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     ) -> None:
         """Run the distributed backward pass from ``roots``; return when it is done."""
-        frontier = self._advance(context, list(roots), list(grads), sole=True)
+        frontier = self._sole_round(
+            context, functools.partial(self._advance, context, list(roots), list(grads))
+        )
         while frontier:
-            sole = len(frontier) == 1
-            futures = [
-                self.agent.request(
-                    self.agent.workers[rank], MessageKind.AUTOGRAD_RUN, (context.id, sole),
-                    timeout=self.agent.timeout_for(None), api="dist_autograd.backward",
-                    target=context.id, describe_target=_describe_context,
+            if len(frontier) == 1:
+                (rank,) = frontier
+                frontier = self._sole_round(
+                    context, functools.partial(self._run_round, context, rank)
                 )
-                for rank in sorted(frontier)
-                if rank != self.agent.rank
-            ]
-            following: set[int] = set()
-            error: BaseException | None = None
-            if self.agent.rank in frontier:
-                try:
-                    following |= self._run_pending(context, sole)
-                except Exception as exc:
-                    error = exc
-            for future in futures:
-                try:
-                    following |= set(wait(future))
-                except Exception as exc:
-                    error = error or exc
-            if error is not None:
-                raise error
-            frontier = following
+            else:
+                frontier = self._wide_round(context, frontier)
 
-    def _run_pending(self, context: AutogradContext, sole: bool) -> set[int]:
+    def _sole_round(
+        self, context: AutogradContext, run: Callable[[Chain], set[int] | None]
+    ) -> set[int]:
+        """A round of one worker, which may become a chain: ``run(chain)`` starts it and
+        returns the next round, or ``None`` when the chain went on to another worker."""
+        token = next(self._tokens)
+        done: RpcFuture[list[int]] = RpcFuture()
+        with self._lock:
+            self._chains[token] = (context.id, done)
+        try:
+            frontier = run((self.agent.rank, token))
+            if frontier is not None:
+                return frontier
+            timeout = self.agent.timeout_for(None)
+            if not wait_done(done, timeout):
+                raise RpcTimeoutError(
+                    f"dist_autograd.backward(context {context.id}) on worker "
+                    f"{self.agent.name!r}: the chain of passes it started did not finish "
+                    f"within {timeout:g} s (rpc_timeout)"
+                )
+            return set(wait(done))
+        finally:
+            with self._lock:
+                self._chains.pop(token, None)
+
+    def _run_round(self, context: AutogradContext, rank: int, chain: Chain) -> set[int] | None:
+        """Start a sole round on ``rank``: here, or with an ``AUTOGRAD_RUN``."""
+        if rank == self.agent.rank:
+            return self._run_pending(context, chain)
+        reply = wait(self._request_run(context, rank, chain))
+        return None if reply is None else set(reply)
+
+    def _wide_round(self, context: AutogradContext, frontier: set[int]) -> set[int]:
+        """A round of several workers: each runs its pass and delivers, then replies."""
+        futures = [self._request_run(context, rank, None)
+                   for rank in sorted(frontier) if rank != self.agent.rank]
+        following: set[int] = set()
+        error: BaseException | None = None
+        if self.agent.rank in frontier:
+            try:
+                following |= self._run_pending(context, None) or set()
+            except Exception as exc:
+                error = exc
+        for future in futures:
+            try:
+                following |= set(wait(future))
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return following
+
+    def _request_run(
+        self, context: AutogradContext, rank: int, chain: Chain | None
+    ) -> RpcFuture[Any]:
+        return self.agent.request(
+            self.agent.workers[rank], MessageKind.AUTOGRAD_RUN, (context.id, chain),
+            timeout=self.agent.timeout_for(None), api="dist_autograd.backward",
+            target=context.id, describe_target=_describe_context,
+        )
+
+    def _run_pending(self, context: AutogradContext, chain: Chain | None) -> set[int] | None:
         """This worker's pass of a round: from every gradient delivered to it."""
         with context.lock:
             pending, context.pending = context.pending, {}
@@ -386,34 +456,35 @@ class AutogradService:
                 )
             tensors.append(sent[index])
             grads.append(grad)
-        return self._advance(context, tensors, grads, sole)
+        return self._advance(context, tensors, grads, chain)
 
     def _advance(
         self,
         context: AutogradContext,
         tensors: list[torch.Tensor],
         grads: list[torch.Tensor],
-        sole: bool,
-    ) -> set[int]:
-        """One pass, then delivery; returns the ranks holding gradients for next round."""
+        chain: Chain | None,
+    ) -> set[int] | None:
+        """One pass, then delivery; returns the ranks holding gradients for the next
+        round, or ``None`` when the pass forwarded a ``chain`` to another worker."""
         found, rewritten, outbox = run_pass(self, context.id, tensors, grads, context.leaves())
         self.passes += 1
         context.accumulate(found, rewritten)
         if not outbox:
             return set()
-        if sole and len(outbox) == 1:
+        if chain is not None and len(outbox) == 1:
             ((peer, items),) = outbox.items()
             if peer == self.agent.rank:  # the chain stays here
                 self._deliver_here(context, items)
-                return self._run_pending(context, sole=True)
-            reply = wait(self._send_gradients(context, peer, items, run=True))
-            return set(reply)
+                return self._run_pending(context, chain)
+            self._forward(context, peer, items, chain)
+            return None
         futures = []
         for peer, items in outbox.items():
             if peer == self.agent.rank:
                 self._deliver_here(context, items)
             else:
-                futures.append(self._send_gradients(context, peer, items, run=False))
+                futures.append(self._deliver(context, peer, items))
         error: BaseException | None = None
         for future in futures:  # delivered everywhere before the round ends
             try:
@@ -424,14 +495,47 @@ class AutogradService:
             raise error
         return set(outbox)
 
-    def _send_gradients(
-        self, context: AutogradContext, peer: int, items: list[Any], run: bool
-    ) -> RpcFuture[Any]:
+    def _deliver(self, context: AutogradContext, peer: int, items: list[Any]) -> RpcFuture[Any]:
+        """Send ``peer`` the gradients it is owed, for its pass of the next round."""
         return self.agent.request(
-            self.agent.workers[peer], MessageKind.AUTOGRAD_BACKWARD, (context.id, items, run),
+            self.agent.workers[peer], MessageKind.AUTOGRAD_BACKWARD, (context.id, items),
             timeout=self.agent.timeout_for(None), api="dist_autograd.backward",
             target=context.id, describe_target=_describe_context,
         )
+
+    def _forward(self, context: AutogradContext, peer: int, items: list[Any], chain: Chain) -> None:
+        """Hand the chain to ``peer`` with the gradients it is owed (one way)."""
+        if self.agent.is_lost(peer):
+            raise PeerLostError(
+                f"dist_autograd.backward(context {context.id}): worker "
+                f"{self.agent.workers[peer].name!r} (rank {peer}) is gone; it was owed "
+                f"gradients by worker {self.agent.name!r}"
+            )
+        with context.lock:
+            # If that peer is lost while the chain is there, the driver hears it from
+            # here (on_peer_lost), not only when its timeout runs out.
+            context.forwarded.add((peer, *chain))
+        self.agent.notify(
+            self.agent.workers[peer], MessageKind.AUTOGRAD_CHAIN, (context.id, items, chain)
+        )
+
+    def _end_chain(
+        self, chain: Chain, frontier: set[int] | None, error: BaseException | None
+    ) -> None:
+        """Tell the driver of ``chain`` that it ended here: the next round, or why not."""
+        driver, token = chain
+        if driver == self.agent.rank:
+            with self._lock:
+                _, done = self._chains.get(token, (0, None))
+            if done is not None and not done.done():
+                if error is None:
+                    done.set_result(sorted(frontier or ()))
+                else:
+                    done.set_exception(error)  # type: ignore[arg-type]
+            return
+        info = None if error is None else RemoteErrorInfo.capture(error, self.agent.name)
+        self.agent.notify(self.agent.workers[driver], MessageKind.AUTOGRAD_CHAIN_END,
+                          (token, None if frontier is None else sorted(frontier), info))
 
     @staticmethod
     def _deliver_here(context: AutogradContext, items: list[Any]) -> None:
@@ -446,18 +550,48 @@ class AutogradService:
                 context.pending[(tag, index)] = grad if old is None else old + grad
 
     def handle_backward(self, caller: WorkerInfo, payload: Any) -> Any:
-        """Gradients for tensors this worker sent; with ``run``, run this round now."""
-        context_id, items, run = payload
-        context = self.get(context_id)
-        self._deliver_here(context, items)
-        if not run:
-            return []
-        return sorted(self._run_pending(context, sole=True))
+        """Gradients for tensors this worker sent, for its pass of the next round."""
+        context_id, items = payload
+        self._deliver_here(self.get(context_id), items)
+        return []
+
+    def handle_chain(self, caller: WorkerInfo, payload: Any) -> None:
+        """A chain reached this worker (one way): store the gradients, run the pass now,
+        and either forward the chain or report its end to the driver."""
+        context_id, items, (driver, token) = payload
+        chain = (int(driver), int(token))
+        try:
+            context = self.get(context_id)
+            self._deliver_here(context, items)
+            frontier = self._run_pending(context, chain)
+        except Exception as exc:
+            self._end_chain(chain, None, exc)
+            return
+        if frontier is not None:
+            self._end_chain(chain, frontier, None)
+
+    def handle_chain_end(self, caller: WorkerInfo, payload: Any) -> None:
+        """A chain this worker drives ended on ``caller`` (in order, never blocks)."""
+        token, frontier, info = payload
+        with self._lock:
+            context_id, done = self._chains.get(token, (0, None))
+        if done is None or done.done():
+            log.debug("%s: end of chain %s from %s after its backward ended",
+                      self.agent.name, token, caller.name)
+            return
+        if info is None:
+            done.set_result(list(frontier))
+        else:
+            done.set_exception(info.rebuild(f"dist_autograd.backward(context {context_id})"))
 
     def handle_run(self, caller: WorkerInfo, payload: Any) -> Any:
-        """The driver starts a round: run a pass from the gradients delivered here."""
-        context_id, sole = payload
-        return sorted(self._run_pending(self.get(context_id), sole))
+        """The driver starts a round: run a pass from the gradients delivered here.
+
+        With a chain, the reply is ``None`` when the chain went on to another worker
+        (its end reaches the driver in an ``AUTOGRAD_CHAIN_END``)."""
+        context_id, chain = payload
+        frontier = self._run_pending(self.get(context_id), chain)
+        return None if frontier is None else sorted(frontier)
 
     def handle_release(self, caller: WorkerInfo, context_id: Any) -> Any:
         """A peer released a context: forget it and pass the word on."""
@@ -500,6 +634,8 @@ def install(agent: RpcAgent) -> None:
     set_scope_hooks(_on_encode, _on_decode)
     agent.register_handler(MessageKind.AUTOGRAD_BACKWARD, svc.handle_backward)
     agent.register_handler(MessageKind.AUTOGRAD_RUN, svc.handle_run)
+    agent.register_handler(MessageKind.AUTOGRAD_CHAIN, svc.handle_chain)
+    agent.register_handler(MessageKind.AUTOGRAD_CHAIN_END, svc.handle_chain_end, in_order=True)
     agent.register_handler(MessageKind.AUTOGRAD_RELEASE, svc.handle_release)
     agent.on_drain.append(svc.drain)
     agent.on_peer_lost.append(svc.on_peer_lost)

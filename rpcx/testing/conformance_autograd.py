@@ -100,6 +100,21 @@ class TestDistAutograd:
         expected = 16 * x.detach() ** 15
         assert torch.allclose(grad, expected, rtol=1e-12)
 
+    def test_error_in_the_middle_of_a_chain_reaches_the_driver(self, rpc_world: World) -> None:
+        # worker0 -> worker1 (whose backward raises) -> worker2: the chain runs
+        # worker0, worker1, worker2, then worker1 again, where it fails; the driver
+        # raises that error, naming worker1, and the world is fine afterwards.
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        with dist_autograd.context() as context_id:
+            y = rpcx.rpc_sync(W1, training.fail_in_backward_then_call, args=(x, [W2]))
+            with pytest.raises(ValueError, match="refuses on purpose") as raised:
+                dist_autograd.backward(context_id, [y.sum()])
+        assert f"raised on worker '{W1}'" in "\n".join(getattr(raised.value, "__notes__", []))
+        with dist_autograd.context() as context_id:
+            y = rpcx.rpc_sync(W1, training.square_then_call, args=(x, [W2]))
+            dist_autograd.backward(context_id, [y.sum()])
+            assert _close(dist_autograd.get_gradients(context_id)[x], 4 * x.detach() ** 3)
+
     def test_same_worker_reached_several_times(self, rpc_world: World) -> None:
         # worker1 sends x to worker2 twice and uses it itself: 2x * 3x + x.
         x = torch.tensor([0.5, 1.5], dtype=torch.float64, requires_grad=True)
@@ -134,7 +149,7 @@ class TestDistAutograd:
             (tag,) = svc.get(context_id).sends
             for grad in (torch.tensor([1.0, 10.0]), torch.tensor([100.0, 1000.0])):
                 rpcx.rpc_sync(W1, remote.send_gradient, args=(context_id, W0, tag, 0, grad))
-            assert svc.handle_run(rpcx.get_worker_info(W1), (context_id, True)) == []
+            assert svc.handle_run(rpcx.get_worker_info(W1), (context_id, None)) == []
             grads = dist_autograd.get_gradients(context_id)
         assert _close(grads[x], torch.tensor([101.0, 1010.0]))
 

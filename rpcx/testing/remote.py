@@ -634,8 +634,7 @@ def send_gradient(context_id: int, to: str, tag: int, index: int, grad: torch.Te
 
     agent = _context_agent()
     svc = service(agent)
-    wait(svc._send_gradients(svc.get(context_id), agent.resolve(to).id,
-                             [(tag, index, grad)], run=False))
+    wait(svc._deliver(svc.get(context_id), agent.resolve(to).id, [(tag, index, grad)]))
 
 
 # --------------------------------------------------------------------------- failures

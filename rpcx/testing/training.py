@@ -102,6 +102,42 @@ def square_then_call(x: torch.Tensor, path: list[str]) -> torch.Tensor:
     return out
 
 
+class FailInBackward(torch.autograd.Function):
+    """Identity forward; backward raises, as a user's broken backward would."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("this backward refuses on purpose")
+
+
+class CrashInBackward(torch.autograd.Function):
+    """Identity forward; backward ends the process, as a crash would."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        os._exit(3)
+
+
+def fail_in_backward_then_call(x: torch.Tensor, path: list[str], crash: bool = False
+                               ) -> torch.Tensor:
+    """Like :func:`square_then_call`, with a node here whose backward raises (or, with
+    ``crash``, ends this process)."""
+    node = CrashInBackward if crash else FailInBackward
+    y = node.apply(x * x)  # type: ignore[no-untyped-call]
+    if not path:
+        return y  # type: ignore[no-any-return]
+    out: torch.Tensor = rpcx.rpc_sync(path[0], square_then_call, args=(y, path[1:]))
+    return out
+
+
 def open_context_call_then_crash(peer: str) -> None:
     """Open a context, make ``peer`` join it with a call, then end this process inside
     the context: nobody is left to release it."""
