@@ -53,6 +53,19 @@ def blocking() -> AbstractContextManager[None]:
 
 
 @contextmanager
+def holding(lock: threading.Lock | threading.RLock) -> Iterator[None]:
+    """``with lock:``, telling the thread's blocker (see :func:`blocking`) when the lock
+    is taken and the thread has to wait for it."""
+    if not lock.acquire(blocking=False):
+        with blocking():
+            lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextmanager
 def blocker(what: Blocker) -> Iterator[None]:
     """Make ``what`` the calling thread's blocker inside the block."""
     outer, _local.blocker = _local.blocker, what

@@ -32,15 +32,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rpcx._pool import holding
+
 if TYPE_CHECKING:
     from rpcx.autograd.service import AutogradService
 
-__all__ = ["Outbox", "Pass", "find_leaves", "make_recv", "run_pass"]
+__all__ = ["ActivePass", "OnOutboxFull", "Outbox", "Pass", "find_leaves", "make_recv", "run_pass"]
 
 log = logging.getLogger("rpcx.autograd")
 
@@ -97,6 +100,12 @@ def make_recv(
 
 def find_leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Every leaf tensor that requires grad and that a backward from ``roots`` can reach."""
+    return _explore(roots)[0]
+
+
+def _explore(roots: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """``find_leaves(roots)``, and how many recv nodes a backward from them can reach."""
+    recvs = 0
     leaves: list[torch.Tensor] = []
     seen_leaves: set[int] = set()
     seen: set[Any] = set()
@@ -119,13 +128,29 @@ def find_leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
                 seen_leaves.add(id(variable))
                 leaves.append(variable)
             continue
+        if getattr(node, "_forward_cls", None) is _RecvBackward:
+            recvs += 1
         stack.extend(edge[0] for edge in node.next_functions)
-    return leaves
+    return leaves, recvs
 
 
 # Leaf gradients (leaf, gradient), as run_pass returns them.
 Grads = list[tuple[torch.Tensor, torch.Tensor]]
 Pass = tuple[Grads, Grads, Outbox]
+# Called from inside a pass with its outbox once every recv node the pass can reach has
+# given its gradient: what the pass owes its peers is final, its local work may not be.
+OnOutboxFull = Callable[[Outbox], None]
+
+
+@dataclass
+class ActivePass:
+    """The pass running on a worker (``service.active_pass``): what recv nodes check."""
+
+    thread: int
+    context_id: int
+    outbox: Outbox
+    recvs_left: int  # recv nodes the pass can reach that have not given a gradient yet
+    on_full: OnOutboxFull | None
 
 
 def run_pass(
@@ -134,6 +159,7 @@ def run_pass(
     tensors: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     earlier: Sequence[torch.Tensor] = (),
+    on_full: OnOutboxFull | None = None,
 ) -> Pass:
     """Run the local engine from ``tensors`` with ``grads``.
 
@@ -148,9 +174,15 @@ def run_pass(
     parameter's all-reduced gradient, also of parameters an earlier pass reached (its
     bucket holds their gradients since). That written value is the whole gradient, so
     it replaces what the context has, as torch's DDP does to a torch context.
+
+    ``on_full(outbox)`` runs on this thread, inside the engine, as soon as every recv
+    node the pass can reach has given its gradient: the driver of a backward pass hands
+    a chain on from there, so its peers work while its own engine still runs the rest
+    (DDP's all-reduce, say). It never runs if a reachable recv node gives no gradient.
     """
-    with service.grad_lock:
-        leaves = [leaf for leaf in find_leaves(tensors) if leaf is not service.anchor]
+    with holding(service.grad_lock):  # (a request served inline hands its lane on)
+        found_leaves, recvs = _explore(tensors)
+        leaves = [leaf for leaf in found_leaves if leaf is not service.anchor]
         if earlier:
             reached = {id(leaf) for leaf in leaves}
             others = [leaf for leaf in earlier if id(leaf) not in reached]
@@ -165,7 +197,9 @@ def run_pass(
         outbox: Outbox = {}
         # (CPU nodes run on this thread, CUDA nodes on torch's device threads; recv
         # nodes check what they can, see AutogradService.collect.)
-        service.active_pass = (threading.get_ident(), context_id, outbox)
+        service.active_pass = ActivePass(
+            threading.get_ident(), context_id, outbox, recvs, on_full
+        )
         try:
             torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
         finally:

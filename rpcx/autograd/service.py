@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from rpcx.agent import Deferred, RpcAgent
-from rpcx.autograd.engine import Outbox, make_recv, run_pass
+from rpcx.autograd.engine import ActivePass, Outbox, make_recv, run_pass
 from rpcx.errors import PeerLostError, RemoteErrorInfo, RpcError, RpcTimeoutError
 from rpcx.futures import RpcFuture, add_internal_callback, all_done, wait, wait_done
 from rpcx.messages import MessageKind
@@ -120,8 +120,8 @@ class AutogradService:
         self.passes = 0  # local passes run here, ever (debug_info shows it)
         # One local pass at a time on this worker (see rpcx.autograd.engine).
         self.grad_lock = threading.RLock()
-        # The pass running now: (thread id, context id, gradients owed to peers).
-        self.active_pass: tuple[int, int, Outbox] | None = None
+        # The pass running now (see rpcx.autograd.engine.run_pass).
+        self.active_pass: ActivePass | None = None
         # Every recv node hangs from this leaf, so that torch records the node at all.
         self.anchor = torch.empty(0, requires_grad=True)
 
@@ -329,22 +329,24 @@ class AutogradService:
         # torch runs CPU nodes on the thread that called backward, so a CPU gradient on
         # another thread comes from someone else's plain backward. CUDA nodes run on
         # torch's per-device threads: for those, a pass in progress is all we can check.
-        on_pass_thread = running is not None and running[0] == threading.get_ident()
+        on_pass_thread = running is not None and running.thread == threading.get_ident()
         if running is None or (not on_pass_thread and grad.device.type == "cpu"):
             raise RuntimeError(
                 f"a tensor received over RPC in distributed autograd context {context_id} "
                 f"is part of this graph; run rpcx.autograd.backward(context_id, roots) "
                 "instead of Tensor.backward() or torch.autograd.backward()"
             )
-        _, pass_context, outbox = running
-        if context_id != pass_context:
+        if context_id != running.context_id:
             # An edge recorded in another context: its gradient belongs to that
             # context's own backward pass, not to this one.
             log.debug("%s: gradient for context %d dropped in a pass of context %d",
-                      self.agent.name, context_id, pass_context)
+                      self.agent.name, context_id, running.context_id)
             return
         item = grad if source is None else Placed(grad, source)
-        outbox.setdefault(peer, []).append((tag, index, item))
+        running.outbox.setdefault(peer, []).append((tag, index, item))
+        running.recvs_left -= 1
+        if running.recvs_left == 0 and running.on_full is not None and on_pass_thread:
+            running.on_full(running.outbox)
 
     # A distributed backward pass runs in rounds, driven by the worker that called
     # backward(). In each round every worker holding gradients runs ONE local pass from
@@ -367,9 +369,9 @@ class AutogradService:
         self, context: AutogradContext, roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     ) -> None:
         """Run the distributed backward pass from ``roots``; return when it is done."""
-        frontier = self._sole_round(
-            context, functools.partial(self._advance, context, list(roots), list(grads))
-        )
+        frontier = self._sole_round(context, functools.partial(
+            self._advance, context, list(roots), list(grads), early=True
+        ))
         while frontier:
             if len(frontier) == 1:
                 (rank,) = frontier
@@ -407,7 +409,7 @@ class AutogradService:
     def _run_round(self, context: AutogradContext, rank: int, chain: Chain) -> set[int] | None:
         """Start a sole round on ``rank``: here, or with an ``AUTOGRAD_RUN``."""
         if rank == self.agent.rank:
-            return self._run_pending(context, chain)
+            return self._run_pending(context, chain, early=True)
         reply = wait(self._request_run(context, rank, chain))
         return None if reply is None else set(reply)
 
@@ -440,7 +442,9 @@ class AutogradService:
             target=context.id, describe_target=_describe_context,
         )
 
-    def _run_pending(self, context: AutogradContext, chain: Chain | None) -> set[int] | None:
+    def _run_pending(
+        self, context: AutogradContext, chain: Chain | None, early: bool = False
+    ) -> set[int] | None:
         """This worker's pass of a round: from every gradient delivered to it."""
         with context.lock:
             pending, context.pending = context.pending, {}
@@ -456,7 +460,7 @@ class AutogradService:
                 )
             tensors.append(sent[index])
             grads.append(grad)
-        return self._advance(context, tensors, grads, chain)
+        return self._advance(context, tensors, grads, chain, early)
 
     def _advance(
         self,
@@ -464,19 +468,39 @@ class AutogradService:
         tensors: list[torch.Tensor],
         grads: list[torch.Tensor],
         chain: Chain | None,
+        early: bool = False,
     ) -> set[int] | None:
         """One pass, then delivery; returns the ranks holding gradients for the next
-        round, or ``None`` when the pass forwarded a ``chain`` to another worker."""
-        found, rewritten, outbox = run_pass(self, context.id, tensors, grads, context.leaves())
+        round, or ``None`` when the pass forwarded a ``chain`` to another worker.
+
+        ``early``: this is the driver's own thread, which returns from ``backward()``
+        only after this pass: it may hand the chain on from inside the pass, as soon as
+        what the pass owes is known (see ``run_pass``'s ``on_full``). Elsewhere the
+        chain could end, and ``backward()`` return, before this worker's leaves have
+        their gradients.
+        """
+        handed: list[int] = []
+
+        def hand_on(outbox: Outbox) -> None:
+            if chain is not None and len(outbox) == 1 and self.agent.rank not in outbox:
+                ((peer, items),) = outbox.items()
+                self._forward(context, peer, list(items), chain)
+                handed.append(peer)
+
+        found, rewritten, outbox = run_pass(
+            self, context.id, tensors, grads, context.leaves(), hand_on if early else None
+        )
         self.passes += 1
         context.accumulate(found, rewritten)
+        if handed:
+            return None
         if not outbox:
             return set()
         if chain is not None and len(outbox) == 1:
             ((peer, items),) = outbox.items()
             if peer == self.agent.rank:  # the chain stays here
                 self._deliver_here(context, items)
-                return self._run_pending(context, chain)
+                return self._run_pending(context, chain, early)
             self._forward(context, peer, items, chain)
             return None
         futures = []

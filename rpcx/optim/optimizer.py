@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from rpcx import _context
+from rpcx._pool import holding
 from rpcx.api import rpc_async
 from rpcx.autograd.service import service as autograd_service
 from rpcx.futures import wait_all
@@ -38,7 +39,7 @@ class _LocalOptimizer:
         # worker's gradient lock serializes this with every other step on this worker
         # (other trainers' optimizers over the same parameters included) and keeps
         # backward passes, which also borrow .grad, out meanwhile.
-        with svc.grad_lock:
+        with holding(svc.grad_lock):
             saved = [p.grad for p in self.params]
             try:
                 for param in self.params:

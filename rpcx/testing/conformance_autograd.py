@@ -115,6 +115,21 @@ class TestDistAutograd:
             dist_autograd.backward(context_id, [y.sum()])
             assert _close(dist_autograd.get_gradients(context_id)[x], 4 * x.detach() ** 3)
 
+    def test_driver_hands_the_chain_on_before_its_own_pass_ends(self, rpc_world: World) -> None:
+        # The driver's pass ends with a wait (queued by a node, as DDP queues its wait
+        # for the all-reduce) that only worker1's pass can end. So the chain must leave
+        # as soon as what the pass owes is known, not when the pass ends, or the wait
+        # runs out and backward fails.
+        key = uuid.uuid4().hex
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        w = torch.tensor([3.0], requires_grad=True)
+        with dist_autograd.context() as context_id:
+            held = training.WaitAtEndOfPass.apply(w * 2.0, key, 60.0)  # type: ignore[no-untyped-call]
+            y = rpcx.rpc_sync(W1, training.set_event_in_backward, args=(x, W0, key))
+            dist_autograd.backward(context_id, [y.sum() + held.sum()])
+            grads = dist_autograd.get_gradients(context_id)
+        assert _close(grads[x], torch.ones(2)) and _close(grads[w], torch.full((1,), 2.0))
+
     def test_same_worker_reached_several_times(self, rpc_world: World) -> None:
         # worker1 sends x to worker2 twice and uses it itself: 2x * 3x + x.
         x = torch.tensor([0.5, 1.5], dtype=torch.float64, requires_grad=True)

@@ -126,6 +126,53 @@ class CrashInBackward(torch.autograd.Function):
         os._exit(3)
 
 
+class WaitAtEndOfPass(torch.autograd.Function):
+    """Identity forward; backward queues a callback that runs once the engine has run
+    every node, as DDP's wait for its all-reduce does. The callback waits (at most
+    ``timeout``) for :func:`remote.set_event` of ``key`` here and raises if it was not
+    set in time."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, key: str, timeout: float) -> torch.Tensor:
+        ctx.key, ctx.timeout = key, timeout
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        from rpcx.testing import remote
+
+        key, timeout = ctx.key, ctx.timeout
+
+        def wait() -> None:
+            if not remote.wait_for_event(key, timeout):
+                raise TimeoutError(f"event {key} not set within {timeout} s")
+
+        torch.autograd.Variable._execution_engine.queue_callback(wait)  # type: ignore[attr-defined]
+        return grad, None, None
+
+
+class SetEventInBackward(torch.autograd.Function):
+    """Identity forward; backward sets event ``key`` on ``worker`` with a call."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, worker: str, key: str) -> torch.Tensor:
+        ctx.worker, ctx.key = worker, key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        from rpcx.testing import remote
+
+        rpcx.rpc_sync(ctx.worker, remote.set_event, args=(ctx.key,), timeout=60)
+        return grad, None, None
+
+
+def set_event_in_backward(x: torch.Tensor, worker: str, key: str) -> torch.Tensor:
+    """``x`` through a node whose backward, here, sets event ``key`` on ``worker``."""
+    out: torch.Tensor = SetEventInBackward.apply(x * 1.0, worker, key)  # type: ignore[no-untyped-call]
+    return out
+
+
 def fail_in_backward_then_call(x: torch.Tensor, path: list[str], crash: bool = False
                                ) -> torch.Tensor:
     """Like :func:`square_then_call`, with a node here whose backward raises (or, with
