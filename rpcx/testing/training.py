@@ -147,7 +147,7 @@ class WaitAtEndOfPass(torch.autograd.Function):
             if not remote.wait_for_event(key, timeout):
                 raise TimeoutError(f"event {key} not set within {timeout} s")
 
-        torch.autograd.Variable._execution_engine.queue_callback(wait)  # type: ignore[attr-defined]
+        torch.autograd.Variable._execution_engine.queue_callback(wait)
         return grad, None, None
 
 
