@@ -360,26 +360,49 @@ class _Proxy:
         self._api = api
         self._timeout = timeout
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        rref, api, timeout = self._rref, self._api, self._timeout
+    def __getattr__(self, name: str) -> _ProxyMethod:
+        return _ProxyMethod(self._rref, self._api, self._timeout, name)
 
-        def invoke(*args: Any, **kwargs: Any) -> Any:
-            rref._check_usable(f"{api} proxy")
-            rref._raise_if_creation_failed()
-            agent = rref._agent
-            describe = _method_describer(name)
-            call_args = (rref._id, name, args, kwargs)
-            if api == "remote":
-                return create_remote(agent, rref._owner, _invoke_on_owner, call_args, {},
-                                     timeout, target=rref, describe_target=describe)
-            future = agent.request(
-                rref._owner, MessageKind.CALL, (_invoke_on_owner, call_args, {}),
-                timeout=agent.timeout_for(timeout), api=api, target=rref,
-                describe_target=describe,
-            )
-            return future.wait() if api == "rpc_sync" else future
 
-        return invoke
+class _ProxyMethod:
+    """``rref.rpc_sync().name``: calling it runs ``name`` on the owner's value.
+
+    An object rather than a closure so that it pickles: torch programs pass it as the
+    function of another call (the RPC tutorial's agent runs
+    ``rpc_async(ob_rref.owner(), ob_rref.rpc_sync().run_episode, args=...)``), and the
+    worker that receives it calls the owner from there, as torch's proxy does.
+    """
+
+    __slots__ = ("api", "name", "rref", "timeout")
+
+    def __init__(self, rref: RRef[Any], api: str, timeout: float, name: str) -> None:
+        self.rref = rref
+        self.api = api
+        self.timeout = timeout
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rref, api, timeout, name = self.rref, self.api, self.timeout, self.name
+        rref._check_usable(f"{api} proxy")
+        rref._raise_if_creation_failed()
+        agent = rref._agent
+        describe = _method_describer(name)
+        call_args = (rref._id, name, args, kwargs)
+        if api == "remote":
+            return create_remote(agent, rref._owner, _invoke_on_owner, call_args, {},
+                                 timeout, target=rref, describe_target=describe)
+        future = agent.request(
+            rref._owner, MessageKind.CALL, (_invoke_on_owner, call_args, {}),
+            timeout=agent.timeout_for(timeout), api=api, target=rref,
+            describe_target=describe,
+        )
+        return future.wait() if api == "rpc_sync" else future
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ProxyMethod, (self.rref, self.api, self.timeout, self.name))
+
+    def __repr__(self) -> str:
+        return f"<{self.api} proxy method {self.name!r} of {self.rref!r}>"
 
 
 def _method_describer(name: str) -> Callable[[Any], str]:

@@ -551,6 +551,20 @@ class TestRRef:
         with pytest.raises(KeyError, match="counter failure"):
             rref.rpc_sync().fail()
 
+    def test_proxy_methods_are_sent_as_functions(self, rpc_world: World) -> None:
+        # The RPC tutorial's agent starts each episode with
+        # rpc_async(ob_rref.owner(), ob_rref.rpc_sync().run_episode, args=(...)).
+        counter = rpcx.remote(W1, remote.Counter, args=(1,))
+        started = rpcx.rpc_async(counter.owner(), counter.rpc_sync().increment, args=(5,))
+        assert started.wait() == 6
+        # Run on a third worker, which calls the owner from there; every proxy kind.
+        assert rpcx.rpc_sync(W2, remote.call_with, args=(counter.rpc_sync().increment, 1)) == 7
+        assert rpcx.rpc_sync(W2, remote.call_and_wait, args=(counter.rpc_async().value,)) == 7
+        made = rpcx.rpc_sync(W2, remote.call_with, args=(counter.remote().value,))
+        assert made.to_here() == 7
+        method = counter.rpc_sync().value
+        assert "value" in repr(method) and "rpc_sync" in repr(method)
+
     def test_rref_passed_to_a_third_worker(self, rpc_world: World) -> None:
         rref = rpcx.remote(W1, remote.Counter, args=(3,))
         assert rpcx.rpc_sync(W2, remote.rref_info, args=(rref,)) == (W1, False)

@@ -378,6 +378,16 @@ def rref_info(rref: rpcx.RRef[Any]) -> tuple[str, bool]:
     return rref.owner_name(), rref.is_owner()
 
 
+def call_with(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on this worker (``fn`` came over the wire, a proxy method say)."""
+    return fn(*args)
+
+
+def call_and_wait(fn: Any, *args: Any) -> Any:
+    """``fn(*args).wait()`` on this worker: for callables that return a future."""
+    return fn(*args).wait()
+
+
 def rref_increment(rref: rpcx.RRef[Counter], by: int) -> int:
     """Increment a remote Counter from this worker through the proxy."""
     return int(rref.rpc_sync().increment(by))
