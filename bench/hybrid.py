@@ -1,4 +1,4 @@
-"""DDP + RPC hybrid training, timed per epoch: ``examples/ddp_rpc_hybrid.py`` as a benchmark.
+"""DDP + RPC hybrid training, timed per epoch: torch's tutorial program as a benchmark.
 
 torch's "Combining DDP with the Distributed RPC Framework" program on the CPU, with the
 example's structure: four workers, ``trainer0`` and ``trainer1`` (ranks 0 and 1), the

@@ -13,14 +13,14 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
-def _run(script: pathlib.Path, backend: str | None, timeout: float = 240) -> str:
+def _run(script: pathlib.Path, backend: str | None, *args: str, timeout: float = 240) -> str:
     env = dict(os.environ)
     env.pop("RPCX_BACKEND", None)
     if backend is not None:
         env["RPCX_BACKEND"] = backend
     out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
-        env=env, cwd=script.parent,
+        [sys.executable, str(script), *args], capture_output=True, text=True,
+        timeout=timeout, env=env, cwd=script.parent,
     )
     assert out.returncode == 0, f"{script.name} failed:\n{out.stdout}\n{out.stderr}"
     return out.stdout
@@ -87,9 +87,33 @@ def test_torch_program_runs_with_only_its_imports_changed(
     assert "observer rewards: [45.0, 60.0]; agent total: 105.0" in out
 
 
-def test_ddp_rpc_hybrid(rpcx_backend: str) -> None:
-    out = _run(EXAMPLES / "ddp_rpc_hybrid.py", rpcx_backend)
+def _check_ddp_rpc(out: str, epochs: int) -> None:
     assert "DDP weights identical on both trainers: True" in out, out
+    assert "loss fell on both trainers: True" in out, out
     for trainer in ("trainer0", "trainer1"):
-        assert f"{trainer}: epoch 2 done" in out, out
+        assert re.search(rf"{trainer}: epoch {epochs}/{epochs}  loss \d+\.\d+  \d+\.\d ms",
+                         out), out
+
+
+def test_ddp_rpc(rpcx_backend: str) -> None:
+    out = _run(EXAMPLES / "ddp_rpc" / "main.py", rpcx_backend, "--epochs", "2", "--batches", "5")
+    assert f"DDP + RPC on the {rpcx_backend!r} backend: 2 epochs of 5 batches" in out, out
+    _check_ddp_rpc(out, 2)
     assert out.rstrip().endswith("done")
+
+
+def test_ddp_rpc_under_torchrun(rpcx_backend: str) -> None:
+    from rpcx.registry import resolve_backend
+
+    if resolve_backend(rpcx_backend).capabilities.in_process:
+        pytest.skip("torchrun starts processes")
+    script = EXAMPLES / "ddp_rpc" / "main.py"
+    env = {k: v for k, v in os.environ.items() if k != "RPCX_BACKEND"}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+         "--standalone", str(script), "--backend", rpcx_backend,
+         "--epochs", "2", "--batches", "5"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=script.parent,
+    )
+    assert out.returncode == 0, f"torchrun failed:\n{out.stdout}\n{out.stderr}"
+    _check_ddp_rpc(out.stdout, 2)

@@ -1,0 +1,225 @@
+"""DDP + RPC: a sparse embedding on a parameter server, a dense layer replicated by DDP.
+
+Four workers, each with one job:
+
+- ``trainer0`` and ``trainer1`` (ranks 0 and 1) each hold a copy of a dense
+  ``Linear`` layer wrapped in ``DistributedDataParallel`` over a gloo group of the two
+  trainers, look embeddings up on the parameter server, and train with
+  ``rpcx.autograd`` and a ``DistributedOptimizer`` that steps the remote embedding and
+  the local layer together;
+- ``master`` (rank 2) creates the embedding on the parameter server as a
+  ``RemoteModule``, starts both trainers and checks their results;
+- ``ps`` (rank 3) holds the ``EmbeddingBag`` and only serves calls.
+
+The data is synthetic and learnable: each bag holds indices of one class (index modulo
+the number of classes) and is labelled with it, so the loss falls epoch by epoch. Each
+trainer draws its batches from its own ``torch.Generator``, never from torch's global
+one, so the numbers are the same on every backend, also on loopback, where all workers
+are threads of one process and share the global generator.
+
+Run it::
+
+    python examples/ddp_rpc/main.py                     # default backend, rpcx.spawn
+    python examples/ddp_rpc/main.py --backend loopback --epochs 3
+    torchrun --nproc-per-node 4 examples/ddp_rpc/main.py --backend gloo
+
+It prints each trainer's loss and time per epoch and exits with status 0 only if the
+loss fell and both trainers ended with identical dense weights (DDP kept them in step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import rpcx
+import rpcx.autograd as dist_autograd
+from rpcx.nn import RemoteModule
+from rpcx.optim import DistributedOptimizer
+from rpcx.registry import resolve_backend
+
+WORLD_SIZE = 4
+TRAINERS = (0, 1)
+MASTER, PS = 2, 3
+NUM_EMBEDDINGS, EMBEDDING_DIM, CLASSES = 96, 16, 8
+LEARNING_RATE = 0.05
+
+
+class SeededEmbeddingBag(nn.EmbeddingBag):
+    """An ``EmbeddingBag`` whose initial weights come from its own generator."""
+
+    def __init__(self, num_embeddings: int, dim: int, seed: int) -> None:
+        super().__init__(num_embeddings, dim, mode="sum")
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(num_embeddings, dim, generator=generator))
+
+
+class HybridModel(nn.Module):
+    """The sparse part on the parameter server, the dense part here under DDP."""
+
+    def __init__(self, embedding: RemoteModule, group: Any, seed: int) -> None:
+        super().__init__()
+        self.embedding = embedding
+        dense = nn.Linear(EMBEDDING_DIM, CLASSES)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            dense.weight.copy_(torch.randn(CLASSES, EMBEDDING_DIM, generator=generator) * 0.1)
+            dense.bias.zero_()
+        # DDP broadcasts trainer0's weights at construction: both start equal.
+        self.fc = DDP(dense, process_group=group)
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc(self.embedding.forward(indices, offsets))
+        return out
+
+
+def batches(
+    generator: torch.Generator, count: int, bags: int = 16
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``count`` batches of ``bags`` bags; a bag holds 2-9 indices of one class."""
+    out = []
+    for _ in range(count):
+        labels = torch.randint(0, CLASSES, (bags,), generator=generator)
+        sizes = torch.randint(2, 10, (bags,), generator=generator)
+        indices = [
+            label + CLASSES * torch.randint(0, NUM_EMBEDDINGS // CLASSES, (int(size),),
+                                            generator=generator)
+            for label, size in zip(labels, sizes, strict=True)
+        ]
+        offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), sizes[:-1]]), 0)
+        out.append((torch.cat(indices), offsets, labels))
+    return out
+
+
+def run_trainer(
+    rank: int, embedding: RemoteModule, epochs: int, per_epoch: int, store_path: str | None
+) -> dict[str, Any]:
+    """Train for ``epochs``; returns the loss and seconds of each epoch and the weights."""
+    model = HybridModel(embedding, _trainer_group(rank, store_path), seed=1234)
+    # The remote part's parameters as RRefs from its owner, the local ones wrapped here
+    # (a RemoteModule holds no parameters itself: model.parameters() would refuse).
+    params = embedding.remote_parameters() + [rpcx.RRef(p) for p in model.fc.parameters()]
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=LEARNING_RATE)
+    criterion = nn.CrossEntropyLoss()
+    generator = torch.Generator().manual_seed(rank)  # this trainer's data, on any backend
+    losses, seconds = [], []
+    for epoch in range(epochs):
+        started, total = time.perf_counter(), 0.0
+        for indices, offsets, labels in batches(generator, per_epoch):
+            with dist_autograd.context() as context_id:
+                loss = criterion(model(indices, offsets), labels)
+                dist_autograd.backward(context_id, [loss])
+                optimizer.step(context_id)
+            total += loss.item()
+        losses.append(total / per_epoch)
+        seconds.append(time.perf_counter() - started)
+        print(f"trainer{rank}: epoch {epoch + 1}/{epochs}  loss {losses[-1]:.4f}  "
+              f"{seconds[-1] * 1e3:.1f} ms", flush=True)
+    return {"losses": losses, "seconds": seconds,
+            "weight": model.fc.module.weight.detach().clone()}
+
+
+def run_master(epochs: int, per_epoch: int, store_path: str | None) -> bool:
+    """Create the embedding, run both trainers, check what they did."""
+    embedding = RemoteModule("ps/cpu", SeededEmbeddingBag,
+                             args=(NUM_EMBEDDINGS, EMBEDDING_DIM, 42))
+    futures = [rpcx.rpc_async(f"trainer{r}", run_trainer,
+                              args=(r, embedding, epochs, per_epoch, store_path))
+               for r in TRAINERS]
+    results = [future.wait() for future in futures]
+    identical = torch.equal(results[0]["weight"], results[1]["weight"])
+    fell = all(r["losses"][-1] < r["losses"][0] for r in results)
+    falls = ", ".join(f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}" for r in results)
+    print(f"DDP weights identical on both trainers: {identical}")
+    print(f"loss fell on both trainers: {fell} ({falls})")
+    return identical and fell
+
+
+def _trainer_group(rank: int, store_path: str | None) -> Any:
+    """The trainers' gloo group for DDP."""
+    if store_path is None:
+        return _DDP_GROUP  # made by every process right after init_process_group
+    # Loopback: the workers are threads of one process, which has one default group, so
+    # the two trainers build theirs directly.
+    store = dist.FileStore(store_path, len(TRAINERS))
+    group = dist.ProcessGroup(store, rank, len(TRAINERS))
+    backend = dist.ProcessGroupGloo(store, rank, len(TRAINERS))
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+_DDP_GROUP: Any = None
+
+
+def run_worker(rank: int, args: argparse.Namespace, rendezvous: str | None) -> None:
+    """One worker: join the world, do this rank's job, leave.
+
+    The master's verdict goes to ``<rendezvous>/passed`` (spawned workers) or to its
+    exit status (torchrun)."""
+    global _DDP_GROUP
+    in_process = resolve_backend(args.backend).capabilities.in_process
+    if rendezvous is None:  # torchrun: everything through env://
+        rpc_init, ddp_init = "env://", "env://"
+    else:
+        rpc_init = f"file://{os.path.join(rendezvous, 'rpc')}"
+        ddp_init = f"file://{os.path.join(rendezvous, 'ddp')}"
+    store_path = os.path.join(rendezvous, "trainers") if in_process and rendezvous else None
+    if not in_process:
+        # One gloo group of all four processes (a collective: everyone makes the
+        # trainers' subgroup); DDP uses the subgroup.
+        dist.init_process_group("gloo", init_method=ddp_init, rank=rank,
+                                world_size=WORLD_SIZE)
+        _DDP_GROUP = dist.new_group(list(TRAINERS))
+    name = {MASTER: "master", PS: "ps"}.get(rank, f"trainer{rank}")
+    options = rpcx.TensorPipeRpcBackendOptions(init_method=rpc_init, rpc_timeout=120)
+    rpcx.init_rpc(name, rank=rank, world_size=WORLD_SIZE, backend=args.backend,
+                  rpc_backend_options=options)
+    passed = True
+    if rank == MASTER:
+        backend = args.backend or os.environ.get("RPCX_BACKEND") or rpcx.DEFAULT_BACKEND
+        print(f"DDP + RPC on the {backend!r} backend: {args.epochs} epochs of "
+              f"{args.batches} batches", flush=True)
+        passed = run_master(args.epochs, args.batches, store_path)
+        if rendezvous is not None:
+            with open(os.path.join(rendezvous, "passed"), "w") as verdict:
+                verdict.write(str(passed))
+    rpcx.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if not passed:
+        sys.exit(1)  # torchrun: the launcher reports it
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default=None,
+                        help="rpcx backend (default: $RPCX_BACKEND, else rpcx's default)")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=10, help="batches per epoch")
+    args = parser.parse_args()
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        if int(os.environ["WORLD_SIZE"]) != WORLD_SIZE:
+            parser.error(f"needs {WORLD_SIZE} processes: torchrun --nproc-per-node {WORLD_SIZE}")
+        run_worker(int(os.environ["RANK"]), args, None)
+        return
+    with tempfile.TemporaryDirectory() as rendezvous:
+        rpcx.spawn(run_worker, args=(args, rendezvous), nprocs=WORLD_SIZE, backend=args.backend)
+        with open(os.path.join(rendezvous, "passed")) as verdict:
+            passed = verdict.read() == "True"
+    print("done" if passed else "FAILED")
+    sys.exit(0 if passed else 1)
+
+
+if __name__ == "__main__":
+    main()
