@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rpcx._pool import holding
 from rpcx.agent import Deferred, RpcAgent
 from rpcx.autograd.engine import ActivePass, Outbox, make_recv, run_pass
 from rpcx.errors import PeerLostError, RemoteErrorInfo, RpcError, RpcTimeoutError
@@ -487,11 +488,16 @@ class AutogradService:
                 self._forward(context, peer, list(items), chain)
                 handed.append(peer)
 
-        found, rewritten, outbox = run_pass(
-            self, context.id, tensors, grads, context.leaves(), hand_on if early else None
-        )
-        self.passes += 1
-        context.accumulate(found, rewritten)
+        # The context's leaves, the pass and the accumulation are one step under the
+        # gradient lock: a later pass of this context on another thread (a chain handed
+        # on early that comes back here) must see this pass's leaves among the earlier
+        # ones, or it would miss gradients DDP rewrites in it.
+        with holding(self.grad_lock):
+            found, rewritten, outbox = run_pass(
+                self, context.id, tensors, grads, context.leaves(), hand_on if early else None
+            )
+            self.passes += 1
+            context.accumulate(found, rewritten)
         if handed:
             return None
         if not outbox:
