@@ -34,6 +34,7 @@ from rpcx.errors import (
     UnknownWorkerError,
 )
 from rpcx.futures import RpcFuture
+from rpcx.launcher import LaunchedWorker, launch, under_torchrun
 from rpcx.options import (
     DEFAULT_INIT_METHOD,
     DEFAULT_NUM_WORKER_THREADS,
@@ -57,6 +58,7 @@ __all__ = [
     "BackendNotFoundError",
     "BackendType",
     "InvalidWorkerNameError",
+    "LaunchedWorker",
     "PeerLostError",
     "RRef",
     "RemoteException",
@@ -83,6 +85,7 @@ __all__ = [
     "get_worker_infos",
     "init_rpc",
     "is_available",
+    "launch",
     "nn",
     "optim",
     "remote",
@@ -90,4 +93,5 @@ __all__ = [
     "rpc_sync",
     "shutdown",
     "spawn",
+    "under_torchrun",
 ]

@@ -2,14 +2,14 @@
 
 Four workers, each with one job:
 
-- ``trainer0`` and ``trainer1`` (ranks 0 and 1) each hold a copy of a dense
+- ``master`` (rank 0) creates the embedding on the parameter server as a
+  ``RemoteModule``, starts both trainers and checks their results;
+- ``ps`` (rank 1) holds the ``EmbeddingBag`` and only serves calls;
+- ``trainer0`` and ``trainer1`` (ranks 2 and 3) each hold a copy of a dense
   ``Linear`` layer wrapped in ``DistributedDataParallel`` over a gloo group of the two
   trainers, look embeddings up on the parameter server, and train with
   ``rpcx.autograd`` and a ``DistributedOptimizer`` that steps the remote embedding and
   the local layer together;
-- ``master`` (rank 2) creates the embedding on the parameter server as a
-  ``RemoteModule``, starts both trainers and checks their results;
-- ``ps`` (rank 3) holds the ``EmbeddingBag`` and only serves calls.
 
 The data is synthetic and learnable: each bag holds indices of one class (index modulo
 the number of classes) and is labelled with it, so the loss falls epoch by epoch. Each
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -48,8 +47,8 @@ from rpcx.optim import DistributedOptimizer
 from rpcx.registry import resolve_backend
 
 WORLD_SIZE = 4
-TRAINERS = (0, 1)
-MASTER, PS = 2, 3
+MASTER, PS = 0, 1  # rank 0's result is what rpcx.launch returns: the master's verdict
+TRAINERS = (2, 3)  # trainer0, trainer1
 NUM_EMBEDDINGS, EMBEDDING_DIM, CLASSES = 96, 16, 8
 LEARNING_RATE = 0.05
 
@@ -102,16 +101,16 @@ def batches(
 
 
 def run_trainer(
-    rank: int, embedding: RemoteModule, epochs: int, per_epoch: int, store_path: str | None
+    index: int, embedding: RemoteModule, epochs: int, per_epoch: int, store_path: str | None
 ) -> dict[str, Any]:
     """Train for ``epochs``; returns the loss and seconds of each epoch and the weights."""
-    model = HybridModel(embedding, _trainer_group(rank, store_path), seed=1234)
+    model = HybridModel(embedding, _trainer_group(index, store_path), seed=1234)
     # The remote part's parameters as RRefs from its owner, the local ones wrapped here
     # (a RemoteModule holds no parameters itself: model.parameters() would refuse).
     params = embedding.remote_parameters() + [rpcx.RRef(p) for p in model.fc.parameters()]
     optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=LEARNING_RATE)
     criterion = nn.CrossEntropyLoss()
-    generator = torch.Generator().manual_seed(rank)  # this trainer's data, on any backend
+    generator = torch.Generator().manual_seed(index)  # this trainer's data, on any backend
     losses, seconds = [], []
     for epoch in range(epochs):
         started, total = time.perf_counter(), 0.0
@@ -123,7 +122,7 @@ def run_trainer(
             total += loss.item()
         losses.append(total / per_epoch)
         seconds.append(time.perf_counter() - started)
-        print(f"trainer{rank}: epoch {epoch + 1}/{epochs}  loss {losses[-1]:.4f}  "
+        print(f"trainer{index}: epoch {epoch + 1}/{epochs}  loss {losses[-1]:.4f}  "
               f"{seconds[-1] * 1e3:.1f} ms", flush=True)
     return {"losses": losses, "seconds": seconds,
             "weight": model.fc.module.weight.detach().clone()}
@@ -133,9 +132,9 @@ def run_master(epochs: int, per_epoch: int, store_path: str | None) -> bool:
     """Create the embedding, run both trainers, check what they did."""
     embedding = RemoteModule("ps/cpu", SeededEmbeddingBag,
                              args=(NUM_EMBEDDINGS, EMBEDDING_DIM, 42))
-    futures = [rpcx.rpc_async(f"trainer{r}", run_trainer,
-                              args=(r, embedding, epochs, per_epoch, store_path))
-               for r in TRAINERS]
+    futures = [rpcx.rpc_async(f"trainer{i}", run_trainer,
+                              args=(i, embedding, epochs, per_epoch, store_path))
+               for i in range(len(TRAINERS))]
     results = [future.wait() for future in futures]
     identical = torch.equal(results[0]["weight"], results[1]["weight"])
     fell = all(r["losses"][-1] < r["losses"][0] for r in results)
@@ -145,15 +144,15 @@ def run_master(epochs: int, per_epoch: int, store_path: str | None) -> bool:
     return identical and fell
 
 
-def _trainer_group(rank: int, store_path: str | None) -> Any:
+def _trainer_group(index: int, store_path: str | None) -> Any:
     """The trainers' gloo group for DDP."""
     if store_path is None:
         return _DDP_GROUP  # made by every process right after init_process_group
     # Loopback: the workers are threads of one process, which has one default group, so
     # the two trainers build theirs directly.
     store = dist.FileStore(store_path, len(TRAINERS))
-    group = dist.ProcessGroup(store, rank, len(TRAINERS))
-    backend = dist.ProcessGroupGloo(store, rank, len(TRAINERS))
+    group = dist.ProcessGroup(store, index, len(TRAINERS))
+    backend = dist.ProcessGroupGloo(store, index, len(TRAINERS))
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     return group
@@ -162,27 +161,26 @@ def _trainer_group(rank: int, store_path: str | None) -> Any:
 _DDP_GROUP: Any = None
 
 
-def run_worker(rank: int, args: argparse.Namespace, rendezvous: str | None) -> None:
-    """One worker: join the world, do this rank's job, leave.
-
-    The master's verdict goes to ``<rendezvous>/passed`` (spawned workers) or to its
-    exit status (torchrun)."""
+def run_worker(worker: rpcx.LaunchedWorker, args: argparse.Namespace) -> bool:
+    """One worker: join the world, do this rank's job, leave; False if a check failed."""
     global _DDP_GROUP
+    rank = worker.rank
     in_process = resolve_backend(args.backend).capabilities.in_process
-    if rendezvous is None:  # torchrun: everything through env://
-        rpc_init, ddp_init = "env://", "env://"
+    store_path = None
+    if in_process:  # (loopback never runs under torchrun: rendezvous is a directory)
+        assert worker.rendezvous is not None
+        store_path = os.path.join(worker.rendezvous, "trainers")
     else:
-        rpc_init = f"file://{os.path.join(rendezvous, 'rpc')}"
-        ddp_init = f"file://{os.path.join(rendezvous, 'ddp')}"
-    store_path = os.path.join(rendezvous, "trainers") if in_process and rendezvous else None
-    if not in_process:
         # One gloo group of all four processes (a collective: everyone makes the
         # trainers' subgroup); DDP uses the subgroup.
-        dist.init_process_group("gloo", init_method=ddp_init, rank=rank,
+        dist.init_process_group("gloo", init_method=worker.init_method("ddp"), rank=rank,
                                 world_size=WORLD_SIZE)
         _DDP_GROUP = dist.new_group(list(TRAINERS))
-    name = {MASTER: "master", PS: "ps"}.get(rank, f"trainer{rank}")
-    options = rpcx.TensorPipeRpcBackendOptions(init_method=rpc_init, rpc_timeout=120)
+    if rank in TRAINERS:
+        name = f"trainer{TRAINERS.index(rank)}"
+    else:
+        name = "master" if rank == MASTER else "ps"
+    options = rpcx.TensorPipeRpcBackendOptions(init_method=worker.init_method(), rpc_timeout=120)
     rpcx.init_rpc(name, rank=rank, world_size=WORLD_SIZE, backend=args.backend,
                   rpc_backend_options=options)
     passed = True
@@ -191,14 +189,10 @@ def run_worker(rank: int, args: argparse.Namespace, rendezvous: str | None) -> N
         print(f"DDP + RPC on the {backend!r} backend: {args.epochs} epochs of "
               f"{args.batches} batches", flush=True)
         passed = run_master(args.epochs, args.batches, store_path)
-        if rendezvous is not None:
-            with open(os.path.join(rendezvous, "passed"), "w") as verdict:
-                verdict.write(str(passed))
     rpcx.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
-    if not passed:
-        sys.exit(1)  # torchrun: the launcher reports it
+    return passed
 
 
 def main() -> None:
@@ -208,16 +202,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batches", type=int, default=10, help="batches per epoch")
     args = parser.parse_args()
-    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
-        if int(os.environ["WORLD_SIZE"]) != WORLD_SIZE:
-            parser.error(f"needs {WORLD_SIZE} processes: torchrun --nproc-per-node {WORLD_SIZE}")
-        run_worker(int(os.environ["RANK"]), args, None)
-        return
-    with tempfile.TemporaryDirectory() as rendezvous:
-        rpcx.spawn(run_worker, args=(args, rendezvous), nprocs=WORLD_SIZE, backend=args.backend)
-        with open(os.path.join(rendezvous, "passed")) as verdict:
-            passed = verdict.read() == "True"
-    print("done" if passed else "FAILED")
+    # rpcx.spawn starts the four workers, or torchrun did: see rpcx.launch. Every
+    # process's verdict decides its exit status (only the master's can be False).
+    passed = rpcx.launch(run_worker, args=(args,), nprocs=WORLD_SIZE, backend=args.backend)
+    if not rpcx.under_torchrun():
+        print("done" if passed else "FAILED")
     sys.exit(0 if passed else 1)
 
 
