@@ -72,6 +72,7 @@ def examples(session: nox.Session, backend: str) -> None:
     for script in ("examples/demo.py", "examples/torch_style.py"):
         session.run("python", script, env={"RPCX_BACKEND": backend})
     session.run("python", "examples/ddp_rpc/main.py", "--backend", backend, "--epochs", "2")
+    session.run("python", "examples/rl/main.py", "--backend", backend, "--target", "60")
 
 
 @nox.session(python=PYTHON)

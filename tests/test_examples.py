@@ -102,6 +102,16 @@ def test_ddp_rpc(rpcx_backend: str) -> None:
     assert out.rstrip().endswith("done")
 
 
+def test_rl(rpcx_backend: str) -> None:
+    out = _run(EXAMPLES / "rl" / "main.py", rpcx_backend, "--target", "40", "--episodes", "300",
+               "--log-every", "5")
+    assert f"1 agent and 2 observers on the {rpcx_backend!r} backend" in out, out
+    assert re.search(r"episode +5  rewards \[\d+, \d+\]  running +\d+\.\d\d  ", out), out
+    solved = re.search(r"solved: running reward (\S+) > 40\.0 after (\d+) episodes", out)
+    assert solved and float(solved.group(1)) > 40.0, out
+    assert out.rstrip().endswith("done")
+
+
 def test_ddp_rpc_under_torchrun(rpcx_backend: str) -> None:
     from rpcx.registry import resolve_backend
 

@@ -8,7 +8,7 @@ can run side by side), runs it on the session's backend and checks what it print
 The RL tutorial needs numpy and gym: numpy is the program's own dependency (the
 tensorpipe session runs this module again after reinstalling it), and gym is the
 stand-in ``tests/seed_programs/gym`` with gym's old API, which the program was written
-for.
+for, over the RL example's CartPole.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from rpcx.registry import resolve_backend
 pytest.importorskip("numpy", reason="the seed programs import numpy themselves")
 
 SEEDS = pathlib.Path(__file__).resolve().parent / "seed_programs"
+# The gym stand-in's CartPole is the RL example's.
+CARTPOLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "rl"
 RUN_TIMEOUT = 300.0
 
 
@@ -51,7 +53,7 @@ def _run(source: str, tmp_path: pathlib.Path, backend: str | None, *args: str,
     script.write_text(source.replace("'29500'", f"'{_free_port()}'"))
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(SEEDS), *filter(None, [os.environ.get("PYTHONPATH")])]
+        [str(SEEDS), str(CARTPOLE), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
     full_env.pop("RPCX_BACKEND", None)
     if backend is not None:
