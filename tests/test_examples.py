@@ -129,6 +129,16 @@ def test_rnn(rpcx_backend: str) -> None:
         assert losses == pytest.approx(_rnn_losses("loopback"), rel=1e-3)
 
 
+def test_parameter_server(rpcx_backend: str) -> None:
+    out = _run(EXAMPLES / "parameter_server" / "main.py", rpcx_backend, "--epochs", "3")
+    for trainer in ("trainer1", "trainer2"):
+        assert re.search(rf"{trainer}: epoch 3/3  loss \d+\.\d+  \d+\.\d+ ms/batch", out), out
+    found = re.search(r"120 forward passes from 2 trainers; loss fell on every trainer: True; "
+                      r"held-out accuracy (\S+) \(target 0\.9\)", out)
+    assert found and float(found.group(1)) >= 0.9, out
+    assert out.rstrip().endswith("done")
+
+
 def test_ddp_rpc_under_torchrun(rpcx_backend: str) -> None:
     from rpcx.registry import resolve_backend
 
