@@ -75,6 +75,7 @@ def examples(session: nox.Session, backend: str) -> None:
     session.run("python", "examples/rl/main.py", "--backend", backend, "--target", "60")
     session.run("python", "examples/rnn/main.py", "--backend", backend, "--epochs", "3")
     session.run("python", "examples/parameter_server/main.py", "--backend", backend)
+    session.run("python", "examples/batch_rpc/main.py", "--backend", backend)
 
 
 @nox.session(python=PYTHON)

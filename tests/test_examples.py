@@ -139,6 +139,15 @@ def test_parameter_server(rpcx_backend: str) -> None:
     assert out.rstrip().endswith("done")
 
 
+def test_batch_rpc(rpcx_backend: str) -> None:
+    out = _run(EXAMPLES / "batch_rpc" / "main.py", rpcx_backend, "--rounds", "40")
+    for trainer in ("trainer1", "trainer2", "trainer3"):
+        assert re.search(rf"{trainer}: round 40/40  loss \d+\.\d+  \d+\.\d+ ms/round", out), out
+    assert re.search(r"40 server steps for 40 rounds of 3 trainers \(first losses .*\); "
+                     r"held-out MSE \S+, noise variance 0\.01000: fits: True", out), out
+    assert out.rstrip().endswith("done")
+
+
 def test_ddp_rpc_under_torchrun(rpcx_backend: str) -> None:
     from rpcx.registry import resolve_backend
 
