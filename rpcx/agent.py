@@ -693,6 +693,11 @@ class RpcAgent:
         """Whether worker ``rank`` is known to be gone (died, or left the world)."""
         return self._pending.lost_reason(rank) is not None
 
+    def lost_error(self, rank: int, call: str) -> PeerLostError:
+        """The error of ``call`` to worker ``rank``, known gone: worded as every call's."""
+        why = self._pending.lost_reason(rank) or f"worker {self.workers[rank].name!r} is gone"
+        return PeerLostError(f"{call} to worker {self.workers[rank].name!r} failed: {why}")
+
     def wait_lost(self, rank: int, timeout: float | None) -> bool:
         """Wait until worker ``rank`` is known gone and this worker has reacted to it
         (its pending calls failed, the services' hooks run); False after ``timeout``."""

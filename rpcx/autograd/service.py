@@ -223,16 +223,16 @@ class AutogradService:
         with self._lock:
             orphans = [c for c in self._contexts if c >> _RANK_SHIFT == rank]
             contexts = list(self._contexts.values())
-        name = self.agent.workers[rank].name
         for context in contexts:
             with context.lock:
                 lost = [(d, t) for (peer, d, t) in context.forwarded if peer == rank]
                 context.forwarded.difference_update((rank, d, t) for d, t in lost)
             for chain in lost:
+                lost_error = self.agent.lost_error(
+                    rank, f"dist_autograd.backward(context {context.id})"
+                )
                 self._end_chain(chain, None, PeerLostError(
-                    f"dist_autograd.backward(context {context.id}): worker {name!r} "
-                    f"(rank {rank}) was lost after worker {self.agent.name!r} sent it "
-                    "gradients; the backward pass cannot finish"
+                    f"{lost_error}; worker {self.agent.name!r} had sent it the chain of passes"
                 ))
         for context_id in orphans:
             futures = self.release(context_id, notify_except=rank)
@@ -536,11 +536,7 @@ class AutogradService:
     def _forward(self, context: AutogradContext, peer: int, items: list[Any], chain: Chain) -> None:
         """Hand the chain to ``peer`` with the gradients it is owed (one way)."""
         if self.agent.is_lost(peer):
-            raise PeerLostError(
-                f"dist_autograd.backward(context {context.id}): worker "
-                f"{self.agent.workers[peer].name!r} (rank {peer}) is gone; it was owed "
-                f"gradients by worker {self.agent.name!r}"
-            )
+            raise self.agent.lost_error(peer, f"dist_autograd.backward(context {context.id})")
         with context.lock:
             # If that peer is lost while the chain is there, the driver hears it from
             # here (on_peer_lost), not only when its timeout runs out.
