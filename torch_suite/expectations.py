@@ -91,11 +91,11 @@ KNOWN: dict[str, Known] = {
         "timeout message is not rpcx's)"),
     "RpcTest.test_wait_all": Known(
         PRIVATE, "torch's rpc.api._wait_all(), which collects futures that torch's own "
-        "rpc_async registers in a thread-local (on tensorpipe rpcx sends through torch's "
-        "rpc_async from the caller's thread, so torch's _wait_all finds that future and "
-        "the test passes: it then tests torch's agent)",
-        NOT_TENSORPIPE,
-    ),
+        "rpc_async registers in a thread-local. On gloo there are none. On tensorpipe rpcx "
+        "sends through torch's rpc_async from the caller's thread, so _wait_all finds and "
+        "waits for torch's transport-level future. rpcx's own future completes a moment "
+        "later, once rpcx has decoded the reply, and the test's fut.done() right after "
+        "_wait_all sees it not done yet"),
     **_each(
         """RpcTest.test_wait_all_multiple_call
         RpcTest.test_wait_all_raise_in_user_func
