@@ -38,8 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rpcx._pool import holding
-
 if TYPE_CHECKING:
     from rpcx.autograd.service import AutogradService
 
@@ -179,33 +177,35 @@ def run_pass(
     node the pass can reach has given its gradient: the driver of a backward pass hands
     a chain on from there, so its peers work while its own engine still runs the rest
     (DDP's all-reduce, say). It never runs if a reachable recv node gives no gradient.
+
+    The caller holds ``service.grad_lock`` (taken with ``rpcx._pool.holding``), for the
+    pass and for what it does with the result.
     """
-    with holding(service.grad_lock):  # (a request served inline hands its lane on)
-        found_leaves, recvs = _explore(tensors)
-        leaves = [leaf for leaf in found_leaves if leaf is not service.anchor]
-        if earlier:
-            reached = {id(leaf) for leaf in leaves}
-            others = [leaf for leaf in earlier if id(leaf) not in reached]
-        else:
-            others = []
-        saved = [leaf.grad for leaf in leaves]
-        saved_others = [leaf.grad for leaf in others]
-        for leaf in leaves:
-            leaf.grad = None
-        for leaf in others:
-            leaf.grad = None
-        outbox: Outbox = {}
-        # (CPU nodes run on this thread, CUDA nodes on torch's device threads; recv
-        # nodes check what they can, see AutogradService.collect.)
-        service.active_pass = ActivePass(
-            threading.get_ident(), context_id, outbox, recvs, on_full
-        )
-        try:
-            torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
-        finally:
-            service.active_pass = None
-            found = _take_grads(leaves, saved)
-            rewritten = _take_grads(others, saved_others)
+    found_leaves, recvs = _explore(tensors)
+    leaves = [leaf for leaf in found_leaves if leaf is not service.anchor]
+    if earlier:
+        reached = {id(leaf) for leaf in leaves}
+        others = [leaf for leaf in earlier if id(leaf) not in reached]
+    else:
+        others = []
+    saved = [leaf.grad for leaf in leaves]
+    saved_others = [leaf.grad for leaf in others]
+    for leaf in leaves:
+        leaf.grad = None
+    for leaf in others:
+        leaf.grad = None
+    outbox: Outbox = {}
+    # (CPU nodes run on this thread, CUDA nodes on torch's device threads; recv
+    # nodes check what they can, see AutogradService.collect.)
+    service.active_pass = ActivePass(
+        threading.get_ident(), context_id, outbox, recvs, on_full
+    )
+    try:
+        torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
+    finally:
+        service.active_pass = None
+        found = _take_grads(leaves, saved)
+        rewritten = _take_grads(others, saved_others)
     return found, rewritten, outbox
 
 

@@ -17,7 +17,7 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -481,12 +481,13 @@ class AutogradService:
         their gradients.
         """
         handed: list[int] = []
-
-        def hand_on(outbox: Outbox) -> None:
-            if chain is not None and len(outbox) == 1 and self.agent.rank not in outbox:
-                ((peer, items),) = outbox.items()
-                self._forward(context, peer, list(items), chain)
-                handed.append(peer)
+        on_full = None
+        if early and chain is not None:
+            def on_full(outbox: Outbox) -> None:
+                if len(outbox) == 1 and self.agent.rank not in outbox:
+                    ((peer, items),) = outbox.items()
+                    self._forward(context, peer, list(items), chain)
+                    handed.append(peer)
 
         # The context's leaves, the pass and the accumulation are one step under the
         # gradient lock: a later pass of this context on another thread (a chain handed
@@ -494,7 +495,7 @@ class AutogradService:
         # ones, or it would miss gradients DDP rewrites in it.
         with holding(self.grad_lock):
             found, rewritten, outbox = run_pass(
-                self, context.id, tensors, grads, context.leaves(), hand_on if early else None
+                self, context.id, tensors, grads, context.leaves(), on_full
             )
             self.passes += 1
             context.accumulate(found, rewritten)
@@ -551,17 +552,28 @@ class AutogradService:
         """Tell the driver of ``chain`` that it ended here: the next round, or why not."""
         driver, token = chain
         if driver == self.agent.rank:
-            with self._lock:
-                _, done = self._chains.get(token, (0, None))
-            if done is not None and not done.done():
-                if error is None:
-                    done.set_result(sorted(frontier or ()))
-                else:
-                    done.set_exception(error)  # type: ignore[arg-type]
+            self._settle_chain(token, frontier, lambda _: error)
             return
         info = None if error is None else RemoteErrorInfo.capture(error, self.agent.name)
         self.agent.notify(self.agent.workers[driver], MessageKind.AUTOGRAD_CHAIN_END,
                           (token, None if frontier is None else sorted(frontier), info))
+
+    def _settle_chain(
+        self, token: int, frontier: Iterable[int] | None,
+        error: Callable[[int], BaseException | None],
+    ) -> None:
+        """Complete the future of chain ``token`` this worker drives: with the next
+        round, or with ``error(context id)``. A chain already ended is left alone."""
+        with self._lock:
+            context_id, done = self._chains.get(token, (0, None))
+        if done is None or done.done():
+            log.debug("%s: end of chain %s after its backward ended", self.agent.name, token)
+            return
+        exc = error(context_id)
+        if exc is None:
+            done.set_result(sorted(frontier or ()))
+        else:
+            done.set_exception(exc)  # type: ignore[arg-type]
 
     @staticmethod
     def _deliver_here(context: AutogradContext, items: list[Any]) -> None:
@@ -599,16 +611,8 @@ class AutogradService:
     def handle_chain_end(self, caller: WorkerInfo, payload: Any) -> None:
         """A chain this worker drives ended on ``caller`` (in order, never blocks)."""
         token, frontier, info = payload
-        with self._lock:
-            context_id, done = self._chains.get(token, (0, None))
-        if done is None or done.done():
-            log.debug("%s: end of chain %s from %s after its backward ended",
-                      self.agent.name, token, caller.name)
-            return
-        if info is None:
-            done.set_result(list(frontier))
-        else:
-            done.set_exception(info.rebuild(f"dist_autograd.backward(context {context_id})"))
+        self._settle_chain(token, frontier, lambda context_id: None if info is None else
+                           info.rebuild(f"dist_autograd.backward(context {context_id})"))
 
     def handle_run(self, caller: WorkerInfo, payload: Any) -> Any:
         """The driver starts a round: run a pass from the gradients delivered here.

@@ -6,6 +6,7 @@ Part of :mod:`rpcx.testing.conformance` (which re-exports these classes).
 from __future__ import annotations
 
 import contextvars
+import functools
 import pickle
 import threading
 import uuid
@@ -124,7 +125,8 @@ class TestDistAutograd:
         x = torch.tensor([1.0, 2.0], requires_grad=True)
         w = torch.tensor([3.0], requires_grad=True)
         with dist_autograd.context() as context_id:
-            held = training.WaitAtEndOfPass.apply(w * 2.0, key, 60.0)  # type: ignore[no-untyped-call]
+            held = training.act_in_backward(
+                w * 2.0, functools.partial(training.wait_at_end_of_pass, key, 60.0))
             y = rpcx.rpc_sync(W1, training.set_event_in_backward, args=(x, W0, key))
             dist_autograd.backward(context_id, [y.sum() + held.sum()])
             grads = dist_autograd.get_gradients(context_id)

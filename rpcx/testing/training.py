@@ -7,7 +7,9 @@ without touching the process-wide RNG that in-process workers share.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -102,85 +104,61 @@ def square_then_call(x: torch.Tensor, path: list[str]) -> torch.Tensor:
     return out
 
 
-class FailInBackward(torch.autograd.Function):
-    """Identity forward; backward raises, as a user's broken backward would."""
+class ActInBackward(torch.autograd.Function):
+    """Identity forward; backward first calls ``action()`` (raise, crash, wait, signal)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, action: Callable[[], None]) -> torch.Tensor:
+        ctx.action = action
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise ValueError("this backward refuses on purpose")
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.action()
+        return grad, None
 
 
-class CrashInBackward(torch.autograd.Function):
-    """Identity forward; backward ends the process, as a crash would."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        os._exit(3)
+def act_in_backward(x: torch.Tensor, action: Callable[[], None]) -> torch.Tensor:
+    """``x`` through a node whose backward calls ``action()`` first."""
+    out: torch.Tensor = ActInBackward.apply(x, action)  # type: ignore[no-untyped-call]
+    return out
 
 
-class WaitAtEndOfPass(torch.autograd.Function):
-    """Identity forward; backward queues a callback that runs once the engine has run
-    every node, as DDP's wait for its all-reduce does. The callback waits (at most
-    ``timeout``) for :func:`remote.set_event` of ``key`` here and raises if it was not
-    set in time."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, key: str, timeout: float) -> torch.Tensor:
-        ctx.key, ctx.timeout = key, timeout
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        from rpcx.testing import remote
-
-        key, timeout = ctx.key, ctx.timeout
-
-        def wait() -> None:
-            if not remote.wait_for_event(key, timeout):
-                raise TimeoutError(f"event {key} not set within {timeout} s")
-
-        torch.autograd.Variable._execution_engine.queue_callback(wait)
-        return grad, None, None
+def _refuse() -> None:
+    raise ValueError("this backward refuses on purpose")
 
 
-class SetEventInBackward(torch.autograd.Function):
-    """Identity forward; backward sets event ``key`` on ``worker`` with a call."""
+def wait_at_end_of_pass(key: str, timeout: float) -> None:
+    """A backward action: queue a callback that runs once the engine has run every node,
+    as DDP's wait for its all-reduce does. It waits (at most ``timeout``) for
+    :func:`remote.set_event` of ``key`` here, and raises if it was not set in time."""
+    from rpcx.testing import remote
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, worker: str, key: str) -> torch.Tensor:
-        ctx.worker, ctx.key = worker, key
-        return x.view_as(x)
+    def wait() -> None:
+        if not remote.wait_for_event(key, timeout):
+            raise TimeoutError(f"event {key} not set within {timeout} s")
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        from rpcx.testing import remote
+    torch.autograd.Variable._execution_engine.queue_callback(wait)
 
-        rpcx.rpc_sync(ctx.worker, remote.set_event, args=(ctx.key,), timeout=60)
-        return grad, None, None
+
+def _set_event_on(worker: str, key: str) -> None:
+    from rpcx.testing import remote
+
+    rpcx.rpc_sync(worker, remote.set_event, args=(key,), timeout=60)
 
 
 def set_event_in_backward(x: torch.Tensor, worker: str, key: str) -> torch.Tensor:
     """``x`` through a node whose backward, here, sets event ``key`` on ``worker``."""
-    out: torch.Tensor = SetEventInBackward.apply(x * 1.0, worker, key)  # type: ignore[no-untyped-call]
-    return out
+    return act_in_backward(x * 1.0, functools.partial(_set_event_on, worker, key))
 
 
 def fail_in_backward_then_call(x: torch.Tensor, path: list[str], crash: bool = False
                                ) -> torch.Tensor:
     """Like :func:`square_then_call`, with a node here whose backward raises (or, with
     ``crash``, ends this process)."""
-    node = CrashInBackward if crash else FailInBackward
-    y = node.apply(x * x)  # type: ignore[no-untyped-call]
+    y = act_in_backward(x * x, functools.partial(os._exit, 3) if crash else _refuse)
     if not path:
-        return y  # type: ignore[no-any-return]
+        return y
     out: torch.Tensor = rpcx.rpc_sync(path[0], square_then_call, args=(y, path[1:]))
     return out
 
