@@ -27,7 +27,6 @@ data (mean squared error within 50% above the noise's variance).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 import time
@@ -146,7 +145,7 @@ def run_worker(worker: rpcx.LaunchedWorker, args: argparse.Namespace) -> bool:
                   rpc_backend_options=options)
     passed = True
     if worker.rank == 0:
-        backend = args.backend or os.environ.get("RPCX_BACKEND") or rpcx.DEFAULT_BACKEND
+        backend = rpcx.debug_info()["backend"]  # the one init_rpc chose
         print(f"a batch-updating parameter server and {worker.world_size - 1} trainers on the "
               f"{backend!r} backend: {args.rounds} rounds", flush=True)
         passed = run_server(args, worker.world_size)

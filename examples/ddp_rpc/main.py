@@ -185,7 +185,7 @@ def run_worker(worker: rpcx.LaunchedWorker, args: argparse.Namespace) -> bool:
                   rpc_backend_options=options)
     passed = True
     if rank == MASTER:
-        backend = args.backend or os.environ.get("RPCX_BACKEND") or rpcx.DEFAULT_BACKEND
+        backend = rpcx.debug_info()["backend"]  # the one init_rpc chose
         print(f"DDP + RPC on the {backend!r} backend: {args.epochs} epochs of "
               f"{args.batches} batches", flush=True)
         passed = run_master(args.epochs, args.batches, store_path)

@@ -27,7 +27,6 @@ Exit status 0 when the held-out accuracy reaches ``--target``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 import time
@@ -140,7 +139,7 @@ def run_worker(worker: rpcx.LaunchedWorker, args: argparse.Namespace) -> bool:
                   rpc_backend_options=options)
     passed = True
     if worker.rank == 0:
-        backend = args.backend or os.environ.get("RPCX_BACKEND") or rpcx.DEFAULT_BACKEND
+        backend = rpcx.debug_info()["backend"]  # the one init_rpc chose
         print(f"a parameter server and {worker.world_size - 1} trainers on the {backend!r} "
               f"backend: {args.epochs} epochs of {args.batches} batches each", flush=True)
         passed = run_server(args, worker.world_size)

@@ -19,7 +19,6 @@ episodes of the worst observer's reward) passes ``--target`` within ``--episodes
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 import time
@@ -160,7 +159,7 @@ def run_worker(worker: rpcx.LaunchedWorker, args: argparse.Namespace) -> bool:
                   rpc_backend_options=options)
     passed = True
     if worker.rank == 0:
-        backend = args.backend or os.environ.get("RPCX_BACKEND") or rpcx.DEFAULT_BACKEND
+        backend = rpcx.debug_info()["backend"]  # the one init_rpc chose
         print(f"REINFORCE on CartPole, 1 agent and {worker.world_size - 1} observers on the "
               f"{backend!r} backend; target running reward {args.target}", flush=True)
         passed = train(args, worker.world_size)

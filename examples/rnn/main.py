@@ -20,7 +20,6 @@ Exit status 0 when the trainer's accuracy on the last epoch passes ``--target``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -148,7 +147,7 @@ def run_worker(worker: rpcx.LaunchedWorker, args: argparse.Namespace) -> bool:
                   rpc_backend_options=options)
     passed = True
     if worker.rank == TRAINER:
-        backend = args.backend or os.environ.get("RPCX_BACKEND") or rpcx.DEFAULT_BACKEND
+        backend = rpcx.debug_info()["backend"]  # the one init_rpc chose
         print(f"a language model split over trainer and ps on the {backend!r} backend: "
               f"{args.epochs} epochs of {args.iterations} iterations", flush=True)
         passed = train(args)
