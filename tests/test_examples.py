@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -100,6 +101,26 @@ def test_ddp_rpc(rpcx_backend: str) -> None:
     assert f"DDP + RPC on the {rpcx_backend!r} backend: 2 epochs of 5 batches" in out, out
     _check_ddp_rpc(out, 2)
     assert out.rstrip().endswith("done")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ddp_rpc_on_gpus(rpcx_backend: str) -> None:
+    # Embedding on ps's cuda:0, each trainer's layer on its GPU, tensors along device maps.
+    out = _run(EXAMPLES / "ddp_rpc" / "main.py", rpcx_backend, "--epochs", "2", "--batches", "5",
+               "--cuda")
+    assert f"on the {rpcx_backend!r} backend: 2 epochs of 5 batches, on GPUs" in out, out
+    _check_ddp_rpc(out, 2)
+    assert out.rstrip().endswith("done")
+
+
+def test_ddp_rpc_cuda_flag_without_gpu_is_refused(rpcx_backend: str) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "ddp_rpc" / "main.py"), "--backend", rpcx_backend,
+         "--cuda"], capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2 and "--cuda: torch sees no CUDA device" in out.stderr, out
 
 
 def test_rl(rpcx_backend: str) -> None:

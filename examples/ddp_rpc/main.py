@@ -22,6 +22,13 @@ Run it::
     python examples/ddp_rpc/main.py                     # default backend, rpcx.spawn
     python examples/ddp_rpc/main.py --backend loopback --epochs 3
     torchrun --nproc-per-node 4 examples/ddp_rpc/main.py --backend gloo
+    python examples/ddp_rpc/main.py --cuda              # on GPUs, through device maps
+
+With ``--cuda`` the embedding lives on the parameter server's ``cuda:0`` and trainer
+``i``'s dense layer on ``cuda:i`` (modulo the GPUs there are; both share ``cuda:0`` on a
+one-GPU machine). Each trainer's device map to ``ps`` sends its lookups to ``cuda:0`` and
+brings the embeddings, and in the backward pass their gradients, back along the inverse
+map, so no tensor passes through host memory on a backend that moves device memory itself.
 
 It prints each trainer's loss and time per epoch and exits with status 0 only if the
 loss fell and both trainers ended with identical dense weights (DDP kept them in step).
@@ -51,6 +58,7 @@ MASTER, PS = 0, 1  # rank 0's result is what rpcx.launch returns: the master's v
 TRAINERS = (2, 3)  # trainer0, trainer1
 NUM_EMBEDDINGS, EMBEDDING_DIM, CLASSES = 96, 16, 8
 LEARNING_RATE = 0.05
+PS_CUDA_DEVICE = "cuda:0"  # the embedding's device on the parameter server with --cuda
 
 
 class SeededEmbeddingBag(nn.EmbeddingBag):
@@ -66,7 +74,8 @@ class SeededEmbeddingBag(nn.EmbeddingBag):
 class HybridModel(nn.Module):
     """The sparse part on the parameter server, the dense part here under DDP."""
 
-    def __init__(self, embedding: RemoteModule, group: Any, seed: int) -> None:
+    def __init__(self, embedding: RemoteModule, group: Any, seed: int,
+                 device: torch.device) -> None:
         super().__init__()
         self.embedding = embedding
         dense = nn.Linear(EMBEDDING_DIM, CLASSES)
@@ -75,7 +84,8 @@ class HybridModel(nn.Module):
             dense.weight.copy_(torch.randn(CLASSES, EMBEDDING_DIM, generator=generator) * 0.1)
             dense.bias.zero_()
         # DDP broadcasts trainer0's weights at construction: both start equal.
-        self.fc = DDP(dense, process_group=group)
+        device_ids = [device] if device.type == "cuda" else None
+        self.fc = DDP(dense.to(device), device_ids=device_ids, process_group=group)
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.fc(self.embedding.forward(indices, offsets))
@@ -100,11 +110,20 @@ def batches(
     return out
 
 
+def trainer_device(index: int, cuda: bool) -> torch.device:
+    """Where trainer ``index`` keeps its dense layer and its batches."""
+    if not cuda:
+        return torch.device("cpu")
+    return torch.device("cuda", index % torch.cuda.device_count())
+
+
 def run_trainer(
-    index: int, embedding: RemoteModule, epochs: int, per_epoch: int, store_path: str | None
+    index: int, embedding: RemoteModule, epochs: int, per_epoch: int, store_path: str | None,
+    cuda: bool = False,
 ) -> dict[str, Any]:
     """Train for ``epochs``; returns the loss and seconds of each epoch and the weights."""
-    model = HybridModel(embedding, _trainer_group(index, store_path), seed=1234)
+    device = trainer_device(index, cuda)
+    model = HybridModel(embedding, _trainer_group(index, store_path), seed=1234, device=device)
     # The remote part's parameters as RRefs from its owner, the local ones wrapped here
     # (a RemoteModule holds no parameters itself: model.parameters() would refuse).
     params = embedding.remote_parameters() + [rpcx.RRef(p) for p in model.fc.parameters()]
@@ -115,6 +134,8 @@ def run_trainer(
     for epoch in range(epochs):
         started, total = time.perf_counter(), 0.0
         for indices, offsets, labels in batches(generator, per_epoch):
+            # (drawn on the CPU from the trainer's generator: the same batches everywhere)
+            indices, offsets, labels = (t.to(device) for t in (indices, offsets, labels))
             with dist_autograd.context() as context_id:
                 loss = criterion(model(indices, offsets), labels)
                 dist_autograd.backward(context_id, [loss])
@@ -124,16 +145,17 @@ def run_trainer(
         seconds.append(time.perf_counter() - started)
         print(f"trainer{index}: epoch {epoch + 1}/{epochs}  loss {losses[-1]:.4f}  "
               f"{seconds[-1] * 1e3:.1f} ms", flush=True)
+    # The master has no device map back to the trainers: it gets the weights on the CPU.
     return {"losses": losses, "seconds": seconds,
-            "weight": model.fc.module.weight.detach().clone()}
+            "weight": model.fc.module.weight.detach().cpu()}
 
 
-def run_master(epochs: int, per_epoch: int, store_path: str | None) -> bool:
+def run_master(epochs: int, per_epoch: int, store_path: str | None, cuda: bool = False) -> bool:
     """Create the embedding, run both trainers, check what they did."""
-    embedding = RemoteModule("ps/cpu", SeededEmbeddingBag,
+    embedding = RemoteModule(f"ps/{PS_CUDA_DEVICE if cuda else 'cpu'}", SeededEmbeddingBag,
                              args=(NUM_EMBEDDINGS, EMBEDDING_DIM, 42))
     futures = [rpcx.rpc_async(f"trainer{i}", run_trainer,
-                              args=(i, embedding, epochs, per_epoch, store_path))
+                              args=(i, embedding, epochs, per_epoch, store_path, cuda))
                for i in range(len(TRAINERS))]
     results = [future.wait() for future in futures]
     identical = torch.equal(results[0]["weight"], results[1]["weight"])
@@ -181,14 +203,18 @@ def run_worker(worker: rpcx.LaunchedWorker, args: argparse.Namespace) -> bool:
     else:
         name = "master" if rank == MASTER else "ps"
     options = rpcx.TensorPipeRpcBackendOptions(init_method=worker.init_method(), rpc_timeout=120)
+    if args.cuda and rank in TRAINERS:
+        # Lookups go to the embedding's GPU; results and gradients come back the inverse way.
+        options.set_device_map("ps", {trainer_device(TRAINERS.index(rank), True): PS_CUDA_DEVICE})
     rpcx.init_rpc(name, rank=rank, world_size=WORLD_SIZE, backend=args.backend,
                   rpc_backend_options=options)
     passed = True
     if rank == MASTER:
         backend = rpcx.debug_info()["backend"]  # the one init_rpc chose
+        where = ", on GPUs" if args.cuda else ""
         print(f"DDP + RPC on the {backend!r} backend: {args.epochs} epochs of "
-              f"{args.batches} batches", flush=True)
-        passed = run_master(args.epochs, args.batches, store_path)
+              f"{args.batches} batches{where}", flush=True)
+        passed = run_master(args.epochs, args.batches, store_path, args.cuda)
     rpcx.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -201,7 +227,11 @@ def main() -> None:
                         help="rpcx backend (default: $RPCX_BACKEND, else rpcx's default)")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batches", type=int, default=10, help="batches per epoch")
+    parser.add_argument("--cuda", action="store_true",
+                        help="embedding and dense layers on GPUs, tensors along device maps")
     args = parser.parse_args()
+    if args.cuda and not torch.cuda.is_available():
+        parser.error("--cuda: torch sees no CUDA device on this machine")
     # rpcx.spawn starts the four workers, or torchrun did: see rpcx.launch. Every
     # process's verdict decides its exit status (only the master's can be False).
     passed = rpcx.launch(run_worker, args=(args,), nprocs=WORLD_SIZE, backend=args.backend)
