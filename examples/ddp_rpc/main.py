@@ -176,7 +176,9 @@ def _trainer_group(index: int, store_path: str | None) -> Any:
     group = dist.ProcessGroup(store, index, len(TRAINERS))
     backend = dist.ProcessGroupGloo(store, index, len(TRAINERS))
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    for device_type in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        group._register_backend(torch.device(device_type), dist.ProcessGroup.BackendType.GLOO,
+                                backend)  # gloo all-reduces CUDA tensors too (--cuda)
     return group
 
 
