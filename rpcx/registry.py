@@ -9,13 +9,13 @@ reported (``python -m rpcx backends``) instead of breaking rpcx.
 from __future__ import annotations
 
 import enum
+import importlib
 import importlib.metadata
 import logging
 import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import pluggy
 
@@ -101,46 +101,85 @@ _lock = threading.Lock()
 _loaded: dict[str, BackendSpec] | None = None
 _errors: dict[str, str] = {}
 
+_BUILTINS = ("rpcx.backends.loopback", "rpcx.backends.gloo", "rpcx.backends.tensorpipe")
+_HOOK = "rpcx_register_backends"
+
 
 def _load() -> dict[str, BackendSpec]:
     global _loaded
     with _lock:
         if _loaded is not None:
             return _loaded
-        from rpcx.backends import gloo, loopback  # built-ins register like any plugin
-
         pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         pm.add_hookspecs(hookspecs)
-        plugins: list[tuple[str, Any]] = [
-            ("rpcx.backends.loopback", loopback),
-            ("rpcx.backends.gloo", gloo),
-        ]
-        try:  # a torch built without its RPC module has no TensorPipe agent
-            from rpcx.backends import tensorpipe
-        except ImportError as exc:
-            _errors["tensorpipe"] = f"unavailable in this torch build: {exc}"
-        else:
-            plugins.append(("rpcx.backends.tensorpipe", tensorpipe))
-        for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT_NAME):
-            try:
-                plugins.append((f"{ep.name} ({ep.value})", ep.load()))
-            except Exception as exc:  # a broken plugin must not break rpcx
-                _errors[ep.name] = f"failed to load: {type(exc).__name__}: {exc}"
-                log.warning("rpcx plugin %r (%s) failed to load: %s", ep.name, ep.value, exc)
         registry = BackendRegistry()
-        for plugin_name, plugin in plugins:
-            if pm.is_registered(plugin):
-                continue
-            pm.register(plugin, name=plugin_name)
-        for impl in pm.hook.rpcx_register_backends.get_hookimpls():
-            registry._plugin = impl.plugin_name
-            try:
-                impl.function(register=registry)
-            except Exception as exc:
-                _errors[impl.plugin_name] = f"failed to register: {type(exc).__name__}: {exc}"
-                log.warning("rpcx plugin %s failed to register: %s", impl.plugin_name, exc)
+        # Built-ins register first, whatever a plugin's tryfirst/trylast says: their names
+        # are taken before any plugin can ask for them.
+        for name in _register_builtins(pm) + _register_entry_points(pm):
+            _call_register_hook(pm, name, registry)
         _loaded = registry.specs()
         return _loaded
+
+
+def _register_builtins(pm: pluggy.PluginManager) -> list[str]:
+    """Register the built-in backend modules as plugins; their names, in order."""
+    registered = []
+    for module_name in _BUILTINS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:  # a torch built without its RPC module has no TensorPipe
+            _errors[module_name.rsplit(".", 1)[-1]] = f"unavailable in this torch build: {exc}"
+            continue
+        pm.register(module, name=module_name)
+        registered.append(module_name)
+    return registered
+
+
+def _register_entry_points(pm: pluggy.PluginManager) -> list[str]:
+    """Load each ``rpcx`` entry point through pluggy, one at a time; those that loaded.
+
+    One at a time so that a plugin that fails (an import error, a hook implementation
+    pluggy refuses) is skipped with its reason and takes no other plugin down with it.
+    """
+    loaded = []
+    names = dict.fromkeys(ep.name for ep in importlib.metadata.entry_points(
+        group=hookspecs.PROJECT_NAME))
+    for name in names:
+        try:
+            pm.load_setuptools_entrypoints(hookspecs.PROJECT_NAME, name=name)
+        except Exception as exc:  # a broken plugin must not break rpcx
+            if pm.has_plugin(name):  # pluggy may have registered part of it
+                pm.unregister(name=name)
+            _errors[name] = f"failed to load: {type(exc).__name__}: {exc}"
+            log.warning("rpcx plugin %r failed to load: %s: %s", name, type(exc).__name__, exc)
+        else:
+            loaded.append(name)
+    return loaded
+
+
+def _plugin_label(pm: pluggy.PluginManager, name: str) -> str:
+    """How ``python -m rpcx backends`` names a plugin: ``entry point (module)``."""
+    if name in _BUILTINS:
+        return name
+    plugin = pm.get_plugin(name)
+    return f"{name} ({getattr(plugin, '__name__', type(plugin).__name__)})"
+
+
+def _call_register_hook(pm: pluggy.PluginManager, name: str, registry: BackendRegistry) -> None:
+    """Call plugin ``name``'s hook alone; what it registers counts only if it all succeeds."""
+    others = [other for other_name, other in pm.list_name_plugin()
+              if other_name != name and other is not None]
+    hook = pm.subset_hook_caller(_HOOK, remove_plugins=others)
+    registry._plugin = _plugin_label(pm, name)
+    before = registry.specs()
+    try:
+        hook(register=registry)
+    except Exception as exc:
+        if name in _BUILTINS:
+            raise  # a built-in that cannot register is a bug in rpcx, not a plugin to skip
+        registry._specs = before
+        _errors[name] = f"failed to register: {type(exc).__name__}: {exc}"
+        log.warning("rpcx plugin %s failed to register: %s", registry._plugin, exc)
 
 
 def available_backends() -> dict[str, BackendSpec]:

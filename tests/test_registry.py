@@ -420,3 +420,99 @@ def test_plugin_stealing_a_builtin_name_is_reported(tmp_path: Path) -> None:
     assert "dupe (dupe_rpcx_plugin)" in result.stderr
     loopback = next(line for line in result.stdout.splitlines() if line.startswith("loopback"))
     assert "rpcx.backends.loopback" in loopback  # the built-in keeps its name
+
+
+MISSPELLED_PLUGIN = """\
+from rpcx.hookspecs import hookimpl
+
+
+@hookimpl
+def rpcx_register_backends(registr):  # the hook's argument is "register"
+    registr("misspelled", object)
+"""
+
+ORDERED_PLUGIN = """\
+from rpcx.hookspecs import hookimpl
+from rpcx.transport import Capabilities
+
+
+class Impostor:
+    capabilities = Capabilities(multi_process=True, multi_host=True)
+
+
+@hookimpl({order}=True)
+def rpcx_register_backends(register):
+    register("gloo", Impostor, description="an impostor")
+"""
+
+HALF_PLUGIN = """\
+from rpcx.hookspecs import hookimpl
+from rpcx.transport import Capabilities
+
+
+class Half:
+    capabilities = Capabilities(multi_process=True, multi_host=False)
+
+
+@hookimpl
+def rpcx_register_backends(register):
+    register("first-half", Half, description="registered before the failure")
+    raise RuntimeError("the second half of this plugin is broken")
+"""
+
+
+def test_plugin_pluggy_refuses_is_skipped_and_rpcx_still_works(fake_plugin_dir: Path) -> None:
+    # pluggy refuses the hook implementation at registration (PluginValidationError):
+    # that plugin is skipped with the reason shown, nothing else is affected.
+    install_plugin(fake_plugin_dir, "misspelled_rpcx_plugin", "misspelled", MISSPELLED_PLUGIN)
+    result = run_cli("backends", pythonpath=fake_plugin_dir)
+    assert result.returncode == 0, result.stderr
+    assert "plugin 'misspelled' failed to load: PluginValidationError" in result.stderr
+    assert "registr" in result.stderr  # pluggy's message names the unknown argument
+    listed = {line.split()[0] for line in result.stdout.splitlines()[1:] if line.strip()}
+    assert {"fake", "gloo", "loopback"} <= listed and "misspelled" not in listed
+    code = ("import rpcx; from rpcx.registry import resolve_backend; "
+            "print(resolve_backend('gloo').plugin, sorted(rpcx.backend_names()))")
+    env = dict(os.environ, PYTHONPATH=str(fake_plugin_dir))
+    env.pop(ENV_VAR, None)
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=fake_plugin_dir, timeout=SUBPROCESS_TIMEOUT, check=False)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.startswith("rpcx.backends.gloo ") and "'fake'" in ran.stdout
+
+
+@pytest.mark.parametrize("order", ["trylast", "tryfirst"])
+def test_plugin_cannot_take_a_builtin_name_whatever_its_order(tmp_path: Path, order: str) -> None:
+    # pluggy calls trylast implementations first; rpcx registers built-ins before any
+    # plugin, so the plugin is the one refused, and gloo stays rpcx's.
+    install_plugin(tmp_path, "impostor_rpcx_plugin", "impostor", ORDERED_PLUGIN.format(order=order))
+    result = run_cli("backends", pythonpath=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert ("plugin 'impostor' failed to register: ValueError: backend 'gloo' registered "
+            "twice: by rpcx.backends.gloo and by impostor (impostor_rpcx_plugin)") in result.stderr
+    gloo = next(line for line in result.stdout.splitlines() if line.startswith("gloo"))
+    assert "rpcx.backends.gloo" in gloo and "impostor" not in gloo
+
+
+def test_plugin_that_fails_halfway_registers_nothing(fake_plugin_dir: Path) -> None:
+    install_plugin(fake_plugin_dir, "half_rpcx_plugin", "half", HALF_PLUGIN)
+    result = run_cli("backends", "--names", pythonpath=fake_plugin_dir)
+    assert result.returncode == 0, result.stderr
+    assert "first-half" not in result.stdout.split()
+    assert "fake" in result.stdout.split()
+    assert "the second half of this plugin is broken" in result.stderr
+
+
+def test_uninstalling_a_plugin_removes_its_backend(fake_plugin_dir: Path) -> None:
+    assert "fake" in run_cli("backends", "--names", pythonpath=fake_plugin_dir).stdout.split()
+    for path in fake_plugin_dir.iterdir():  # what `pip uninstall` removes
+        if path.name.startswith("fake_rpcx_plugin"):
+            if path.is_dir():
+                for inner in path.iterdir():
+                    inner.unlink()
+                path.rmdir()
+            else:
+                path.unlink()
+    result = run_cli("backends", "--names", pythonpath=fake_plugin_dir)
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+    assert result.stdout.split() == backend_names()
