@@ -107,6 +107,12 @@ def bench(session: nox.Session) -> None:
     Runs bench/run.py: every workload, both sweeps and the raw floors; the table on
     stdout, JSON and plots in bench/results/. Arguments after ``--`` go to it, e.g.
     ``nox -s bench -- --quick --rounds 1`` or ``-- --only rpc_sync,size_sweep``.
+
+    Then bench/examples.py: the example programs on every system, torch included, with
+    its own defaults (all examples, 3 rounds); of the arguments after ``--`` it gets
+    only ``--quick``. Run it alone as ``python bench/examples.py ...`` for the rest.
     """
     _install(session, "bench")
     session.run("python", "bench/run.py", *session.posargs)
+    quick = ["--quick"] if "--quick" in session.posargs else []
+    session.run("python", "bench/examples.py", *quick)
