@@ -88,17 +88,19 @@ class Agent:
         # One sampler per observer: its actions do not depend on how the observers'
         # calls interleave, so a run gives the same numbers every time.
         self.samplers = {i: torch.Generator().manual_seed(seed * 7 + i) for i in ids}
-        self.log_probs: dict[int, list[torch.Tensor]] = {i: [] for i in ids}
+        self.states: dict[int, list[torch.Tensor]] = {i: [] for i in ids}
+        self.actions: dict[int, list[int]] = {i: [] for i in ids}
         self.rewards: dict[int, list[float]] = {i: [] for i in ids}
         self.lock = threading.Lock()  # observers call concurrently
 
     def select_action(self, observer: int, state: Any) -> int:
-        """Sample an action for ``observer`` and remember its log-probability."""
+        """Sample an action for ``observer``; remember the state and the action."""
         state = torch.as_tensor(state, dtype=torch.float32)
-        with self.lock:
+        with self.lock, torch.no_grad():
             probs = self.policy(state)
             action = int(torch.multinomial(probs, 1, generator=self.samplers[observer]))
-            self.log_probs[observer].append(torch.log(probs[action]))
+        self.states[observer].append(state)
+        self.actions[observer].append(action)
         return action
 
     def report_reward(self, observer: int, reward: float) -> None:
@@ -115,6 +117,10 @@ class Agent:
 
     def finish_episode(self) -> None:
         """One REINFORCE step from every observer's episode."""
+        # The log-probabilities are computed here, in one batch per observer, not kept
+        # from select_action: a graph built there would grow in whatever order the
+        # observers' calls happened to interleave, and the order gradients accumulate in
+        # changes their last bits, which is enough to send a run another way.
         losses = []
         for observer, rewards in self.rewards.items():
             returns, acc = [], 0.0
@@ -123,8 +129,11 @@ class Agent:
                 returns.append(acc)
             scaled = torch.tensor(returns[::-1])
             scaled = (scaled - scaled.mean()) / (scaled.std() + 1e-6)
-            losses.append(-(torch.stack(self.log_probs[observer]) * scaled).sum())
-            self.log_probs[observer], self.rewards[observer] = [], []
+            probs = self.policy(torch.stack(self.states[observer]))
+            taken = torch.tensor(self.actions[observer]).unsqueeze(1)
+            log_probs = torch.log(probs.gather(1, taken).squeeze(1))
+            losses.append(-(log_probs * scaled).sum())
+            self.states[observer], self.actions[observer], self.rewards[observer] = [], [], []
         self.optimizer.zero_grad()
         torch.stack(losses).sum().backward()
         self.optimizer.step()
