@@ -10,6 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+# The default --systems; any other installed rpcx backend (a plugin's) may be named too.
 ALL_SYSTEMS = ("torch", "gloo", "tensorpipe", "loopback")
 BASELINE = "torch"
 RPC_TIMEOUT_S = 60.0  # every call's default timeout: a lost reply becomes an error, not a hang
@@ -38,7 +39,11 @@ def api(system: str) -> SimpleNamespace:
 
 def in_process(system: str) -> bool:
     """Whether ``system``'s workers are threads of one process (rpcx's loopback)."""
-    return system == "loopback"
+    if system == BASELINE:
+        return False
+    from rpcx.registry import resolve_backend
+
+    return resolve_backend(system).capabilities.in_process
 
 
 def init_worker(
@@ -56,8 +61,6 @@ def init_worker(
 
 def missing_requirement(system: str) -> str | None:
     """Why ``system`` cannot run on this machine, or ``None``."""
-    if system not in ALL_SYSTEMS:
-        return f"unknown system {system!r} (known: {', '.join(ALL_SYSTEMS)})"
     if system == BASELINE:
         try:
             import numpy  # noqa: F401
@@ -69,5 +72,6 @@ def missing_requirement(system: str) -> str | None:
         except ImportError as exc:
             return f"rpcx does not import: {exc}"
         if system not in rpcx.backend_names():
-            return f"rpcx backend {system!r} is not installed"
+            return (f"unknown system {system!r}: neither torch nor an installed rpcx backend "
+                    f"({', '.join(rpcx.backend_names())})")
     return None
