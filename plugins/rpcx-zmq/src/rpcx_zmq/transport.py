@@ -1,0 +1,658 @@
+"""The zmq transport: frames over ZeroMQ PUSH/PULL sockets, one pair per peer and direction.
+
+Wire format: a frame is one ZeroMQ multipart message, ``[head, buffer...]``, each tensor
+buffer a part of its own (ZeroMQ keeps a message's parts together and each part's
+length, so no framing of our own is needed). The head is a kind byte, then for ``DATA``
+one byte per buffer, its element size (the alignment its dtype needs), then the frame's
+header. Kinds: ``DATA`` (a frame) and ``BYE``
+(the last message a worker sends a peer). ``LOST`` and ``STOP`` never cross the wire:
+they are posted to a receive loop through an ``inproc://`` endpoint of its own socket.
+
+Sockets, per peer: a PULL socket (``rx``) bound for that peer alone, read by one receive
+loop (a receive lane, so requests are served on the receiving thread); a PUSH socket
+(``tx``) connected to the peer's PULL for this worker, written under a per-peer lock, so
+frames leave in the order their ``send`` calls took the lock; and a control PUSH (``ctl``)
+into ``rx``. Same-host peers connect over ``ipc://`` (a private temp directory), others
+over TCP.
+
+Tensors: a buffer of ``ZERO_COPY_SEND`` bytes or more is sent from the tensor's memory
+(``copy=False``) and ``send`` waits for ZeroMQ's message tracker, which fires once
+libzmq has written the bytes to the kernel: the caller may change the tensor after that.
+Buffers the codec made for this frame alone (``Frame.owned``) are not waited for; the
+message keeps them alive. Smaller buffers are copied. On receive, a part of
+``ZERO_COPY_RECEIVE`` bytes or more becomes a tensor over ZeroMQ's own message memory
+(``torch.frombuffer`` keeps the message alive) when that memory is aligned for the
+buffer's dtype. libzmq puts a large message's bytes 40 bytes into a ``malloc`` block, so
+8-byte aligned: enough for every dtype but ``complex128``, whose buffers are copied.
+
+Lost peers: ZeroMQ reconnects silently, so every ``tx`` has a socket monitor, read by one
+monitor thread per worker. A peer process that dies closes its connections, and the
+monitor sees ``EVENT_DISCONNECTED`` on our connection to it at once; ZeroMQ heartbeats
+(``ZMQ_HEARTBEAT_IVL``/``TIMEOUT``) turn a host that vanished without closing anything
+into the same event. The monitor marks the peer gone (sends to it fail at once) and posts
+``LOST`` to its receive loop, which first delivers what had already arrived, then calls
+``peer_lost``. A peer that leaves says ``BYE`` first, so its disconnect is expected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import itertools
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, ClassVar
+
+import torch
+import zmq
+from rpcx._lanes import ReceiveLane
+from rpcx.errors import PeerLostError, RpcTimeoutError
+from rpcx.transport import Capabilities, Frame, TransportContext
+from zmq.utils.monitor import recv_monitor_message
+
+from rpcx_zmq.addresses import host_identity, listen_host
+from rpcx_zmq.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT
+
+__all__ = ["ZERO_COPY_RECEIVE", "ZERO_COPY_SEND", "ZmqTransport"]
+
+log = logging.getLogger("rpcx.backends.zmq")
+
+# Buffers from this size on are sent from the tensor's memory. Below it a copy is cheaper
+# than the tracker's round through pyzmq's garbage-collector thread.
+ZERO_COPY_SEND = 256 << 10
+# Parts from this size on are delivered as tensors over ZeroMQ's message memory. Smaller
+# parts may share one receive buffer with other messages, and a copy costs little.
+ZERO_COPY_RECEIVE = 64 << 10
+_HWM = 4096  # messages queued per peer and direction before send waits (back-pressure)
+_SEND_POLL_S = 0.1  # a send waiting for room or for its tracker rechecks the peer this often
+_DRAIN_WAIT_MS = 50  # after a loss, how long to wait for frames still on their way
+_BYE_TIMEOUT = 10.0  # answering a peer's goodbye from a receive loop
+_IPC_PATH_MAX = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
+
+_DATA, _BYE, _LOST, _STOP = 1, 2, 3, 4
+_DATA_BYTE = bytes([_DATA])
+_BYE_MESSAGE = [bytes([_BYE])]
+_STOP_MESSAGE = [bytes([_STOP])]
+_LOST_MESSAGE = [bytes([_LOST])]
+
+_MONITOR_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_MONITOR_STOPPED
+)
+_CRASHED = "its connection closed (its process probably exited or crashed)"
+
+# ZeroMQ contexts whose sockets could not all be closed (a receive loop stuck in user
+# code at close). Terminating one would block; collecting it would try to. Kept for good.
+_abandoned: list[zmq.Context[Any]] = []
+_ids = itertools.count()
+
+
+class _Peer:
+    """Everything about one peer: its sockets, locks, goodbye flags and receive lane."""
+
+    __slots__ = (
+        "bye_received", "bye_sent", "connected", "ctl", "ctl_lock", "draining", "ended",
+        "endpoint", "gone", "lane", "lock", "name", "rank", "reported", "rx", "started",
+        "tx", "tx_lock", "tx_monitor",
+    )
+
+    def __init__(self, rank: int, name: str) -> None:
+        self.rank = rank
+        self.name = name
+        self.rx: zmq.Socket[bytes] | None = None  # owned by whichever thread holds the lane
+        self.ctl: zmq.Socket[bytes] | None = None  # posts LOST/STOP into rx; under ctl_lock
+        self.tx: zmq.Socket[bytes] | None = None  # under tx_lock
+        self.tx_monitor: zmq.Socket[bytes] | None = None  # owned by the monitor thread
+        self.endpoint = ""
+        self.tx_lock = threading.Lock()
+        self.ctl_lock = threading.Lock()
+        self.lock = threading.Lock()  # the flags below
+        self.bye_sent = False
+        self.bye_received = False
+        self.gone: str | None = None  # why sends to the peer fail, once it is gone
+        self.reported = False  # peer_lost called (or not to be called)
+        self.draining = False  # LOST seen: deliver what is left, then end
+        self.started = False  # the receive loop was started
+        self.lane: ReceiveLane | None = None
+        self.connected = threading.Event()  # our connection to the peer shook hands
+        self.ended = threading.Event()  # the receive loop is over: nothing more arrives
+
+
+class ZmqTransport:
+    """Moves frames over ZeroMQ: TCP between hosts, IPC within one, zero-copy tensors."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True)
+
+    def __init__(self) -> None:
+        self._ctx: TransportContext | None = None
+        self._zctx: zmq.Context[Any] | None = None
+        self._peers: dict[int, _Peer] = {}
+        self._ipc_dir: str | None = None
+        self._wake: zmq.Socket[bytes] | None = None  # posts to the monitor thread
+        self._wake_lock = threading.Lock()
+        self._monitor: threading.Thread | None = None
+        self._closing = False
+        self._closed = False
+        self.endpoints: dict[int, str] = {}  # where this worker's tx connect, by peer rank
+
+    # ------------------------------------------------------------------------ start
+
+    def start(self, ctx: TransportContext) -> None:
+        """Bind one socket per peer, publish the endpoints, connect to every peer's."""
+        self._ctx = ctx
+        options = ctx.options
+        limit = options.rpc_timeout or None
+        zctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+        self._zctx = zctx
+        me = ctx.names[ctx.rank]
+        host = listen_host(
+            getattr(options, "hostname", None), getattr(options, "interface", None),
+            ctx.init_method,
+        )
+        if getattr(options, "ipc", True):
+            self._ipc_dir = _private_dir()
+        token = f"{os.getpid()}-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+        published: dict[str, dict[str, str]] = {}
+        for rank in range(ctx.world_size):
+            if rank == ctx.rank:
+                continue
+            peer = self._peers[rank] = _Peer(rank, ctx.names[rank])
+            published[str(rank)] = self._bind_rx(peer, host, token)
+        # Ready to receive before anyone can find us.
+        for peer in self._peers.values():
+            name = f"rpcx-{me}-recv-{peer.name}"
+            if ctx.receive_lane is not None:
+                peer.lane = ctx.receive_lane(
+                    name, functools.partial(self._receive_loop, peer.rank)
+                )
+            peer.started = True
+            threading.Thread(
+                target=self._receive_loop, args=(peer.rank,), name=name, daemon=True
+            ).start()
+        ctx.store.set(
+            f"zmq/{ctx.rank}", json.dumps({"host": host_identity(), "rx": published})
+        )
+        for peer in self._peers.values():
+            info = json.loads(ctx.store.get(f"zmq/{peer.rank}"))
+            peer.endpoint = self._choose_endpoint(info)
+            self.endpoints[peer.rank] = peer.endpoint
+            self._connect_tx(peer)
+        self._wake, wake_rx = _pipe(zctx, f"inproc://rpcx-zmq-{token}-monitor")
+        self._monitor = threading.Thread(
+            target=self._monitor_loop, args=(wake_rx,), name=f"rpcx-{me}-zmq-monitor",
+            daemon=True,
+        )
+        self._monitor.start()
+        self._wait_connected(limit)
+
+    def _bind_rx(self, peer: _Peer, host: str, token: str) -> dict[str, str]:
+        """Create and bind the PULL socket for ``peer``; its endpoints for the peer."""
+        zctx = self._zctx
+        assert zctx is not None and self._ctx is not None
+        rx = zctx.socket(zmq.PULL)
+        self._tune(rx)
+        rx.rcvhwm = _HWM
+        if ":" in host:  # an IPv6 address
+            rx.ipv6 = True
+            host = f"[{host}]"
+        rx.bind(f"tcp://{host}:*")
+        endpoints = {"tcp": _last_endpoint(rx)}
+        if self._ipc_dir is not None:
+            endpoints["ipc"] = f"ipc://{self._ipc_dir}/{peer.rank}"
+            rx.bind(endpoints["ipc"])
+        inproc = f"inproc://rpcx-zmq-{token}-{peer.rank}"
+        rx.bind(inproc)
+        ctl = zctx.socket(zmq.PUSH)
+        ctl.linger = 0
+        ctl.connect(inproc)
+        peer.rx, peer.ctl = rx, ctl
+        return endpoints
+
+    def _choose_endpoint(self, info: dict[str, Any]) -> str:
+        """The peer's endpoint for us: IPC when it is on this host and can be reached."""
+        ctx = self._ctx
+        assert ctx is not None
+        endpoints: dict[str, str] = info["rx"][str(ctx.rank)]
+        ipc = endpoints.get("ipc")
+        if ipc and self._ipc_dir is not None and info["host"] == host_identity():
+            path = ipc[len("ipc://"):]
+            # Same host, same mount namespace: the path should be there. If it is not (or
+            # belongs to another user), TCP still works.
+            if os.access(path, os.W_OK):
+                return ipc
+        return endpoints["tcp"]
+
+    def _connect_tx(self, peer: _Peer) -> None:
+        zctx = self._zctx
+        assert zctx is not None
+        tx = zctx.socket(zmq.PUSH)
+        self._tune(tx)
+        tx.sndhwm = _HWM
+        tx.immediate = True  # queue only on a live connection: a lost peer's sends fail
+        tx.sndtimeo = int(_SEND_POLL_S * 1000)
+        if peer.endpoint.startswith("tcp://["):
+            tx.ipv6 = True
+        peer.tx_monitor = tx.get_monitor_socket(_MONITOR_EVENTS)
+        tx.connect(peer.endpoint)
+        peer.tx = tx
+
+    def _tune(self, sock: zmq.Socket[bytes]) -> None:
+        """Options shared by rx and tx: heartbeats, no linger by default."""
+        ctx = self._ctx
+        assert ctx is not None
+        sock.linger = 0
+        interval = float(getattr(ctx.options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL))
+        timeout = float(getattr(ctx.options, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT))
+        if interval > 0:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(interval * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout * 1000))
+
+    def _wait_connected(self, limit: float | None) -> None:
+        """Wait (at most ``limit`` seconds) until our connection to every peer is up."""
+        ctx = self._ctx
+        assert ctx is not None
+        deadline = None if limit is None else time.monotonic() + limit
+        for peer in self._peers.values():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            peer.connected.wait(left)
+        missing = [p for p in self._peers.values() if not p.connected.is_set()]
+        if missing:
+            names = ", ".join(f"{p.name!r} at {p.endpoint}" for p in missing)
+            raise RpcTimeoutError(
+                f"init_rpc: worker {ctx.names[ctx.rank]!r} (rank {ctx.rank}) could not "
+                f"connect to {names} within {limit:g} s (rpc_timeout); a peer probably "
+                "died after joining the world, or its address cannot be reached from "
+                "here (set ZmqRpcBackendOptions(hostname=...) or interface=...)"
+            )
+
+    # ------------------------------------------------------------------------- send
+
+    def send(self, dst: int, frame: Frame) -> None:
+        """Send ``frame`` to ``dst``; returns once every buffer not copied is written."""
+        peer = self._peers[dst]
+        if peer.gone is not None:
+            raise PeerLostError(peer.gone)
+        buffers = frame.buffers
+        # Each buffer's element size, so the receiver knows the alignment it needs.
+        parts: list[Any] = [
+            b"".join((_DATA_BYTE, bytes([b.element_size() for b in buffers]), frame.header))
+        ]
+        trackers: list[zmq.MessageTracker] = []
+        for index, buffer in enumerate(buffers):
+            nbytes = buffer.numel() * buffer.element_size()
+            if nbytes < ZERO_COPY_SEND:
+                parts.append(ctypes.string_at(buffer.data_ptr(), nbytes) if nbytes else b"")
+                continue
+            owned = index in frame.owned
+            part = zmq.Frame(_memory_of(buffer, nbytes), copy=False, track=not owned)
+            parts.append(part)
+            if not owned:
+                assert part.tracker is not None
+                trackers.append(part.tracker)
+        self._post(peer, parts)
+        if trackers:
+            # libzmq sent copies of our frames (sharing the bytes): the tracker fires
+            # once every copy is released, ours included.
+            del parts, part
+            for tracker in trackers:
+                self._wait_written(peer, tracker)
+
+    def _post(self, peer: _Peer, parts: list[Any], deadline: float | None = None) -> None:
+        """Queue one message to ``peer``, waiting while its queue is full.
+
+        ``deadline`` set: this is our goodbye, which goes out even to a peer already gone
+        (it may be answering ours) and gives up at the deadline.
+        """
+        bye = deadline is not None
+        timeout = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not peer.tx_lock.acquire(timeout=timeout):
+            raise PeerLostError("is not reading (our goodbye could not be sent in time)")
+        try:
+            tx = peer.tx
+            while True:
+                if peer.bye_sent:
+                    raise PeerLostError(peer.gone or "has shut down")
+                if not bye and peer.gone is not None:
+                    raise PeerLostError(peer.gone)
+                if tx is None:
+                    raise PeerLostError("was never connected")
+                try:
+                    tx.send_multipart(parts, copy=False)
+                    break
+                except zmq.Again:
+                    # The peer's queue is full: wait (back-pressure), unless it is gone or
+                    # we are leaving.
+                    if bye and time.monotonic() >= deadline:  # type: ignore[operator]
+                        raise PeerLostError("is not reading (goodbye not sent)") from None
+                    if not bye and self._closing:
+                        raise PeerLostError("cannot be reached: this worker is shutting down"
+                                            ) from None
+                except zmq.ZMQError as exc:
+                    raise PeerLostError(f"is unreachable: {exc}") from None
+            if bye:
+                peer.bye_sent = True
+        finally:
+            peer.tx_lock.release()
+
+    def _wait_written(self, peer: _Peer, tracker: zmq.MessageTracker) -> None:
+        """Wait until libzmq is done with a buffer sent from the caller's memory."""
+        while True:
+            try:
+                tracker.wait(_SEND_POLL_S)
+                return
+            except zmq.NotDone:
+                if peer.gone is not None:
+                    # The message keeps the memory alive until ZeroMQ drops it.
+                    raise PeerLostError(peer.gone) from None
+                if self._closed:
+                    raise PeerLostError("cannot be reached: this worker has shut down"
+                                        ) from None
+
+    # ---------------------------------------------------------------------- receive
+
+    def _receive_loop(self, src: int) -> None:
+        """Receive and deliver ``src``'s frames, in order, until its goodbye or loss.
+
+        Runs on whichever thread holds the peer's lane: it returns early, leaving the
+        loop to that thread, when a request it served moved the role elsewhere.
+        """
+        peer = self._peers[src]
+        if peer.lane is not None:
+            peer.lane.enter()
+        try:
+            ended = self._receive_frames(peer)
+        except Exception:  # a bug here must not leave the peer's frames unread silently
+            log.exception("receive loop for %s failed", peer.name)
+            self._mark_lost(peer, "is unreachable: its receive loop failed")
+            self._report(peer, peer.gone or "is unreachable: its receive loop failed")
+            ended = True
+        if ended:
+            self._end_receiving(peer)
+
+    def _receive_frames(self, peer: _Peer) -> bool:
+        """The loop itself; True when it ended, False when another thread took over."""
+        ctx = self._ctx
+        assert ctx is not None
+        rx = peer.rx
+        assert rx is not None
+        lane = peer.lane
+        deliver = ctx.deliver
+        src = peer.rank
+        while True:
+            if peer.draining and not rx.poll(_DRAIN_WAIT_MS):
+                self._report(peer, peer.gone or f"is unreachable: {_CRASHED}")
+                return True
+            try:
+                parts = rx.recv_multipart(copy=False)
+            except zmq.ZMQError as exc:  # the context is gone: nothing more can arrive
+                self._mark_lost(peer, f"is unreachable: {exc}")
+                self._report(peer, peer.gone or f"is unreachable: {exc}")
+                return True
+            head = parts[0].buffer
+            kind = head[0] if len(head) else 0
+            if kind == _DATA:
+                n = len(parts)
+                frame = Frame(
+                    bytes(head[n:]),
+                    [_as_tensor(parts[i], head[i]) for i in range(1, n)],
+                )
+                del parts, head
+                try:
+                    deliver(src, frame)
+                except Exception:
+                    log.exception("%s: delivering a frame from %s failed",
+                                  ctx.names[ctx.rank], peer.name)
+                del frame
+                if lane is not None and not lane.still_held():
+                    return False  # a follower receives from here on
+            elif kind == _BYE:
+                self._on_bye(peer)
+                return True
+            elif kind == _LOST:
+                peer.draining = True
+            elif kind == _STOP:
+                return True
+            else:
+                log.warning("%s: dropped a message of unknown kind %d from %s",
+                            ctx.names[ctx.rank], kind, peer.name)
+
+    def _end_receiving(self, peer: _Peer) -> None:
+        rx, peer.rx = peer.rx, None
+        if rx is not None:
+            rx.close(linger=0)  # this thread holds the lane: it owns the socket
+        if peer.lane is not None:
+            peer.lane.leave()
+        peer.ended.set()
+
+    def _on_bye(self, peer: _Peer) -> None:
+        with peer.lock:
+            peer.bye_received = True
+            if peer.gone is None:
+                peer.gone = "has shut down"
+            answer = not peer.bye_sent
+        if answer:  # the peer left on its own: let its receive loop for us end too
+            try:
+                self._post(peer, _BYE_MESSAGE, deadline=time.monotonic() + _BYE_TIMEOUT)
+            except PeerLostError as exc:
+                log.debug("goodbye to %s not sent: %s", peer.name, exc)
+        self._report(peer, "has shut down")
+
+    def _mark_lost(self, peer: _Peer, reason: str) -> None:
+        """The peer is gone: sends fail from now on; its receive loop reports it."""
+        with peer.lock:
+            if peer.gone is not None:
+                return
+            peer.gone = reason
+        if peer.ended.is_set() or not peer.started:
+            self._report(peer, reason)
+        else:
+            self._post_control(peer, _LOST_MESSAGE)
+
+    def _report(self, peer: _Peer, reason: str) -> None:
+        ctx = self._ctx
+        assert ctx is not None
+        with peer.lock:
+            if peer.reported:
+                return
+            peer.reported = True
+        if not self._closing:
+            ctx.peer_lost(peer.rank, reason)
+
+    def _post_control(self, peer: _Peer, message: list[bytes]) -> None:
+        with peer.ctl_lock:
+            if peer.ctl is None:
+                return
+            # The receive loop may be over already: never wait for it.
+            with contextlib.suppress(zmq.ZMQError):
+                peer.ctl.send_multipart(message, flags=zmq.NOBLOCK)
+
+    # ---------------------------------------------------------------------- monitor
+
+    def _monitor_loop(self, wake: zmq.Socket[bytes]) -> None:
+        """Turn every peer connection's events into ``connected`` or a lost peer."""
+        poller = zmq.Poller()
+        poller.register(wake, zmq.POLLIN)
+        owners: dict[zmq.Socket[bytes], _Peer] = {}
+        for peer in self._peers.values():
+            if peer.tx_monitor is not None:
+                owners[peer.tx_monitor] = peer
+                poller.register(peer.tx_monitor, zmq.POLLIN)
+        try:
+            while True:
+                for sock, _ in poller.poll():
+                    if sock is wake:
+                        wake.recv()
+                        return
+                    peer = owners[sock]
+                    try:
+                        event = recv_monitor_message(sock, zmq.NOBLOCK)
+                    except zmq.Again:
+                        continue
+                    if self._on_event(peer, int(event["event"])):
+                        poller.unregister(sock)
+                        del owners[sock]
+                        sock.close(linger=0)
+        except zmq.ZMQError as exc:
+            log.debug("monitor thread ends: %s", exc)
+        finally:
+            for sock in owners:
+                sock.close(linger=0)
+            wake.close(linger=0)
+
+    def _on_event(self, peer: _Peer, event: int) -> bool:
+        """Handle one monitor event of our connection to ``peer``; True: monitor over."""
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            peer.connected.set()
+        elif event == zmq.EVENT_DISCONNECTED:
+            if peer.connected.is_set() and not (self._closing or peer.bye_received):
+                self._mark_lost(peer, f"is unreachable: {_CRASHED}")
+        elif event == zmq.EVENT_MONITOR_STOPPED:
+            return True
+        elif peer.connected.is_set():  # a handshake failed after the first succeeded
+            self._mark_lost(peer, "is unreachable: a new connection to it failed")
+        else:
+            log.debug("connection to %s at %s: event %#x", peer.name, peer.endpoint, event)
+        return False
+
+    # ------------------------------------------------------------------------ close
+
+    def close(self, timeout: float) -> None:
+        """Say goodbye to every peer, wait (bounded) for theirs, release the sockets."""
+        ctx, zctx = self._ctx, self._zctx
+        if ctx is None or zctx is None or self._closed:
+            return
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        for peer in self._peers.values():
+            # No goodbye to a peer that was never reached, or that crashed.
+            crashed = peer.gone is not None and not peer.bye_received
+            if peer.connected.is_set() and not peer.bye_sent and not crashed:
+                try:
+                    self._post(peer, _BYE_MESSAGE, deadline=deadline)
+                except PeerLostError as exc:
+                    log.debug("goodbye to %s not sent: %s", peer.name, exc)
+        started = [p for p in self._peers.values() if p.started]
+        for peer in started:
+            peer.ended.wait(max(0.0, deadline - time.monotonic()))
+        silent = [p for p in started if not p.ended.is_set()]
+        if silent:
+            log.warning(
+                "%s: no goodbye from %s within %.1f s",
+                ctx.names[ctx.rank], ", ".join(p.name for p in silent), timeout,
+            )
+        for peer in silent:  # a loop waiting in recv ends on STOP at once
+            self._post_control(peer, _STOP_MESSAGE)
+        for peer in silent:
+            peer.ended.wait(1.0)
+        stuck = [p for p in started if not p.ended.is_set()]
+        self._closed = True
+        self._stop_monitor()
+        for peer in self._peers.values():
+            with peer.ctl_lock:
+                if peer.ctl is not None:
+                    peer.ctl.close(linger=0)
+                    peer.ctl = None
+            with peer.tx_lock:
+                if peer.tx is not None:
+                    # Our goodbye may still be queued: give it a moment to leave.
+                    left = max(0.0, min(1.0, deadline - time.monotonic()))
+                    peer.tx.close(linger=int(left * 1000))
+                    peer.tx = None
+            if not peer.started and peer.rx is not None:
+                peer.rx.close(linger=0)
+                peer.rx = None
+            if self._monitor is None and peer.tx_monitor is not None:
+                peer.tx_monitor.close(linger=0)  # start failed before the monitor ran
+                peer.tx_monitor = None
+        monitor_alive = self._monitor is not None and self._monitor.is_alive()
+        if stuck or monitor_alive:
+            log.warning(
+                "%s: receive loops for %s still busy; their sockets stay open",
+                ctx.names[ctx.rank], ", ".join(p.name for p in stuck) or "none",
+            )
+            _abandoned.append(zctx)
+        else:
+            zctx.term()
+        self._zctx = None
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _stop_monitor(self) -> None:
+        with self._wake_lock:
+            if self._wake is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._wake.send(b"stop", flags=zmq.NOBLOCK)
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(2.0)
+        with self._wake_lock:
+            if self._wake is not None:
+                self._wake.close(linger=0)
+                self._wake = None
+
+
+def _pipe(zctx: zmq.Context[Any], address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """Two connected inproc PAIR sockets: (sending end, receiving end)."""
+    receiving = zctx.socket(zmq.PAIR)
+    receiving.linger = 0
+    receiving.bind(address)
+    sending = zctx.socket(zmq.PAIR)
+    sending.linger = 0
+    sending.connect(address)
+    return sending, receiving
+
+
+def _last_endpoint(sock: zmq.Socket[bytes]) -> str:
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+
+def _private_dir() -> str | None:
+    """A fresh directory only this user can enter, for ``ipc://`` sockets (or None)."""
+    path = tempfile.mkdtemp(prefix="rpcx-zmq-")
+    if len(path) + 12 > _IPC_PATH_MAX:  # room for "/<rank>"
+        log.info("temp directory %s is too long for ipc:// paths; using TCP only", path)
+        os.rmdir(path)
+        return None
+    return path
+
+
+def _memory_of(tensor: torch.Tensor, nbytes: int) -> ctypes.Array[ctypes.c_char]:
+    """A buffer over a contiguous CPU tensor's memory that keeps the tensor alive.
+
+    rpcx does not require numpy, and a tensor has no buffer interface of its own, so the
+    memory is exposed through ctypes. ZeroMQ holds the returned object until it is done
+    with the bytes, and the object holds the tensor.
+    """
+    memory = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    memory.tensor = tensor  # type: ignore[attr-defined]  # ctypes objects take attributes
+    return memory
+
+
+def _as_tensor(part: zmq.Frame, alignment: int) -> torch.Tensor:
+    """A received part as a flat ``uint8`` tensor, over ZeroMQ's memory when it is safe.
+
+    ``alignment``: the element size of the tensor the part will be viewed as.
+    """
+    nbytes = len(part)
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if nbytes >= ZERO_COPY_RECEIVE:
+        # The tensor keeps the frame, and so libzmq's message, alive. The memory is the
+        # message's own (libzmq allocates every large message separately) and writable.
+        tensor = torch.frombuffer(part, dtype=torch.uint8)
+        if alignment and tensor.data_ptr() % alignment == 0:
+            return tensor
+        return tensor.clone()
+    return torch.frombuffer(bytearray(part.buffer), dtype=torch.uint8)

@@ -1,0 +1,1 @@
+pytest_plugins = ["rpcx.testing.fixtures"]

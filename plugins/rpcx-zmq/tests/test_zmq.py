@@ -1,0 +1,406 @@
+"""The zmq backend's own behaviour: addresses, IPC or TCP, options, zero copy, lost peers.
+
+Most tests drive transports directly (two or three in this process, on a shared
+``HashStore``), the way rpcx's agent does; the conformance kit (test_kit.py) covers the
+backend under rpcx.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import multiprocessing
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import rpcx
+import torch
+import zmq
+from rpcx.errors import PeerLostError
+from rpcx.registry import available_backends
+from rpcx.transport import Frame, TransportContext
+from torch.distributed import FileStore, HashStore
+
+from rpcx_zmq import ZmqRpcBackendOptions, ZmqTransport
+from rpcx_zmq import transport as zmq_transport
+from rpcx_zmq.addresses import (
+    address_towards,
+    default_address,
+    host_identity,
+    listen_host,
+    resolve,
+)
+
+MiB = 1 << 20
+
+
+class Inbox:
+    """What one transport delivered and which peers it lost."""
+
+    def __init__(self) -> None:
+        self.frames: queue.SimpleQueue[tuple[int, Frame]] = queue.SimpleQueue()
+        self.lost: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+        self.block: threading.Event | None = None  # set: deliver waits on it
+
+    def deliver(self, src: int, frame: Frame) -> None:
+        if self.block is not None:
+            self.block.wait(30)
+        self.frames.put((src, frame))
+
+    def peer_lost(self, rank: int, reason: str) -> None:
+        self.lost.put((rank, reason))
+
+    def next(self, timeout: float = 10.0) -> tuple[int, Frame]:
+        return self.frames.get(timeout=timeout)
+
+
+def _context(rank: int, size: int, store: Any, options: Any, inbox: Inbox) -> TransportContext:
+    return TransportContext(
+        rank=rank, world_size=size, names=[f"worker{r}" for r in range(size)], store=store,
+        options=options, init_method="file:///nonexistent", deliver=inbox.deliver,
+        peer_lost=inbox.peer_lost,
+    )
+
+
+def _start_all(size: int, store: Any, options: Any) -> tuple[list[ZmqTransport], list[Inbox]]:
+    transports = [ZmqTransport() for _ in range(size)]
+    inboxes = [Inbox() for _ in range(size)]
+    errors: list[BaseException] = []
+
+    def start(rank: int) -> None:
+        try:
+            transports[rank].start(_context(rank, size, store, options, inboxes[rank]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(r,)) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    if errors:
+        raise errors[0]
+    return transports, inboxes
+
+
+@contextmanager
+def transports(
+    size: int = 2, **options: Any
+) -> Iterator[tuple[list[ZmqTransport], list[Inbox]]]:
+    """``size`` started transports of one world in this process, closed afterwards."""
+    store = HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    started, inboxes = _start_all(size, store, ZmqRpcBackendOptions(rpc_timeout=30, **options))
+    try:
+        yield started, inboxes
+    finally:
+        closers = [threading.Thread(target=t.close, args=(5.0,)) for t in started]
+        for closer in closers:
+            closer.start()
+        for closer in closers:
+            closer.join(30)
+
+
+# ------------------------------------------------------------------ registration
+
+
+def test_registered_through_the_entry_point() -> None:
+    spec = available_backends()["zmq"]
+    assert spec.factory is ZmqTransport
+    assert spec.options_type is ZmqRpcBackendOptions
+    assert spec.capabilities.multi_process and spec.capabilities.multi_host
+    assert not spec.capabilities.in_process
+    assert "rpcx_zmq.plugin" in spec.plugin
+
+
+def test_rpcx_never_imports_the_plugin_itself() -> None:
+    code = (
+        "import sys, rpcx\n"
+        "assert 'rpcx_zmq' not in sys.modules\n"
+        "assert 'zmq' in rpcx.backend_names()\n"  # loads plugins through entry points
+        "assert 'rpcx_zmq.plugin' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ------------------------------------------------------------------------ options
+
+
+def test_options_defaults_and_torch_fields() -> None:
+    options = ZmqRpcBackendOptions(rpc_timeout=12, num_worker_threads=4)
+    options.validate()
+    assert isinstance(options, rpcx.TensorPipeRpcBackendOptions)
+    assert options.rpc_timeout == 12 and options.num_worker_threads == 4
+    assert options.hostname is None and options.interface is None and options.ipc
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"hostname": "127.0.0.1", "interface": "lo"}, "not both"),
+        ({"hostname": ""}, "non-empty"),
+        ({"heartbeat_interval": -1.0}, "heartbeat_interval"),
+        ({"heartbeat_interval": 5.0, "heartbeat_timeout": 5.0}, "must exceed"),
+    ],
+)
+def test_options_validate(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ZmqRpcBackendOptions(**fields).validate()
+
+
+# ---------------------------------------------------------------------- addresses
+
+
+def test_address_towards_a_local_rendezvous_is_loopback() -> None:
+    assert address_towards("tcp://127.0.0.1:29500") == "127.0.0.1"
+    assert ipaddress.ip_address(address_towards("tcp://localhost:29500") or "").is_loopback
+
+
+def test_address_towards_env_reads_master_addr(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert address_towards("env://") == "127.0.0.1"
+    monkeypatch.delenv("MASTER_ADDR")
+    assert address_towards("env://") is None
+
+
+def test_address_towards_unknown_host_or_scheme() -> None:
+    assert address_towards("file:///tmp/rendezvous") is None
+    assert address_towards("tcp://no-such-host.invalid:1") is None
+
+
+def test_address_towards_a_remote_host_is_the_routing_interface() -> None:
+    # TEST-NET-3: nothing answers, but the kernel names the source address of its route.
+    address = address_towards("tcp://203.0.113.7:29500")
+    if address is None:
+        pytest.skip("this machine has no route off the host")
+    assert not ipaddress.ip_address(address).is_loopback
+    assert address == default_address() or ipaddress.ip_address(address)
+
+
+def test_listen_host_options_override_the_guess() -> None:
+    assert listen_host("127.0.0.1", None, "tcp://203.0.113.7:1") == "127.0.0.1"
+    assert ipaddress.ip_address(listen_host("localhost", None, "file:///x")).is_loopback
+    assert listen_host(None, "lo", "tcp://203.0.113.7:1") == "lo"
+    assert listen_host(None, None, "tcp://127.0.0.1:1") == "127.0.0.1"
+    with pytest.raises(ValueError, match="does not resolve"):
+        resolve("no-such-host.invalid")
+
+
+def test_host_identity_names_host_boot_and_mounts() -> None:
+    identity = host_identity()
+    assert identity == host_identity()
+    assert identity.startswith(f"{os.uname().nodename}|")
+    if os.path.exists("/proc/sys/kernel/random/boot_id"):
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            assert file.read().strip() in identity
+
+
+# -------------------------------------------------------------- ipc or tcp, sending
+
+
+def test_peers_on_this_host_use_ipc() -> None:
+    with transports(3) as (started, _):
+        for transport in started:
+            assert len(transport.endpoints) == 2
+            assert all(e.startswith("ipc://") for e in transport.endpoints.values())
+
+
+def test_ipc_off_uses_tcp_on_the_chosen_address() -> None:
+    with transports(2, ipc=False, hostname="127.0.0.1") as (started, inboxes):
+        for transport in started:
+            (endpoint,) = transport.endpoints.values()
+            assert endpoint.startswith("tcp://127.0.0.1:")
+        started[0].send(1, Frame(b"over tcp", [torch.arange(4)]))
+        src, frame = inboxes[1].next()
+        assert (src, frame.header) == (0, b"over tcp")
+        assert torch.equal(frame.buffers[0].view(torch.int64), torch.arange(4))
+
+
+def test_interface_option_binds_that_interface() -> None:
+    with transports(2, ipc=False, interface="lo") as (started, inboxes):
+        (endpoint,) = started[0].endpoints.values()
+        assert endpoint.startswith("tcp://127.0.0.1:")
+        started[1].send(0, Frame(b"via lo"))
+        assert inboxes[0].next()[1].header == b"via lo"
+
+
+@pytest.mark.parametrize("ipc", [True, False])
+def test_large_tensor_round_trip_without_copies(ipc: bool) -> None:
+    original = torch.randn(16 * MiB // 4)  # 16 MiB
+    expected = original.clone()
+    with transports(2, ipc=ipc) as (started, inboxes):
+        started[0].send(1, Frame(b"there", [original, torch.empty(0), torch.arange(3)]))
+        original.zero_()  # send returned: the bytes are out, the caller may change them
+        _, frame = inboxes[1].next()
+        there = frame.buffers[0]
+        assert there.numel() == expected.numel() * 4
+        assert torch.equal(there.view(torch.float32), expected)
+        assert frame.buffers[1].numel() == 0
+        assert torch.equal(frame.buffers[2].view(torch.int64), torch.arange(3))
+        # Received without a copy: the tensor lives in ZeroMQ's message memory, which
+        # torch did not allocate (so cannot resize), aligned for the dtype.
+        assert not there.untyped_storage().resizable()
+        assert there.data_ptr() % 4 == 0
+        # ... and it is writable, as any tensor rpcx hands to a program.
+        there.view(torch.float32).mul_(2)
+        started[1].send(0, Frame(b"back", [there]))
+        _, back = inboxes[0].next()
+        assert torch.equal(back.buffers[0].view(torch.float32), expected * 2)
+        assert not back.buffers[0].untyped_storage().resizable()
+
+
+def test_buffers_needing_more_alignment_than_zeromq_gives_are_copied() -> None:
+    values = torch.randn(1 << 18, dtype=torch.complex128)  # 4 MiB, 16-byte elements
+    with transports(2) as (started, inboxes):
+        started[0].send(1, Frame(b"complex", [values, torch.arange(1 << 18)]))
+        _, frame = inboxes[1].next()
+        wide, narrow = frame.buffers
+        assert wide.data_ptr() % 16 == 0
+        assert torch.equal(wide.view(torch.complex128), values)
+        assert not narrow.untyped_storage().resizable()  # int64: ZeroMQ's memory will do
+        assert torch.equal(narrow.view(torch.int64), torch.arange(1 << 18))
+
+
+def test_sent_from_the_tensor_memory_kept_alive_by_zeromq() -> None:
+    tensor = torch.arange(1 << 18, dtype=torch.int32)
+    memory = zmq_transport._memory_of(tensor, tensor.numel() * 4)
+    assert memoryview(memory).nbytes == tensor.numel() * 4
+    import ctypes
+
+    assert ctypes.addressof(memory) == tensor.data_ptr()  # no copy
+    assert memory.tensor is tensor  # type: ignore[attr-defined]
+
+
+def test_owned_buffers_are_not_waited_for_but_stay_valid() -> None:
+    with transports(2) as (started, inboxes):
+        owned = torch.full((4 * MiB,), 7, dtype=torch.uint8)
+        started[0].send(1, Frame(b"owned", [owned], owned=frozenset({0})))
+        del owned  # the message holds the memory until ZeroMQ is done
+        _, frame = inboxes[1].next()
+        assert bool((frame.buffers[0] == 7).all())
+
+
+def test_per_peer_order_from_many_threads() -> None:
+    with transports(2) as (started, inboxes):
+        threads = 4
+        per_thread = 300
+
+        def sender(t: int) -> None:
+            for i in range(per_thread):
+                size = 300_000 if i % 50 == 0 else 8  # some zero-copy frames among them
+                started[0].send(1, Frame(f"{t}:{i}".encode(), [torch.zeros(size)]))
+
+        workers = [threading.Thread(target=sender, args=(t,)) for t in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+        seen: dict[int, int] = {}
+        for _ in range(threads * per_thread):
+            _, frame = inboxes[1].next()
+            t, i = map(int, frame.header.split(b":"))
+            assert i == seen.get(t, -1) + 1, "frames of one thread out of order"
+            seen[t] = i
+        assert seen == dict.fromkeys(range(threads), per_thread - 1)
+
+
+# ------------------------------------------------------------- goodbyes and losses
+
+
+def test_a_peer_that_leaves_is_reported_once_and_sends_fail() -> None:
+    with transports(3) as (started, inboxes):
+        started[2].send(0, Frame(b"last words"))
+        started[2].close(5.0)
+        assert inboxes[0].next()[1].header == b"last words"  # delivered before the loss
+        for survivor in (0, 1):
+            rank, reason = inboxes[survivor].lost.get(timeout=10)
+            assert (rank, reason) == (2, "has shut down")
+            with pytest.raises(PeerLostError, match="shut down"):
+                started[survivor].send(2, Frame(b"too late"))
+        started[0].send(1, Frame(b"others still talk"))
+        assert inboxes[1].next()[1].header == b"others still talk"
+        time.sleep(0.2)
+        assert inboxes[0].lost.empty() and inboxes[1].lost.empty()
+
+
+def test_close_is_bounded_when_a_peer_does_not_answer() -> None:
+    with transports(2) as (started, inboxes):
+        gate = threading.Event()
+        inboxes[1].block = gate  # worker1's receive loop hangs in deliver
+        started[0].send(1, Frame(b"hang here"))
+        time.sleep(0.2)
+        began = time.monotonic()
+        started[0].close(0.5)  # worker1 never reads our goodbye
+        assert time.monotonic() - began < 3.0
+        began = time.monotonic()
+        started[1].close(0.5)  # its own loop is stuck: close gives up, bounded
+        assert time.monotonic() - began < 3.0
+        gate.set()
+
+
+def _crashing_worker(path: str) -> None:
+    store = FileStore(path, 2)
+    inbox = Inbox()
+    transport = ZmqTransport()
+    transport.start(_context(1, 2, store, ZmqRpcBackendOptions(rpc_timeout=30), inbox))
+    inbox.next(30)  # the cue
+    os._exit(1)
+
+
+@pytest.mark.parametrize("ipc", [True, False])
+def test_a_crashed_peer_is_reported_at_once(tmp_path: Any, ipc: bool) -> None:
+    path = str(tmp_path / "store")
+    process = multiprocessing.get_context("spawn").Process(target=_crashing_worker,
+                                                            args=(path,))
+    process.start()
+    try:
+        store = FileStore(path, 2)
+        inbox = Inbox()
+        transport = ZmqTransport()
+        transport.start(_context(0, 2, store, ZmqRpcBackendOptions(rpc_timeout=30, ipc=ipc),
+                                 inbox))
+        # ipc=False here is only this side's choice; the child still offers IPC.
+        assert transport.endpoints[1].startswith("ipc://" if ipc else "tcp://")
+        began = time.monotonic()
+        transport.send(1, Frame(b"die"))
+        rank, reason = inbox.lost.get(timeout=10)
+        assert rank == 1 and "exited or crashed" in reason
+        assert time.monotonic() - began < 5.0
+        with pytest.raises(PeerLostError, match="crashed"):
+            transport.send(1, Frame(b"anyone?"))
+        began = time.monotonic()
+        transport.close(2.0)
+        assert time.monotonic() - began < 4.0
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+
+
+def test_start_fails_in_time_when_a_peer_never_listens() -> None:
+    store = HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    # A peer that published an endpoint nobody listens on, then died.
+    context = zmq.Context()
+    dead = context.socket(zmq.PULL)
+    port = dead.bind_to_random_port("tcp://127.0.0.1")
+    dead.close(linger=0)
+    context.term()
+    endpoints = {"0": {"tcp": f"tcp://127.0.0.1:{port}"}}
+    store.set("zmq/1", json.dumps({"host": "elsewhere", "rx": endpoints}))
+    transport = ZmqTransport()
+    options = ZmqRpcBackendOptions(rpc_timeout=1.0)
+    began = time.monotonic()
+    with pytest.raises(rpcx.RpcTimeoutError, match="worker1"):
+        transport.start(_context(0, 2, store, options, Inbox()))
+    assert time.monotonic() - began < 5.0
+    transport.close(1.0)
