@@ -1,4 +1,3 @@
-"""The conformance suite, run on every selected backend (see rpcx.testing)."""
+"""The conformance kit (rpcx.testing.test_kit), run on every selected backend."""
 
-from rpcx.testing.conformance import *  # noqa: F403
-from rpcx.testing.conformance_parity import *  # noqa: F403
+from rpcx.testing.test_kit import *  # noqa: F403

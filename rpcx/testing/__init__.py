@@ -1,14 +1,13 @@
 """rpcx's conformance kit: the suite every backend must pass, and the harness it runs on.
 
-A backend plugin runs exactly the suite the built-in backends pass::
+A backend plugin runs exactly the suite the built-in backends pass, from the installed
+package::
 
-    # conftest.py of the plugin's tests
-    pytest_plugins = ["rpcx.testing.fixtures"]
+    pytest -p rpcx.testing.fixtures --pyargs rpcx.testing --rpcx-backend=mybackend
 
-    # test_conformance.py
-    from rpcx.testing.conformance import *  # noqa: F403
-
-    # then: pytest --rpcx-backend=mybackend
+That collects :mod:`rpcx.testing.test_kit`, which gathers every group of the kit. Tests
+marked ``rpcx_requires`` skip, saying why, on a backend whose capabilities lack a flag
+(see :mod:`rpcx.testing.fixtures`).
 
 Functions the suite calls remotely live in :mod:`rpcx.testing.remote`, so every worker
 process can import them.

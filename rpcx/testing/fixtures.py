@@ -3,9 +3,13 @@
 Options: ``--rpcx-backend NAME`` (repeatable; default: every installed backend, or the
 comma-separated ``$RPCX_TEST_BACKENDS``).
 
+Marker: ``@pytest.mark.rpcx_requires("multi_process", reason=...)`` skips a test on a
+backend whose :class:`~rpcx.transport.Capabilities` lack any of the named flags, saying
+which flag is missing and why the test needs it.
+
 Fixtures:
     rpcx_backend: the backend under test (the suite is parametrized over them).
-    rpc_world: a 3-worker world on that backend, started once per test module.
+    rpc_world: a 4-worker world on that backend, started once per test class.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rpcx.registry import backend_names
+from rpcx.registry import backend_names, resolve_backend
 from rpcx.testing.world import World, start_world
 
 WORLD_SIZE = 4
@@ -26,6 +30,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--rpcx-backend", action="append", default=None,
         help="backend(s) to run the rpcx conformance suite on (default: all installed)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Declare the ``rpcx_requires`` marker."""
+    config.addinivalue_line(
+        "markers",
+        "rpcx_requires(*capabilities, reason): skip unless the backend under test declares "
+        "every named Capabilities flag",
     )
 
 
@@ -45,11 +58,31 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def rpc_world(rpcx_backend: str) -> Iterator[World]:
-    """A world of ``worker0`` (this test process or thread) and three more workers."""
+    """A world of ``worker0`` (this test process or thread) and three more workers.
+
+    One per test class: classes are independent (pytest-xdist's ``--dist loadscope``
+    spreads them over workers), and a class that needs a world of its own, as
+    ``TestPeerDeath`` does (a crash ends a world), never meets another class's.
+    """
     world = start_world(rpcx_backend, WORLD_SIZE)
     try:
         yield world
     finally:
         world.close()
+
+
+@pytest.fixture(autouse=True)
+def _rpcx_requires(request: pytest.FixtureRequest) -> None:
+    """Skip a test marked ``rpcx_requires`` on a backend that lacks a capability."""
+    marker = request.node.get_closest_marker("rpcx_requires")
+    if marker is None or "rpcx_backend" not in request.fixturenames:
+        return
+    backend = request.getfixturevalue("rpcx_backend")
+    capabilities = resolve_backend(backend).capabilities
+    missing = [flag for flag in marker.args if not getattr(capabilities, flag)]
+    if missing:
+        why = marker.kwargs.get("reason", "")
+        pytest.skip(f"backend {backend!r} does not declare {', '.join(missing)}"
+                    + (f": {why}" if why else ""))

@@ -29,8 +29,15 @@ _JOIN_TIMEOUT = 60.0
 LOG_LEVEL_ENV = "RPCX_TEST_LOG_LEVEL"  # e.g. INFO: worker processes log at that level
 
 
-def _options(init_method: str, options: dict[str, Any]) -> rpcx.TensorPipeRpcBackendOptions:
-    return rpcx.TensorPipeRpcBackendOptions(init_method=init_method, **options)
+def _options(
+    backend: str, init_method: str, options: dict[str, Any]
+) -> rpcx.TensorPipeRpcBackendOptions:
+    """The backend's own options type where it extends torch's (so tests can set its
+    fields), else torch's TensorPipe options, which every backend accepts."""
+    options_type = resolve_backend(backend).options_type
+    if not issubclass(options_type, rpcx.TensorPipeRpcBackendOptions):
+        options_type = rpcx.TensorPipeRpcBackendOptions
+    return options_type(init_method=init_method, **options)
 
 
 def _serve(rank: int, size: int, init_method: str, backend: str, options: dict[str, Any]) -> None:
@@ -39,7 +46,7 @@ def _serve(rank: int, size: int, init_method: str, backend: str, options: dict[s
         logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     rpcx.init_rpc(
         f"worker{rank}", backend=backend, rank=rank, world_size=size,
-        rpc_backend_options=_options(init_method, options),
+        rpc_backend_options=_options(backend, init_method, options),
     )
     rpcx.shutdown()
 
@@ -110,7 +117,7 @@ def start_world(
     try:
         rpcx.init_rpc(
             "worker0", backend=spec.name, rank=0, world_size=size,
-            rpc_backend_options=_options(init_method, options),
+            rpc_backend_options=_options(spec.name, init_method, options),
         )
     except BaseException:
         for process in world._processes:

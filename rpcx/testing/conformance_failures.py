@@ -1,0 +1,130 @@
+"""Conformance: a worker dies with RRefs and a distributed autograd context in flight.
+
+Multi-process backends only (a thread cannot crash on its own). One world per test: a
+crash ends it. What must hold: calls to the dead worker fail at once naming it; the
+survivors learn of it (``debug_info()["lost_peers"]``); owners drop the references the
+dead worker held (``drop_rank``), so their values are freed; a backward pass through the
+dead worker fails instead of hanging; shutdown skips it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import rpcx
+import rpcx.autograd as dist_autograd
+from rpcx.testing import remote, training
+from rpcx.testing.world import World, world
+
+__all__ = ["TestPeerDeath"]
+
+W0, W1, W2 = "worker0", "worker1", "worker2"
+BOUND = 60.0
+
+
+@pytest.mark.rpcx_requires(
+    "multi_process", reason="a worker that is a thread of this process cannot crash alone")
+class TestPeerDeath:
+    """A worker process ends abruptly (``os._exit``) mid-call, mid-backward, mid-context."""
+
+    @pytest.fixture
+    def crash_world(self, rpcx_backend: str) -> Iterator[World]:
+        """A fresh 3-worker world: a crash ends it."""
+        with world(rpcx_backend, size=3, rpc_timeout=BOUND) as started:
+            yield started
+
+    def test_dead_worker_with_rrefs_and_autograd_in_flight(self, crash_world: World) -> None:
+        baseline = rpcx.rpc_sync(W2, remote.tracked_live)
+        # worker1 holds the only reference to a value on worker2
+        held = rpcx.remote(W2, remote.Tracked, args=("held by worker1",))
+        key = uuid.uuid4().hex
+        rpcx.rpc_sync(W1, remote.hold, args=(key, held))
+        assert rpcx.rpc_sync(W1, remote.wait_confirmed_held, args=(key,)) is True
+        del held
+        rpcx.rpc_sync(W0, remote.rref_settle)
+        assert rpcx.rpc_sync(W2, remote.tracked_live) == baseline + 1
+        # worker0 holds a reference to a value on worker1
+        on_dead = rpcx.remote(W1, remote.Counter, args=(1,))
+        assert on_dead.to_here().count == 1
+
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        gate = uuid.uuid4().hex
+        with dist_autograd.context() as context_id:
+            # The graph crosses worker1 (worker0 -> worker1 -> worker2).
+            y = rpcx.rpc_sync(W1, training.square_then_call, args=(x, [W2]))
+            blocked = rpcx.rpc_async(W1, remote.wait_for_release, args=(gate, BOUND))
+            rpcx.rpc_async(W1, remote.crash_process)
+            with pytest.raises(rpcx.PeerLostError, match=r"worker 'worker1'"):
+                blocked.wait()
+            started = time.monotonic()
+            with pytest.raises(rpcx.PeerLostError, match=r"worker 'worker1'"):
+                dist_autograd.backward(context_id, [y.sum()])
+            assert time.monotonic() - started < BOUND / 4, "backward waited for the dead worker"
+
+        # Every survivor knows, and says why.
+        lost_here = rpcx.debug_info()["lost_peers"]
+        assert list(lost_here) == [W1] and "worker1" in lost_here[W1], lost_here
+        lost_there = rpcx.rpc_sync(W2, remote.wait_until_lost, args=(W1, BOUND))
+        assert list(lost_there) == [W1], lost_there
+
+        # The owner dropped the dead worker's reference: the value is freed.
+        rpcx.rpc_sync(W2, remote.rref_settle)
+        assert rpcx.rpc_sync(W2, remote.tracked_live) == baseline
+        # An RRef owned by the dead worker fails at once, naming it.
+        started = time.monotonic()
+        with pytest.raises(rpcx.PeerLostError, match="worker1"):
+            on_dead.to_here()
+        with pytest.raises(rpcx.PeerLostError, match="worker1"):
+            on_dead.rpc_sync().value()
+        assert time.monotonic() - started < BOUND / 4
+        # The others still work, also with autograd.
+        with dist_autograd.context() as context_id:
+            z = rpcx.rpc_sync(W2, training.scale, args=(x, 3.0))
+            dist_autograd.backward(context_id, [z.sum()])
+            assert torch.equal(dist_autograd.get_gradients(context_id)[x], torch.full((2,), 3.0))
+
+
+    def test_worker_dying_inside_a_chain_fails_the_backward(self, crash_world: World) -> None:
+        # worker0 -> worker1 -> worker2, whose backward ends its process. The chain of
+        # passes has left worker0 (it went on one way through worker1), so worker0 hears
+        # it from worker1, which handed the chain to worker2: an error naming worker2,
+        # long before the timeout.
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        with dist_autograd.context() as context_id:
+            z = rpcx.rpc_sync(W1, rpcx.rpc_sync, args=(
+                W2, training.fail_in_backward_then_call, (x, [], True)))
+            started = time.monotonic()
+            with pytest.raises(rpcx.PeerLostError, match="worker2"):
+                dist_autograd.backward(context_id, [z.sum()])
+            assert time.monotonic() - started < BOUND / 4, "backward waited for the dead worker"
+
+
+    def test_context_reached_through_a_dead_worker_is_released(self, crash_world: World) -> None:
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        with dist_autograd.context():
+            rpcx.rpc_sync(W1, training.square_then_call, args=(x, [W2]))  # worker2 joins it
+            rpcx.rpc_async(W1, remote.crash_process)
+            # Known dead here before the block ends (a local check: no call to worker2 in
+            # the context, which would make worker2 a peer of this worker in it).
+            assert list(remote.wait_until_lost(W1, BOUND)) == [W1]
+        # The release cannot travel through worker1: it goes to every live worker, and
+        # this worker's releases are complete once each peer has handled it.
+        assert dist_autograd._wait_released(BOUND) >= 1
+        assert list(rpcx.rpc_sync(W2, remote.wait_until_lost, args=(W1, BOUND))) == [W1]
+        stats = rpcx.rpc_sync(W2, training.autograd_stats)
+        assert stats["contexts"] == 0, stats
+
+
+    def test_contexts_of_a_dead_creator_are_released(self, crash_world: World) -> None:
+        before = rpcx.rpc_sync(W2, training.autograd_stats)["contexts"]
+        with pytest.raises(rpcx.PeerLostError, match=r"worker 'worker1'"):
+            rpcx.rpc_sync(W1, training.open_context_call_then_crash, args=(W2,))
+        # worker2 joined a context of worker1's, which will never release it now.
+        assert list(rpcx.rpc_sync(W2, remote.wait_until_lost, args=(W1, BOUND))) == [W1]
+        stats = rpcx.rpc_sync(W2, training.autograd_stats)
+        assert stats["contexts"] == before, stats
