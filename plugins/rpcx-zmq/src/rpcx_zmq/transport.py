@@ -103,8 +103,8 @@ class _Peer:
 
     __slots__ = (
         "bye_received", "bye_sent", "connected", "ctl", "ctl_lock", "draining", "ended",
-        "endpoint", "gone", "lane", "lock", "name", "rank", "reported", "rx", "started",
-        "tx", "tx_lock", "tx_monitor",
+        "endpoint", "gone", "lane", "lock", "name", "rank", "reader", "reported", "rx",
+        "started", "stash", "tx", "tx_lock", "tx_monitor",
     )
 
     def __init__(self, rank: int, name: str) -> None:
@@ -118,6 +118,8 @@ class _Peer:
         self.tx_lock = threading.Lock()
         self.ctl_lock = threading.Lock()
         self.lock = threading.Lock()  # the flags below
+        self.reader = threading.Lock()  # held by the thread running the receive loop
+        self.stash: Frame | None = None  # received, to be delivered by the lane's holder
         self.bye_sent = False
         self.bye_received = False
         self.gone: str | None = None  # why sends to the peer fail, once it is gone
@@ -372,66 +374,100 @@ class ZmqTransport:
         if peer.lane is not None:
             peer.lane.enter()
         try:
-            ended = self._receive_frames(peer)
+            self._receive_frames(peer)
         except Exception:  # a bug here must not leave the peer's frames unread silently
             log.exception("receive loop for %s failed", peer.name)
             self._mark_lost(peer, "is unreachable: its receive loop failed")
+            with peer.reader:
+                self._end_receiving(peer)
             self._report(peer, peer.gone or "is unreachable: its receive loop failed")
-            ended = True
-        if ended:
-            self._end_receiving(peer)
 
-    def _receive_frames(self, peer: _Peer) -> bool:
-        """The loop itself; True when it ended, False when another thread took over."""
+    def _receive_frames(self, peer: _Peer) -> None:
+        """The loop itself, until the peer is done or another thread took over.
+
+        A ZeroMQ socket must never be used by two threads at once, so every use of
+        ``rx`` is under the peer's ``reader`` lock (delivering is not: a request served
+        on this thread may block, and the next holder of the lane receives meanwhile).
+        Normally the role moves only while a request is served, and the next holder
+        finds the lock free. rpcx can also start a second holder while the first waits
+        in ``recv`` (see the README, "Known issue in rpcx"): the newcomer then waits for
+        the lock, and the old reader, on its next frame, sees it lost the role, leaves
+        the frame in ``stash`` for the newcomer and returns. Nothing is received twice,
+        lost, or left waiting.
+        """
         ctx = self._ctx
         assert ctx is not None
-        rx = peer.rx
-        assert rx is not None
         lane = peer.lane
         deliver = ctx.deliver
         src = peer.rank
         while True:
+            with peer.reader:
+                if peer.ended.is_set():  # the loop ended while this thread waited
+                    if lane is not None:
+                        lane.leave()
+                    return
+                frame, peer.stash = peer.stash, None
+                lost: str | None = None  # the loop ends, and the peer is reported so
+                if frame is None:
+                    frame, lost = self._receive_one(peer)
+                    if frame is None:
+                        self._end_receiving(peer)
+                elif lane is not None and not lane.still_held():
+                    peer.stash = frame  # the holder delivers it, first thing
+                    return
+            if frame is None:
+                if lost:
+                    self._report(peer, lost)
+                return
+            try:
+                deliver(src, frame)
+            except Exception:
+                log.exception("%s: delivering a frame from %s failed",
+                              ctx.names[ctx.rank], peer.name)
+            del frame
+            if lane is not None and not lane.still_held():
+                return  # a follower receives from here on
+
+    def _receive_one(self, peer: _Peer) -> tuple[Frame | None, str]:
+        """The next frame from ``peer``'s socket (under ``reader``).
+
+        ``(frame, "")``, or ``(None, reason)`` when the loop is over: ``reason`` is what
+        to report (``""``: nothing, as after a goodbye while closing, or a STOP).
+        """
+        ctx = self._ctx
+        rx = peer.rx
+        assert ctx is not None and rx is not None
+        while True:
             if peer.draining and not rx.poll(_DRAIN_WAIT_MS):
-                self._report(peer, peer.gone or f"is unreachable: {_CRASHED}")
-                return True
+                return None, peer.gone or f"is unreachable: {_CRASHED}"
             try:
                 parts = rx.recv_multipart(copy=False)
             except zmq.ZMQError as exc:  # the context is gone: nothing more can arrive
                 self._mark_lost(peer, f"is unreachable: {exc}")
-                self._report(peer, peer.gone or f"is unreachable: {exc}")
-                return True
+                return None, peer.gone or f"is unreachable: {exc}"
             head = parts[0].buffer
             kind = head[0] if len(head) else 0
             if kind == _DATA:
                 n = len(parts)
-                frame = Frame(
-                    bytes(head[n:]),
-                    [_as_tensor(parts[i], head[i]) for i in range(1, n)],
-                )
-                del parts, head
-                try:
-                    deliver(src, frame)
-                except Exception:
-                    log.exception("%s: delivering a frame from %s failed",
-                                  ctx.names[ctx.rank], peer.name)
-                del frame
-                if lane is not None and not lane.still_held():
-                    return False  # a follower receives from here on
-            elif kind == _BYE:
+                return Frame(
+                    bytes(head[n:]), [_as_tensor(parts[i], head[i]) for i in range(1, n)]
+                ), ""
+            if kind == _BYE:
                 self._on_bye(peer)
-                return True
-            elif kind == _LOST:
+                return None, "has shut down"
+            if kind == _LOST:
                 peer.draining = True
             elif kind == _STOP:
-                return True
+                return None, ""
             else:
                 log.warning("%s: dropped a message of unknown kind %d from %s",
                             ctx.names[ctx.rank], kind, peer.name)
 
     def _end_receiving(self, peer: _Peer) -> None:
+        """Close ``rx`` and mark the loop over (the caller holds ``reader``)."""
         rx, peer.rx = peer.rx, None
         if rx is not None:
-            rx.close(linger=0)  # this thread holds the lane: it owns the socket
+            rx.close(linger=0)
         if peer.lane is not None:
             peer.lane.leave()
         peer.ended.set()
@@ -447,7 +483,6 @@ class ZmqTransport:
                 self._post(peer, _BYE_MESSAGE, deadline=time.monotonic() + _BYE_TIMEOUT)
             except PeerLostError as exc:
                 log.debug("goodbye to %s not sent: %s", peer.name, exc)
-        self._report(peer, "has shut down")
 
     def _mark_lost(self, peer: _Peer, reason: str) -> None:
         """The peer is gone: sends fail from now on; its receive loop reports it."""
