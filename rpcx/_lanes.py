@@ -114,7 +114,16 @@ class ReceiveLane:
         """
         token = object()
         with self._lock:
-            self._serving = token
+            held = self._holder is threading.current_thread()
+            if held:
+                self._serving = token
+        if not held:
+            # The role moved on while this thread served an earlier request (it still
+            # has the lane as its current one until it returns to its loop). Marking
+            # the lane serving now would let the watchdog move the role off its real
+            # holder, which is receiving: two threads would then read one peer.
+            fn(*args)
+            return
         with _pool.blocker(self):
             try:
                 fn(*args)

@@ -132,3 +132,39 @@ def test_order_is_kept_across_hand_offs(blocks: bool) -> None:
     worker.join(TIMEOUT)
     # Items start in order (each item's start happens before the next is taken).
     assert seen == list(range(30))
+
+
+def test_serving_on_a_thread_the_role_left_does_not_mark_the_lane() -> None:
+    # A thread whose role moved on (hand-off while it served) may still serve more
+    # before it returns to its loop. That must not mark the lane as serving: the
+    # watchdog would take the role from the real holder, which is receiving, and two
+    # threads would read one peer.
+    started: list[Callable[[], None]] = []
+    lane = ReceiveLane("test", lambda: None, started.append)
+    holder_entered, release = threading.Event(), threading.Event()
+
+    def follower() -> None:
+        lane.enter()
+        holder_entered.set()
+        release.wait(TIMEOUT)
+
+    def outer() -> None:
+        assert lane.hand_off()
+        thread = threading.Thread(target=follower)
+        thread.start()
+        assert holder_entered.wait(TIMEOUT)
+        seen: list[object | None] = []
+
+        def inner() -> None:
+            assert lane._serving is None  # not marked: this thread is not the holder
+            seen.append(lane._look(None))
+            seen.append(lane._look(seen[-1]))
+
+        lane.serve(inner)
+        assert seen == [None, None] and len(started) == 1  # no second follower
+        release.set()
+        thread.join(TIMEOUT)
+
+    lane.enter()
+    lane.serve(outer)
+    assert not lane.still_held()
