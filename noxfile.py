@@ -1,4 +1,4 @@
-"""The test matrix: ``nox -s tests`` runs the suite once per built-in backend.
+"""The test matrix: ``nox -s tests`` runs the suite once per backend, built-in or plugin.
 
 Sessions: tests(backend), examples(backend), demo, lint, typecheck, bench, and
 torch_suite(backend) (torch's own RPC tests run against rpcx; long, so not a default).
@@ -13,7 +13,10 @@ nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"  # torch==2.13.0's CPU wheel on this project's machines is for 3.11
-BACKENDS = ["loopback", "gloo", "tensorpipe"]
+BUILTIN_BACKENDS = ["loopback", "gloo", "tensorpipe"]
+# Backends shipped as separate packages under plugins/: backend name -> package directory.
+PLUGINS = {"shm": "plugins/rpcx-shm"}
+BACKENDS = BUILTIN_BACKENDS + list(PLUGINS)
 CONSTRAINTS = ("-c", "constraints.txt")
 
 
@@ -25,9 +28,19 @@ def _install(session: nox.Session, extras: str = "") -> None:
 @nox.session(python=PYTHON)
 @nox.parametrize("backend", BACKENDS)
 def tests(session: nox.Session, backend: str) -> None:
-    """Unit tests plus the conformance suite, lifecycle tests and examples on ``backend``."""
+    """Unit tests plus the conformance kit, lifecycle tests and examples on ``backend``.
+
+    A plugin's backend runs the plugin's own tests instead (the kit and its own checks),
+    with the plugin installed as a user would install it.
+    """
     _install(session, "test")
-    pytest = ("pytest", "-n", "2", "--dist", "loadfile", f"--rpcx-backend={backend}")
+    # loadscope: one group per test class (each has its own world) or module.
+    pytest = ("pytest", "-n", "2", "--dist", "loadscope", f"--rpcx-backend={backend}")
+    if backend in PLUGINS:
+        session.install(*CONSTRAINTS, "-e", PLUGINS[backend])
+        session.chdir(PLUGINS[backend])
+        session.run(*pytest, "tests", *session.posargs)
+        return
     if backend == "tensorpipe":
         # torch's own TensorPipe init_rpc needs numpy; rpcx's tensorpipe backend must not.
         session.run("python", "-m", "pip", "uninstall", "-q", "-y", "numpy")
@@ -69,6 +82,8 @@ def torch_suite(session: nox.Session, backend: str) -> None:
 def examples(session: nox.Session, backend: str) -> None:
     """Run the example programs on ``backend``."""
     _install(session)
+    if backend in PLUGINS:
+        session.install(*CONSTRAINTS, "-e", PLUGINS[backend])
     for script in ("examples/demo.py", "examples/torch_style.py"):
         session.run("python", script, env={"RPCX_BACKEND": backend})
     session.run("python", "examples/ddp_rpc/main.py", "--backend", backend, "--epochs", "2")
@@ -95,9 +110,11 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over rpcx/."""
+    """mypy --strict over rpcx/ and every plugin's package."""
     _install(session, "typecheck")
     session.run("mypy")
+    for directory in PLUGINS.values():
+        session.run("mypy", f"{directory}/src")
 
 
 @nox.session(python=PYTHON)

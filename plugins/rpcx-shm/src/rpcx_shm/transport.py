@@ -1,0 +1,526 @@
+"""The shm transport: frames over Unix domain sockets, large tensors through shared memory.
+
+One host only. Every pair of workers shares one Unix stream socket. A frame is written
+with one ``sendmsg``: a fixed head, the buffer sizes, the opaque header and the small
+buffers inline. A buffer of ``shm_min_bytes`` or more does not travel through the
+socket: the sender copies it into a shared-memory segment from its pool for that peer
+(:mod:`rpcx_shm.segments`), and the receiver hands a view of its own mapping of the
+segment to rpcx as the tensor's memory. So a large tensor is copied once per hop, by the
+sender, into memory already paged in. A segment's descriptor travels beside the first
+frame that uses it (``SCM_RIGHTS``); later frames name it by id. When the receiving
+tensor is freed, the receiver sends ``FREE`` with the segment's id and the sender may
+fill it again.
+
+Wire format, little-endian::
+
+    head      kind:u8, pad:3, count:u32, header length:u32
+    sizes     count x u64
+    where     count x u8      0: inline, 1: segment with its descriptor attached (in
+                              order), 2: segment the peer has mapped
+    segments  count x u32     segment id (0 for inline, and for a one-off segment)
+    header    header length bytes
+    inline    the inline buffers, back to back
+
+``FREE`` (kind 3): the head with ``count`` segment ids (u32) after it.
+
+``BYE`` (kind 2) is the last frame a worker sends a peer; a worker that receives one it
+did not expect answers with its own, and each side's receive loop ends on the other's
+``BYE`` or on end of file. End of file or a reset without ``BYE`` means the peer's
+process is gone: the peer is reported lost at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import functools
+import json
+import logging
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+from typing import Any, ClassVar
+
+import torch
+
+from rpcx.errors import PeerLostError, RpcTimeoutError
+from rpcx.transport import Capabilities, Frame, TransportContext
+from rpcx_shm.options import ShmRpcBackendOptions
+from rpcx_shm.segments import ONE_OFF, ReceivedSegments, Segment, SendPool, one_off_copy
+
+__all__ = ["ShmTransport", "host_identity"]
+
+log = logging.getLogger("rpcx.backends.shm")
+
+_HEAD = struct.Struct("<BxxxII")  # kind, number of buffers, header length
+_HELLO = struct.Struct("<8sI")  # magic, rank of the connecting worker
+_MAGIC = b"rpcx-shm"
+_FRAME, _BYE, _FREE = 1, 2, 3
+_INLINE, _NEW_SEGMENT, _MAPPED_SEGMENT = 0, 1, 2
+_MAX_FDS = 64  # descriptors one frame may carry; more large buffers travel inline
+_READ_CHUNK = 256 << 10  # bytes asked for per read: many small frames per system call
+_SOCKET_BUFFER = 4 << 20  # SO_SNDBUF/SO_RCVBUF: room for a burst of small frames
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def host_identity() -> str:
+    """This host, as peers on the same host see it: hostname and boot id."""
+    try:
+        with open(_BOOT_ID) as boot:
+            boot_id = boot.read().strip()
+    except OSError:  # not Linux: the hostname alone
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}" if boot_id else socket.gethostname()
+
+
+class _Reader:
+    """One peer's incoming byte stream and the descriptors that came with it.
+
+    Only the thread holding the peer's receive lane reads, so none of this is locked; the
+    state lives here, not in the loop, because the lane may move to another thread
+    between two frames.
+    """
+
+    __slots__ = ("buffer", "end", "fds", "recent", "start")
+
+    def __init__(self) -> None:
+        self.buffer = bytearray(_READ_CHUNK)
+        self.start = 0  # first unread byte
+        self.end = 0  # one past the last received byte
+        self.fds: collections.deque[int] = collections.deque()
+        self.recent: collections.deque[Any] = collections.deque(maxlen=3)  # for errors
+
+    def fill(self, sock: socket.socket, needed: int) -> None:
+        """Read until ``needed`` unread bytes are buffered; ``EOFError`` if the peer left."""
+        while self.end - self.start < needed:
+            if len(self.buffer) - self.start < max(needed, _READ_CHUNK // 2) and self.start:
+                # Move what is unread (usually nothing or a few bytes) to the front.
+                unread = self.end - self.start
+                self.buffer[:unread] = self.buffer[self.start : self.end]
+                self.start, self.end = 0, unread
+            if len(self.buffer) - self.start < needed:  # a frame larger than the buffer
+                self.buffer.extend(bytes(needed - (len(self.buffer) - self.start)))
+            with memoryview(self.buffer) as whole, whole[self.end :] as view:
+                count, ancillary, _, _ = sock.recvmsg_into(
+                    [view], socket.CMSG_SPACE(_MAX_FDS * 4)
+                )
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    usable = len(data) - len(data) % 4
+                    self.fds.extend(struct.unpack(f"<{usable // 4}i", data[:usable]))
+            if count == 0:
+                raise EOFError
+            self.end += count
+
+    def take(self, count: int) -> memoryview:
+        """The next ``count`` buffered bytes (valid until the next :meth:`fill`)."""
+        view = memoryview(self.buffer)[self.start : self.start + count]
+        self.start += count
+        return view
+
+    def close(self) -> None:
+        """Close descriptors that arrived but were never used."""
+        while self.fds:
+            os.close(self.fds.popleft())
+
+
+class _Peer:
+    """Per-peer state: the socket, the send lock, goodbye flags, the reader and lane,
+    the segments this worker fills for the peer and those the peer fills for it."""
+
+    __slots__ = ("bye_sent", "ended", "freed", "gone", "lane", "lock", "pool", "reader",
+                 "received", "sock")
+
+    def __init__(self, sock: socket.socket, pool: SendPool, received: ReceivedSegments) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.reader = _Reader()
+        self.pool = pool
+        self.received = received
+        self.freed: collections.deque[int] = collections.deque()  # ids to send in FREE
+        self.bye_sent = False
+        self.gone = False
+        self.lane: Any = None  # rpcx._lanes.ReceiveLane when the agent offers lanes
+        self.ended = threading.Event()  # the receive loop is over: nothing more arrives
+
+
+class ShmTransport:
+    """Moves frames between workers of one host: Unix sockets and shared memory."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=False)
+
+    def __init__(self) -> None:
+        self._ctx: TransportContext | None = None
+        self._peers: dict[int, _Peer] = {}
+        self._shm_min = ShmRpcBackendOptions.DEFAULT_SHM_MIN_BYTES
+        self._closing = False
+
+    # ------------------------------------------------------------------------ start
+
+    def start(self, ctx: TransportContext) -> None:
+        """Check every worker is on this host, connect to each, start receiving."""
+        self._ctx = ctx
+        self._shm_min = int(getattr(ctx.options, "shm_min_bytes", self._shm_min))
+        pool_bytes = int(getattr(ctx.options, "shm_pool_bytes",
+                                 ShmRpcBackendOptions.DEFAULT_SHM_POOL_BYTES))
+        for rank, sock in _connect_mesh(ctx, host_identity()).items():
+            freed = functools.partial(self._segment_freed, rank)
+            self._peers[rank] = _Peer(sock, SendPool(pool_bytes), ReceivedSegments(freed))
+        for rank, peer in self._peers.items():
+            name = f"rpcx-{ctx.names[ctx.rank]}-recv-{ctx.names[rank]}"
+            if ctx.receive_lane is not None:
+                peer.lane = ctx.receive_lane(name, functools.partial(self._receive_loop, rank))
+            threading.Thread(
+                target=self._receive_loop, args=(rank,), name=name, daemon=True
+            ).start()
+
+    # ------------------------------------------------------------------------- send
+
+    def send(self, dst: int, frame: Frame) -> None:
+        """Write ``frame`` to ``dst``'s socket; large buffers go through shared memory."""
+        peer = self._peers[dst]
+        buffers = [_as_bytes(b) for b in frame.buffers]
+        sizes = [b.numel() for b in buffers]
+        count = len(sizes)
+        where, ids = bytearray(count), [0] * count
+        fds: list[int] = []  # sent beside the frame, in order
+        one_offs: list[int] = []  # descriptors of one-off segments: closed once sent
+        parts: list[Any] = []
+        used: list[Segment] = []  # pooled segments this frame filled
+        sent = False
+        try:
+            for index, (buffer, size) in enumerate(zip(buffers, sizes, strict=True)):
+                if size < self._shm_min or len(fds) >= _MAX_FDS:
+                    if size:
+                        parts.append(_memory(buffer))
+                    continue
+                segment = peer.pool.acquire(size)
+                if segment is None:  # the pool is full of segments the peer still holds
+                    one_offs.append(one_off_copy(buffer))
+                    fds.append(one_offs[-1])
+                    where[index], ids[index] = _NEW_SEGMENT, ONE_OFF
+                    continue
+                used.append(segment)
+                segment.memory[:size].copy_(buffer)
+                ids[index] = segment.id
+                if segment.fd is None:
+                    where[index] = _MAPPED_SEGMENT
+                else:
+                    where[index] = _NEW_SEGMENT
+                    fds.append(segment.fd)
+            head = (_HEAD.pack(_FRAME, count, len(frame.header))
+                    + struct.pack(f"<{count}Q", *sizes) + bytes(where)
+                    + struct.pack(f"<{count}I", *ids))
+            with peer.lock:
+                if peer.bye_sent or peer.gone:
+                    raise PeerLostError("has shut down")
+                try:
+                    _send_all(peer.sock, [head, frame.header, *parts], fds)
+                except OSError as exc:
+                    peer.gone = True
+                    raise PeerLostError(f"is unreachable: {exc.strerror or exc}") from None
+            sent = True
+        finally:
+            del parts  # views over the tensors' memory: release before the tensors go
+            for fd in one_offs:  # the receiver holds its own copy of each now
+                os.close(fd)
+            if sent:
+                for segment in used:
+                    segment.descriptor_sent()
+            else:
+                peer.pool.release([s.id for s in used])
+        if peer.freed:  # FREE frames that could not go out while the lock was held
+            self._flush_freed(peer)
+
+    def _segment_freed(self, src: int, segment_id: int) -> None:
+        """Tensors over a segment ``src`` filled are gone: let ``src`` fill it again.
+
+        Runs from a finalizer, on whichever thread dropped the last such tensor, possibly
+        one holding the peer's send lock: so the lock is only tried, never waited for.
+        """
+        peer = self._peers.get(src)
+        if peer is None or self._closing:
+            return
+        peer.freed.append(segment_id)
+        self._flush_freed(peer)
+
+    def _flush_freed(self, peer: _Peer) -> None:
+        """Send the ids in ``peer.freed`` as ``FREE`` if the send lock is free now.
+
+        Whoever releases the lock with ids waiting sends them (``send`` checks after its
+        frame), so none waits longer than the next send to that peer.
+        """
+        while peer.freed and peer.lock.acquire(blocking=False):
+            try:
+                ids = []
+                while peer.freed:
+                    ids.append(peer.freed.popleft())
+                if peer.bye_sent or peer.gone:
+                    continue
+                message = _HEAD.pack(_FREE, len(ids), 0) + struct.pack(f"<{len(ids)}I", *ids)
+                with contextlib.suppress(OSError):  # a lost peer is seen by its receiver
+                    peer.sock.sendall(message)
+            finally:
+                peer.lock.release()
+
+    # ---------------------------------------------------------------------- receive
+
+    def _receive_loop(self, src: int) -> None:
+        """Receive and deliver ``src``'s frames, in order, until its goodbye.
+
+        Runs on whichever thread holds the peer's lane: it returns early, leaving the loop
+        to that thread, when a request it served moved the role elsewhere.
+        """
+        ctx = self._ctx
+        assert ctx is not None
+        peer = self._peers[src]
+        lane = peer.lane
+        if lane is not None:
+            lane.enter()
+        try:
+            while True:
+                frame = self._read_frame(peer)
+                if frame is None:
+                    self._on_bye(src)
+                    break
+                if not isinstance(frame, Frame):  # FREE: segments we may fill again
+                    peer.pool.release(frame)
+                    continue
+                try:
+                    ctx.deliver(src, frame)
+                except Exception:
+                    log.exception("%s: delivering a frame from rank %d failed",
+                                  ctx.names[ctx.rank], src)
+                del frame
+                if lane is not None and not lane.still_held():
+                    return  # a follower receives from here on
+        except (EOFError, OSError) as exc:
+            self._on_broken(src, exc)
+        except Exception as exc:  # a malformed frame: this connection cannot go on
+            log.exception("%s: protocol error on the connection from rank %d",
+                          ctx.names[ctx.rank], src)
+            self._on_broken(src, exc)
+        peer.reader.close()
+        if lane is not None:
+            lane.leave()
+        peer.ended.set()
+
+    def _read_frame(self, peer: _Peer) -> Frame | list[int] | None:
+        """The next frame from ``peer``: a frame, the ids of a FREE, or None for BYE."""
+        reader, sock = peer.reader, peer.sock
+        reader.fill(sock, _HEAD.size)
+        kind, count, header_len = _HEAD.unpack(reader.take(_HEAD.size))
+        if kind == _BYE:
+            return None
+        if kind == _FREE:
+            reader.fill(sock, 4 * count)
+            return list(struct.unpack(f"<{count}I", reader.take(4 * count)))
+        if kind != _FRAME:
+            raise ValueError(f"unknown frame kind {kind} (count {count}, header {header_len}; "
+                             f"frames before: {list(reader.recent)})")
+        reader.fill(sock, 13 * count + header_len)
+        sizes = struct.unpack(f"<{count}Q", reader.take(8 * count)) if count else ()
+        where = bytes(reader.take(count))
+        ids = struct.unpack(f"<{count}I", reader.take(4 * count)) if count else ()
+        header = bytes(reader.take(header_len))
+        reader.recent.append((count, header_len, sizes, where, ids))
+        inline = sum(size for size, w in zip(sizes, where, strict=True) if w == _INLINE)
+        reader.fill(sock, inline)
+        buffers = []
+        for size, w, segment_id in zip(sizes, where, ids, strict=True):
+            if w == _NEW_SEGMENT:
+                fd = reader.fds.popleft()
+                try:
+                    buffers.append(peer.received.tensor(segment_id, size, fd))
+                finally:
+                    os.close(fd)
+            elif w == _MAPPED_SEGMENT:
+                buffers.append(peer.received.tensor(segment_id, size, None))
+            elif size:
+                buffers.append(torch.frombuffer(bytearray(reader.take(size)), dtype=torch.uint8))
+            else:
+                buffers.append(torch.empty(0, dtype=torch.uint8))
+        return Frame(header, buffers)
+
+    def _on_bye(self, src: int) -> None:
+        ctx = self._ctx
+        assert ctx is not None
+        peer = self._peers[src]
+        with peer.lock:
+            peer.gone = True
+            answer = not peer.bye_sent
+        if answer:  # the peer left on its own: let its receive loop for us end too
+            self._send_bye(peer)
+        if not self._closing:
+            ctx.peer_lost(src, "has shut down")
+
+    def _on_broken(self, src: int, exc: BaseException) -> None:
+        ctx = self._ctx
+        assert ctx is not None
+        peer = self._peers[src]
+        with peer.lock:
+            peer.gone = True
+        if self._closing:
+            return  # close() shut the socket down after waiting for a goodbye
+        if isinstance(exc, EOFError | ConnectionResetError):
+            reason = "closed its connection (its process probably exited or crashed)"
+        elif isinstance(exc, OSError):
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            reason = f"protocol error: {type(exc).__name__}: {exc}"
+        ctx.peer_lost(src, f"is unreachable: {reason}")
+
+    # ------------------------------------------------------------------------ close
+
+    def close(self, timeout: float) -> None:
+        """Send BYE to every peer, wait (bounded) for theirs, then close the sockets."""
+        ctx = self._ctx
+        if ctx is None:
+            return
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        for peer in self._peers.values():
+            self._send_bye(peer)
+        for peer in self._peers.values():
+            peer.ended.wait(max(0.0, deadline - time.monotonic()))
+        stuck = [ctx.names[r] for r, p in self._peers.items() if not p.ended.is_set()]
+        if stuck:
+            log.warning("%s: no goodbye from %s within %.1f s; closing anyway",
+                        ctx.names[ctx.rank], ", ".join(stuck), timeout)
+        for peer in self._peers.values():
+            peer.pool.close()
+            peer.received.close()
+            # shutdown() wakes a receive loop still blocked in recvmsg: it sees EOF.
+            with contextlib.suppress(OSError):
+                peer.sock.shutdown(socket.SHUT_RDWR)
+            peer.sock.close()
+
+    def _send_bye(self, peer: _Peer) -> None:
+        with peer.lock:
+            if peer.bye_sent:
+                return
+            peer.bye_sent = True
+            try:
+                # A peer that stopped reading cannot block us: the socket buffer has
+                # room for a head, and a dead peer fails at once.
+                peer.sock.sendall(_HEAD.pack(_BYE, 0, 0))
+            except OSError as exc:
+                log.debug("goodbye not delivered: %s", exc)
+
+
+# ------------------------------------------------------------------------------ mesh
+
+
+def _connect_mesh(ctx: TransportContext, host: str) -> dict[int, socket.socket]:
+    """One connected Unix socket per peer; refuses peers on another host than ``host``.
+
+    Every worker listens on a socket file in a private directory and publishes its path
+    and host in the store; each connects to the lower ranks and accepts the higher ones.
+    """
+    limit = ctx.options.rpc_timeout or None
+    me = ctx.names[ctx.rank]
+    directory = tempfile.mkdtemp(prefix="rpcx-shm-")
+    path = os.path.join(directory, "socket")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(max(1, ctx.world_size))
+        ctx.store.set(f"shm/{ctx.rank}", json.dumps({"host": host, "path": path}))
+        addresses = {
+            rank: json.loads(ctx.store.get(f"shm/{rank}"))
+            for rank in range(ctx.world_size) if rank != ctx.rank
+        }
+        elsewhere = {rank: a["host"] for rank, a in addresses.items() if a["host"] != host}
+        if elsewhere:
+            others = ", ".join(f"{ctx.names[r]!r} (rank {r}) on {h}" for r, h in elsewhere.items())
+            raise RuntimeError(
+                f"init_rpc: the shm backend connects workers of one host only: worker {me!r} "
+                f"(rank {ctx.rank}) is on {host}, but {others}; use a multi-host backend "
+                "such as 'gloo' across hosts"
+            )
+        sockets: dict[int, socket.socket] = {}
+        try:
+            for rank in range(ctx.rank):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sockets[rank] = sock
+                sock.settimeout(limit)
+                sock.connect(addresses[rank]["path"])
+                sock.sendall(_HELLO.pack(_MAGIC, ctx.rank))
+            listener.settimeout(limit)
+            for _ in range(ctx.rank + 1, ctx.world_size):
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    missing = [ctx.names[r] for r in range(ctx.rank + 1, ctx.world_size)
+                               if r not in sockets]
+                    raise RpcTimeoutError(
+                        f"init_rpc: worker {me!r} (rank {ctx.rank}): no shm connection from "
+                        f"{', '.join(missing)} within {limit:g} s (rpc_timeout)"
+                    ) from None
+                conn.settimeout(limit)
+                magic, rank = _HELLO.unpack(_receive_exactly(conn, _HELLO.size))
+                if magic != _MAGIC or not ctx.rank < rank < ctx.world_size or rank in sockets:
+                    conn.close()
+                    raise RuntimeError(f"init_rpc: worker {me!r}: unexpected shm connection")
+                sockets[rank] = conn
+        except BaseException:
+            for sock in sockets.values():
+                sock.close()
+            raise
+        for sock in sockets.values():
+            sock.settimeout(None)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+        return sockets
+    finally:
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.rmdir(directory)
+
+
+def _receive_exactly(sock: socket.socket, count: int) -> bytes:
+    data = bytearray()
+    while len(data) < count:
+        chunk = sock.recv(count - len(data))
+        if not chunk:
+            raise EOFError("connection closed during the shm handshake")
+        data += chunk
+    return bytes(data)
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous CPU tensor's memory (no copy)."""
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
+
+
+def _memory(tensor: torch.Tensor) -> memoryview:
+    """A memoryview over a flat ``uint8`` tensor's memory, without numpy.
+
+    Valid while the tensor lives; ``send`` holds the tensor until the bytes are written.
+    """
+    array = (ctypes.c_char * tensor.numel()).from_address(tensor.data_ptr())
+    return memoryview(array).cast("B")
+
+
+def _send_all(sock: socket.socket, parts: list[Any], fds: list[int]) -> None:
+    """``sendmsg`` every part, the descriptors with the first byte; loops on short writes."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"<{len(fds)}i", *fds))]
+    sent = sock.sendmsg(views, ancillary if fds else [])
+    while True:
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if not views:
+            return
+        views[0] = views[0][sent:]
+        sent = sock.sendmsg(views)

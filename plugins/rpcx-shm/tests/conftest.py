@@ -1,0 +1,3 @@
+"""rpcx's conformance fixtures (--rpcx-backend, rpc_world); run with --rpcx-backend=shm."""
+
+pytest_plugins = ["rpcx.testing.fixtures"]

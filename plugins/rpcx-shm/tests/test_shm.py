@@ -1,0 +1,180 @@
+"""The shm backend's own behaviour, beyond the conformance kit (test_kit.py)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from rpcx_shm import ShmRpcBackendOptions, ShmTransport, host_identity
+from rpcx_shm.segments import SendPool
+from rpcx_shm.transport import _connect_mesh
+
+import rpcx
+from rpcx.registry import available_backends
+from rpcx.testing.world import world
+from rpcx.transport import TransportContext
+
+TIMEOUT = 30.0
+
+
+def shared_mappings() -> int:
+    """How many shared-memory segments of this backend this process has mapped now."""
+    with open("/proc/self/maps") as maps:
+        return sum("memfd:rpcx-shm" in line for line in maps)
+
+
+def mappings_while_holding(value: torch.Tensor) -> tuple[int, float]:
+    """Called remotely: the mappings while the argument is alive, and its sum."""
+    return shared_mappings(), float(value.sum())
+
+
+_kept: list[torch.Tensor] = []
+
+
+def keep(value: torch.Tensor) -> int:
+    """Called remotely: hold on to the argument (its segment stays busy)."""
+    _kept.append(value)
+    return shared_mappings()
+
+
+def drop_kept() -> None:
+    _kept.clear()
+
+
+def test_registered_through_the_entry_point() -> None:
+    spec = available_backends()["shm"]
+    assert spec.factory is ShmTransport
+    assert spec.options_type is ShmRpcBackendOptions
+    assert spec.capabilities.multi_process and not spec.capabilities.multi_host
+    assert spec.plugin.startswith("shm (rpcx_shm.plugin")
+
+
+def test_large_tensor_arrives_in_shared_memory_and_small_one_inline() -> None:
+    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    small = torch.arange(16, dtype=torch.float32)
+    with world("shm", size=2, rpc_timeout=TIMEOUT):
+        base = rpcx.rpc_sync("worker1", shared_mappings)
+        mapped, total = rpcx.rpc_sync("worker1", mappings_while_holding, args=(big,))
+        assert (mapped, total) == (base + 1, float(big.sum()))
+        assert rpcx.rpc_sync("worker1", mappings_while_holding, args=(small,)) == (
+            base + 1, float(small.sum()))
+        # The echo comes back whole, through shared memory both ways.
+        echoed = rpcx.rpc_sync("worker1", torch.clone, args=(big,))
+        assert torch.equal(echoed, big) and shared_mappings() >= 1
+
+
+def _mapped_during(calls: int, big: torch.Tensor) -> list[int]:
+    """The callee's mapped segments during each of ``calls`` calls with ``big``."""
+    seen = []
+    for step in range(calls):
+        mapped, total = rpcx.rpc_sync("worker1", mappings_while_holding, args=(big + step,))
+        assert total == float((big + step).sum())
+        seen.append(mapped)
+    return seen
+
+
+def test_freed_segments_are_filled_again_and_held_ones_are_not() -> None:
+    big = torch.arange(1 << 20, dtype=torch.float32)
+    with world("shm", size=2, rpc_timeout=TIMEOUT):
+        base = rpcx.rpc_sync("worker1", shared_mappings)
+        # Each call's tensor is freed on the callee after its reply leaves, so its FREE
+        # may arrive after the next call went out: at most two segments take turns over
+        # twelve calls.
+        seen = _mapped_during(12, big)
+        assert base + 1 <= min(seen) and max(seen) <= base + 2, seen
+        # Held by the callee, a segment stays busy: the calls after it use others
+        # (again at most two).
+        assert rpcx.rpc_sync("worker1", keep, args=(big,)) <= base + 2
+        held = _mapped_during(12, big)
+        assert max(held) <= base + 3, held
+        rpcx.rpc_sync("worker1", drop_kept)
+        # Free again, it is reused: no segment more than before.
+        after = _mapped_during(12, big)
+        assert max(after) <= max(held), after
+
+
+def test_past_the_pool_limit_tensors_go_through_one_off_segments() -> None:
+    big = torch.arange(1 << 20, dtype=torch.float32)
+    with world("shm", size=2, rpc_timeout=TIMEOUT, shm_pool_bytes=0):
+        base = rpcx.rpc_sync("worker1", shared_mappings)
+        assert rpcx.rpc_sync("worker1", mappings_while_holding, args=(big,)) == (
+            base + 1, float(big.sum()))
+        # A one-off segment is unmapped with its tensor.
+        assert rpcx.rpc_sync("worker1", shared_mappings) == base
+
+
+def test_threshold_is_an_option() -> None:
+    big = torch.ones(1 << 20, dtype=torch.uint8)
+    with world("shm", size=2, rpc_timeout=TIMEOUT, shm_min_bytes=2 << 20):
+        base = rpcx.rpc_sync("worker1", shared_mappings)
+        assert rpcx.rpc_sync("worker1", mappings_while_holding, args=(big,)) == (
+            base, float(1 << 20))
+
+
+def test_send_pool_reuses_best_fit_and_respects_its_limit() -> None:
+    pool = SendPool(limit=4 << 20)
+    a = pool.acquire(3 << 20)
+    assert a is not None and a.capacity == 3 << 20
+    assert pool.acquire(2 << 20) is None  # 3 MiB busy + 2 MiB > 4 MiB
+    b = pool.acquire(1 << 20)
+    assert b is not None and b.capacity == 1 << 20 and b.id != a.id
+    pool.release([a.id, b.id])
+    assert pool.acquire(100) is b  # the smallest that fits
+    assert pool.acquire(2 << 20) is a
+    pool.release([a.id])
+    # Too big for what is free: free segments are dropped to make room.
+    c = pool.acquire((3 << 20) + 1)
+    assert c is None  # b (1 MiB) is busy, a dropped: 1 + 4 MiB > 4 MiB
+    pool.release([b.id])
+    d = pool.acquire((3 << 20) + 1)
+    assert d is not None and d.capacity == 4 << 20
+    pool.close()
+
+
+def test_threshold_and_pool_are_checked() -> None:
+    with pytest.raises(ValueError, match="shm_min_bytes"):
+        ShmRpcBackendOptions(shm_min_bytes=0).validate()
+    with pytest.raises(ValueError, match="shm_pool_bytes"):
+        ShmRpcBackendOptions(shm_pool_bytes=-1).validate()
+
+
+def _context(rank: int, store: Any) -> TransportContext:
+    return TransportContext(
+        rank=rank, world_size=2, names=["alpha", "beta"], store=store,
+        options=ShmRpcBackendOptions(rpc_timeout=TIMEOUT), init_method="file://unused",
+        deliver=lambda src, frame: None, peer_lost=lambda rank, reason: None,
+    )
+
+
+def test_workers_on_different_hosts_are_refused_naming_both() -> None:
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=TIMEOUT))
+    errors: dict[int, BaseException] = {}
+
+    def join(rank: int, host: str) -> None:
+        try:
+            for sock in _connect_mesh(_context(rank, store), host).values():
+                sock.close()
+        except BaseException as exc:
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=join, args=(r, h))
+               for r, h in ((0, "hostA/boot"), (1, "hostB/boot"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert set(errors) == {0, 1}
+    message = str(errors[0])
+    assert "one host only" in message and "'alpha' (rank 0) is on hostA/boot" in message
+    assert "'beta' (rank 1) on hostB/boot" in message and "'gloo'" in message
+
+
+def test_host_identity_names_this_host() -> None:
+    import socket
+
+    assert host_identity().startswith(socket.gethostname())
