@@ -19,6 +19,7 @@ import torch
 import rpcx
 import rpcx.autograd as dist_autograd
 from rpcx.testing import remote, training
+from rpcx.testing.fixtures import WorldKeeper
 from rpcx.testing.world import World, world
 
 __all__ = ["TestPeerDeath"]
@@ -33,8 +34,12 @@ class TestPeerDeath:
     """A worker process ends abruptly (``os._exit``) mid-call, mid-backward, mid-context."""
 
     @pytest.fixture
-    def crash_world(self, rpcx_backend: str) -> Iterator[World]:
-        """A fresh 3-worker world: a crash ends it."""
+    def crash_world(
+        self, rpcx_backend: str, rpc_world_keeper: WorldKeeper
+    ) -> Iterator[World]:
+        """A fresh 3-worker world: a crash ends it. The module's shared world, if this
+        process runs one, is closed first (the next test that needs it restarts it)."""
+        rpc_world_keeper.close()
         with world(rpcx_backend, size=3, rpc_timeout=BOUND) as started:
             yield started
 

@@ -9,7 +9,8 @@ which flag is missing and why the test needs it.
 
 Fixtures:
     rpcx_backend: the backend under test (the suite is parametrized over them).
-    rpc_world: a 4-worker world on that backend, started once per test class.
+    rpc_world: a 4-worker world on that backend, shared by a module's tests.
+    rpc_world_keeper: closes that world for a test that needs a world of its own.
 """
 
 from __future__ import annotations
@@ -58,19 +59,46 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         )
 
 
-@pytest.fixture(scope="class")
-def rpc_world(rpcx_backend: str) -> Iterator[World]:
+class WorldKeeper:
+    """The shared world of a test module: started on first use, closable for a test
+    that needs this process free (its own world), started again by the next user."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self._world: World | None = None
+
+    def world(self) -> World:
+        """The shared world, started if it is not running."""
+        if self._world is None:
+            self._world = start_world(self.backend, WORLD_SIZE)
+        return self._world
+
+    def close(self) -> None:
+        """Close the shared world if it is running."""
+        world, self._world = self._world, None
+        if world is not None:
+            world.close()
+
+
+@pytest.fixture(scope="module")
+def rpc_world_keeper(rpcx_backend: str) -> Iterator[WorldKeeper]:
+    """The module's :class:`WorldKeeper` (closed with the module)."""
+    keeper = WorldKeeper(rpcx_backend)
+    try:
+        yield keeper
+    finally:
+        keeper.close()
+
+
+@pytest.fixture
+def rpc_world(rpc_world_keeper: WorldKeeper) -> World:
     """A world of ``worker0`` (this test process or thread) and three more workers.
 
-    One per test class: classes are independent (pytest-xdist's ``--dist loadscope``
-    spreads them over workers), and a class that needs a world of its own, as
-    ``TestPeerDeath`` does (a crash ends a world), never meets another class's.
+    Shared by the tests of a module (per pytest-xdist worker): started once, and again
+    only after a test that needed this process for a world of its own (``TestPeerDeath``:
+    a crash ends a world) closed it.
     """
-    world = start_world(rpcx_backend, WORLD_SIZE)
-    try:
-        yield world
-    finally:
-        world.close()
+    return rpc_world_keeper.world()
 
 
 @pytest.fixture(autouse=True)
