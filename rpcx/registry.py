@@ -142,9 +142,16 @@ def _register_entry_points(pm: pluggy.PluginManager) -> list[str]:
     pluggy refuses) is skipped with its reason and takes no other plugin down with it.
     """
     loaded = []
-    names = dict.fromkeys(ep.name for ep in importlib.metadata.entry_points(
-        group=hookspecs.PROJECT_NAME))
+    entry_points = list(importlib.metadata.entry_points(group=hookspecs.PROJECT_NAME))
+    names = dict.fromkeys(ep.name for ep in entry_points)
     for name in names:
+        same = [ep.value for ep in entry_points if ep.name == name]
+        if len(same) > 1:  # pluggy loads the first and skips the rest without a word
+            _errors[f"{name} (duplicate)"] = (
+                f"declared by {len(same)} installed packages ({', '.join(same)}); "
+                "only one is loaded: uninstall the others"
+            )
+            log.warning("rpcx plugin %r is declared %d times: %s", name, len(same), same)
         try:
             pm.load_setuptools_entrypoints(hookspecs.PROJECT_NAME, name=name)
         except Exception as exc:  # a broken plugin must not break rpcx

@@ -5,8 +5,9 @@ Each program lives in ``tests/seed_programs/<name>/`` as torch wrote it, on torc
 A test copies it, rewrites its ``torch.distributed`` RPC imports (rpc, autograd, optim,
 nn) to rpcx's and changes nothing else (the fixed ports it rendezvous on are replaced
 by ports from the OS, so that tests can run side by side), runs it on the session's
-backend and checks what it prints. The same program runs once on torch.distributed.rpc
-(in the gloo session) to show the check holds there too. None of the programs is seeded
+backend (the built-in multi-process ones: gloo, tensorpipe) and checks what it prints.
+The same program runs once on torch.distributed.rpc (in the gloo session) to show the
+check holds there too. None of the programs is seeded
 (the RL policy, the RNN's uninitialised batches, the DDP program's random batches), so
 outputs are checked for what the program promises, not compared number for number.
 

@@ -83,6 +83,7 @@ class SendPool:
         self._bytes = 0
         self._next_id = ONE_OFF + 1
         self._limit = limit
+        self._retired: list[int] = []  # dropped segments the peer should unmap
 
     def acquire(self, size: int) -> Segment | None:
         """A segment of at least ``size`` bytes, now busy; None if the pool is full."""
@@ -93,10 +94,12 @@ class SendPool:
                 self._free.remove(best)
                 return best
             capacity = -(-size // _GRANULE) * _GRANULE
-            while self._bytes + capacity > self._limit and self._free:
-                self._drop(self._free.pop())  # free but too small for this size
-            if self._bytes + capacity > self._limit:
-                return None
+            free_bytes = sum(s.capacity for s in self._free)
+            if self._bytes - free_bytes + capacity > self._limit:
+                return None  # busy segments fill the pool: dropping free ones won't help
+            self._free.sort(key=lambda s: s.capacity)
+            while self._bytes + capacity > self._limit:
+                self._drop(self._free.pop(0))  # free but too small: smallest first
             segment = Segment(self._next_id, capacity)
             self._next_id += 1
             self._segments[segment.id] = segment
@@ -111,6 +114,12 @@ class SendPool:
                 if segment is not None and segment not in self._free:
                     self._free.append(segment)
 
+    def take_retired(self) -> list[int]:
+        """Ids of segments dropped since the last call (the peer should unmap them)."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+        return retired
+
     def close(self) -> None:
         """Drop every segment."""
         with self._lock:
@@ -121,6 +130,7 @@ class SendPool:
     def _drop(self, segment: Segment) -> None:
         del self._segments[segment.id]
         self._bytes -= segment.capacity
+        self._retired.append(segment.id)
         segment.close()
 
 
@@ -149,6 +159,11 @@ class ReceivedSegments:
         weakref.finalize(view, self._on_free, segment_id)
         return torch.frombuffer(view, dtype=torch.uint8)
 
+    def retire(self, ids: list[int]) -> None:
+        """The peer dropped these segments: forget them (tensors over them keep theirs)."""
+        for segment_id in ids:
+            self._mappings.pop(segment_id, None)
+
     def close(self) -> None:
         """Forget the mappings; tensors still over them keep theirs alive."""
         self._mappings.clear()
@@ -160,5 +175,7 @@ def one_off_copy(tensor: torch.Tensor) -> int:
     with mapping:
         target = torch.frombuffer(mapping, dtype=torch.uint8, count=tensor.numel())
         target.copy_(tensor)
-        del target  # the mapping cannot close while a tensor exports it
+        # torch keeps a reference to the mapping, not a buffer export, so closing it
+        # under a live tensor would succeed and leave the tensor over unmapped memory.
+        del target
     return fd

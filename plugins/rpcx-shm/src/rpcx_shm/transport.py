@@ -21,7 +21,9 @@ Wire format, little-endian::
     header    header length bytes
     inline    the inline buffers, back to back
 
-``FREE`` (kind 3): the head with ``count`` segment ids (u32) after it.
+``FREE`` (kind 3): the head with ``count`` segment ids (u32) after it: segments the
+sender may fill again. ``RETIRE`` (kind 4), the same shape: segments the sender dropped
+from its pool, which the receiver unmaps (tensors still over them keep their memory).
 
 ``BYE`` (kind 2) is the last frame a worker sends a peer; a worker that receives one it
 did not expect answers with its own, and each side's receive loop ends on the other's
@@ -59,12 +61,28 @@ log = logging.getLogger("rpcx.backends.shm")
 _HEAD = struct.Struct("<BxxxII")  # kind, number of buffers, header length
 _HELLO = struct.Struct("<8sI")  # magic, rank of the connecting worker
 _MAGIC = b"rpcx-shm"
-_FRAME, _BYE, _FREE = 1, 2, 3
+_FRAME, _BYE, _FREE, _RETIRE = 1, 2, 3, 4
+_PACK_PARTS = 64  # more inline buffers than this are packed into one (the iovec limit)
 _INLINE, _NEW_SEGMENT, _MAPPED_SEGMENT = 0, 1, 2
 _MAX_FDS = 64  # descriptors one frame may carry; more large buffers travel inline
 _READ_CHUNK = 256 << 10  # bytes asked for per read: many small frames per system call
 _SOCKET_BUFFER = 4 << 20  # SO_SNDBUF/SO_RCVBUF: room for a burst of small frames
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
+_BYE_TIMEOUT_S = 10.0  # answering a peer's goodbye: how long the send lock may take
+_FLUSH_CHECK_S = 0.5  # the flusher's bound on a wait, so it sees close() promptly
+
+
+def _ids_message(kind: int, ids: list[int]) -> bytes:
+    """A FREE or RETIRE message carrying ``ids``."""
+    return _HEAD.pack(kind, len(ids), 0) + struct.pack(f"<{len(ids)}I", *ids)
+
+
+def _drain(queue: collections.deque[int]) -> list[int]:
+    """Everything in ``queue``, removed (appends from other threads are safe)."""
+    items = []
+    while queue:
+        items.append(queue.popleft())
+    return items
 
 
 def host_identity() -> str:
@@ -105,9 +123,14 @@ class _Reader:
             if len(self.buffer) - self.start < needed:  # a frame larger than the buffer
                 self.buffer.extend(bytes(needed - (len(self.buffer) - self.start)))
             with memoryview(self.buffer) as whole, whole[self.end :] as view:
-                count, ancillary, _, _ = sock.recvmsg_into(
+                count, ancillary, flags, _ = sock.recvmsg_into(
                     [view], socket.CMSG_SPACE(_MAX_FDS * 4)
                 )
+            if flags & socket.MSG_CTRUNC:
+                # Descriptors were dropped (this process is out of them, most likely):
+                # they pair with frames by order, so the stream cannot go on.
+                raise OSError("shared-memory descriptors lost in transit (MSG_CTRUNC); "
+                              "raise the open-file limit (ulimit -n)")
             for level, kind, data in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     usable = len(data) - len(data) % 4
@@ -158,6 +181,8 @@ class ShmTransport:
         self._peers: dict[int, _Peer] = {}
         self._shm_min = ShmRpcBackendOptions.DEFAULT_SHM_MIN_BYTES
         self._closing = False
+        self._flush_wanted = threading.Event()
+        self._flusher_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------------ start
 
@@ -170,6 +195,10 @@ class ShmTransport:
         for rank, sock in _connect_mesh(ctx, host_identity()).items():
             freed = functools.partial(self._segment_freed, rank)
             self._peers[rank] = _Peer(sock, SendPool(pool_bytes), ReceivedSegments(freed))
+        self._flusher_thread = threading.Thread(
+            target=self._flusher, name=f"rpcx-{ctx.names[ctx.rank]}-shm-free", daemon=True
+        )
+        self._flusher_thread.start()
         for rank, peer in self._peers.items():
             name = f"rpcx-{ctx.names[ctx.rank]}-recv-{ctx.names[rank]}"
             if ctx.receive_lane is not None:
@@ -187,85 +216,94 @@ class ShmTransport:
         sizes = [b.numel() for b in buffers]
         count = len(sizes)
         where, ids = bytearray(count), [0] * count
-        fds: list[int] = []  # sent beside the frame, in order
-        one_offs: list[int] = []  # descriptors of one-off segments: closed once sent
+        one_offs: dict[int, int] = {}  # buffer index -> one-off segment's descriptor
         parts: list[Any] = []
-        used: list[Segment] = []  # pooled segments this frame filled
+        used: dict[int, Segment] = {}  # buffer index -> pooled segment this frame filled
         sent = False
         try:
+            # Filling segments needs no lock: a segment is this frame's alone until the
+            # peer frees it, which it cannot before receiving the frame.
             for index, (buffer, size) in enumerate(zip(buffers, sizes, strict=True)):
-                if size < self._shm_min or len(fds) >= _MAX_FDS:
+                if size < self._shm_min or len(used) + len(one_offs) >= _MAX_FDS:
                     if size:
                         parts.append(_memory(buffer))
                     continue
                 segment = peer.pool.acquire(size)
                 if segment is None:  # the pool is full of segments the peer still holds
-                    one_offs.append(one_off_copy(buffer))
-                    fds.append(one_offs[-1])
+                    one_offs[index] = one_off_copy(buffer)
                     where[index], ids[index] = _NEW_SEGMENT, ONE_OFF
                     continue
-                used.append(segment)
+                used[index] = segment
                 segment.memory[:size].copy_(buffer)
                 ids[index] = segment.id
-                if segment.fd is None:
-                    where[index] = _MAPPED_SEGMENT
-                else:
-                    where[index] = _NEW_SEGMENT
-                    fds.append(segment.fd)
-            head = (_HEAD.pack(_FRAME, count, len(frame.header))
-                    + struct.pack(f"<{count}Q", *sizes) + bytes(where)
-                    + struct.pack(f"<{count}I", *ids))
+            if len(parts) > _PACK_PARTS:  # one iovec each would pass the kernel's limit
+                parts = [b"".join(parts)]
             with peer.lock:
                 if peer.bye_sent or peer.gone:
                     raise PeerLostError("has shut down")
+                # Whether a segment's descriptor still has to travel is decided, and
+                # settled, under the lock: every frame to this peer goes out in order.
+                fds = []  # in buffer order: the receiver pairs them with buffers so
+                for index in sorted(used.keys() | one_offs.keys()):
+                    segment = used.get(index)
+                    if segment is None:
+                        fds.append(one_offs[index])
+                    elif segment.fd is None:
+                        where[index] = _MAPPED_SEGMENT
+                    else:
+                        where[index] = _NEW_SEGMENT
+                        fds.append(segment.fd)
+                head = (_HEAD.pack(_FRAME, count, len(frame.header))
+                        + struct.pack(f"<{count}Q", *sizes) + bytes(where)
+                        + struct.pack(f"<{count}I", *ids))
+                retired = peer.pool.take_retired() if used or one_offs else None
+                if retired:  # ahead of the frame: the peer unmaps before it maps anew
+                    head = _ids_message(_RETIRE, retired) + head
                 try:
                     _send_all(peer.sock, [head, frame.header, *parts], fds)
                 except OSError as exc:
                     peer.gone = True
                     raise PeerLostError(f"is unreachable: {exc.strerror or exc}") from None
-            sent = True
+                for segment in used.values():
+                    segment.descriptor_sent()
+                sent = True
         finally:
             del parts  # views over the tensors' memory: release before the tensors go
-            for fd in one_offs:  # the receiver holds its own copy of each now
+            for fd in one_offs.values():  # the receiver holds its own copy of each now
                 os.close(fd)
-            if sent:
-                for segment in used:
-                    segment.descriptor_sent()
-            else:
-                peer.pool.release([s.id for s in used])
-        if peer.freed:  # FREE frames that could not go out while the lock was held
-            self._flush_freed(peer)
+            if not sent:
+                peer.pool.release([s.id for s in used.values()])
 
     def _segment_freed(self, src: int, segment_id: int) -> None:
         """Tensors over a segment ``src`` filled are gone: let ``src`` fill it again.
 
-        Runs from a finalizer, on whichever thread dropped the last such tensor, possibly
-        one holding the peer's send lock: so the lock is only tried, never waited for.
+        Runs from a finalizer, on whichever thread dropped the last such tensor (often a
+        receive loop, or one holding a send lock): so it only queues the id, and the
+        transport's flusher thread sends it.
         """
         peer = self._peers.get(src)
         if peer is None or self._closing:
             return
         peer.freed.append(segment_id)
-        self._flush_freed(peer)
+        self._flush_wanted.set()
 
-    def _flush_freed(self, peer: _Peer) -> None:
-        """Send the ids in ``peer.freed`` as ``FREE`` if the send lock is free now.
+    def _flusher(self) -> None:
+        """Send queued FREE ids, off the threads whose finalizers produced them."""
+        while not self._closing:
+            self._flush_wanted.wait(_FLUSH_CHECK_S)
+            self._flush_wanted.clear()
+            for peer in self._peers.values():
+                ids = _drain(peer.freed)
+                if ids:
+                    self._send_ids(peer, _FREE, ids)
 
-        Whoever releases the lock with ids waiting sends them (``send`` checks after its
-        frame), so none waits longer than the next send to that peer.
-        """
-        while peer.freed and peer.lock.acquire(blocking=False):
-            try:
-                ids = []
-                while peer.freed:
-                    ids.append(peer.freed.popleft())
-                if peer.bye_sent or peer.gone:
-                    continue
-                message = _HEAD.pack(_FREE, len(ids), 0) + struct.pack(f"<{len(ids)}I", *ids)
-                with contextlib.suppress(OSError):  # a lost peer is seen by its receiver
-                    peer.sock.sendall(message)
-            finally:
-                peer.lock.release()
+    def _send_ids(self, peer: _Peer, kind: int, ids: list[int]) -> None:
+        message = _ids_message(kind, ids)
+        with peer.lock:
+            if peer.bye_sent or peer.gone:
+                return
+            with contextlib.suppress(OSError):  # a lost peer is seen by its receiver
+                peer.sock.sendall(message)
 
     # ---------------------------------------------------------------------- receive
 
@@ -287,8 +325,12 @@ class ShmTransport:
                 if frame is None:
                     self._on_bye(src)
                     break
-                if not isinstance(frame, Frame):  # FREE: segments we may fill again
-                    peer.pool.release(frame)
+                if not isinstance(frame, Frame):  # FREE or RETIRE: segment bookkeeping
+                    kind, ids = frame
+                    if kind == _FREE:
+                        peer.pool.release(ids)
+                    else:
+                        peer.received.retire(ids)
                     continue
                 try:
                     ctx.deliver(src, frame)
@@ -309,16 +351,17 @@ class ShmTransport:
             lane.leave()
         peer.ended.set()
 
-    def _read_frame(self, peer: _Peer) -> Frame | list[int] | None:
-        """The next frame from ``peer``: a frame, the ids of a FREE, or None for BYE."""
+    def _read_frame(self, peer: _Peer) -> Frame | tuple[int, list[int]] | None:
+        """The next frame from ``peer``: a frame, (kind, ids) of a FREE or RETIRE, or None
+        for BYE."""
         reader, sock = peer.reader, peer.sock
         reader.fill(sock, _HEAD.size)
         kind, count, header_len = _HEAD.unpack(reader.take(_HEAD.size))
         if kind == _BYE:
             return None
-        if kind == _FREE:
+        if kind in (_FREE, _RETIRE):
             reader.fill(sock, 4 * count)
-            return list(struct.unpack(f"<{count}I", reader.take(4 * count)))
+            return kind, list(struct.unpack(f"<{count}I", reader.take(4 * count)))
         if kind != _FRAME:
             raise ValueError(f"unknown frame kind {kind} (count {count}, header {header_len}; "
                              f"frames before: {list(reader.recent)})")
@@ -354,7 +397,7 @@ class ShmTransport:
             peer.gone = True
             answer = not peer.bye_sent
         if answer:  # the peer left on its own: let its receive loop for us end too
-            self._send_bye(peer)
+            self._send_bye(peer, _BYE_TIMEOUT_S)
         if not self._closing:
             ctx.peer_lost(src, "has shut down")
 
@@ -382,9 +425,10 @@ class ShmTransport:
         if ctx is None:
             return
         self._closing = True
+        self._flush_wanted.set()
         deadline = time.monotonic() + timeout
         for peer in self._peers.values():
-            self._send_bye(peer)
+            self._send_bye(peer, max(0.0, deadline - time.monotonic()))
         for peer in self._peers.values():
             peer.ended.wait(max(0.0, deadline - time.monotonic()))
         stuck = [ctx.names[r] for r, p in self._peers.items() if not p.ended.is_set()]
@@ -392,24 +436,36 @@ class ShmTransport:
             log.warning("%s: no goodbye from %s within %.1f s; closing anyway",
                         ctx.names[ctx.rank], ", ".join(stuck), timeout)
         for peer in self._peers.values():
-            peer.pool.close()
-            peer.received.close()
-            # shutdown() wakes a receive loop still blocked in recvmsg: it sees EOF.
+            # shutdown() wakes a receive loop blocked in recvmsg (it sees end of file)
+            # and a sender blocked on a peer that stopped reading.
             with contextlib.suppress(OSError):
                 peer.sock.shutdown(socket.SHUT_RDWR)
             peer.sock.close()
+            peer.pool.close()
+            peer.received.close()
+        if self._flusher_thread is not None:
+            self._flusher_thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _send_bye(self, peer: _Peer) -> None:
-        with peer.lock:
+    def _send_bye(self, peer: _Peer, timeout: float) -> None:
+        """Send BYE, waiting at most ``timeout`` for the send lock and the socket."""
+        if not peer.lock.acquire(timeout=timeout):
+            # A sender is stuck on a peer that stopped reading: close() shuts the socket
+            # down after the wait, which also frees that sender.
+            log.debug("goodbye not sent: a send to this peer is blocked")
+            return
+        try:
             if peer.bye_sent:
                 return
             peer.bye_sent = True
             try:
-                # A peer that stopped reading cannot block us: the socket buffer has
-                # room for a head, and a dead peer fails at once.
-                peer.sock.sendall(_HEAD.pack(_BYE, 0, 0))
+                # Never blocks: a peer that stopped reading gets no goodbye (close()
+                # shuts the socket down instead). A head this small goes whole or not
+                # at all (the kernel queues it only with room for all of it).
+                peer.sock.send(_HEAD.pack(_BYE, 0, 0), socket.MSG_DONTWAIT)
             except OSError as exc:
                 log.debug("goodbye not delivered: %s", exc)
+        finally:
+            peer.lock.release()
 
 
 # ------------------------------------------------------------------------------ mesh
