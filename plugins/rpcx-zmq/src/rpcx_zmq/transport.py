@@ -1,10 +1,12 @@
 """The zmq transport: frames over ZeroMQ PUSH/PULL sockets, one pair per peer and direction.
 
-Wire format: a frame is one ZeroMQ multipart message, ``[head, buffer...]``, each tensor
-buffer a part of its own (ZeroMQ keeps a message's parts together and each part's
-length, so no framing of our own is needed). The head is a kind byte, then for ``DATA``
-one byte per buffer, its element size (the alignment its dtype needs), then the frame's
-header. Kinds: ``DATA`` (a frame) and ``BYE``
+Wire format: a frame is one ZeroMQ multipart message (ZeroMQ keeps a message's parts
+together and in order): a head part, then one part per buffer larger than
+``INLINE_MAX``. The head is ``kind (u8), n (u32)``, then for each of the ``n`` buffers its
+element size (u8: the alignment its dtype needs) and its length (i64; -1: it follows as a
+part of its own), then the frame's header, then the small buffers' bytes. So a small
+frame is one part: one send and one receive, each of which releases the GIL. Kinds:
+``DATA`` (a frame) and ``BYE``
 (the last message a worker sends a peer). ``LOST`` and ``STOP`` never cross the wire:
 they are posted to a receive loop through an ``inproc://`` endpoint of its own socket.
 
@@ -44,6 +46,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import threading
 import time
@@ -60,7 +63,7 @@ from zmq.utils.monitor import recv_monitor_message
 from rpcx_zmq.addresses import host_identity, listen_host
 from rpcx_zmq.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT
 
-__all__ = ["ZERO_COPY_RECEIVE", "ZERO_COPY_SEND", "ZmqTransport"]
+__all__ = ["INLINE_MAX", "ZERO_COPY_RECEIVE", "ZERO_COPY_SEND", "ZmqTransport"]
 
 log = logging.getLogger("rpcx.backends.zmq")
 
@@ -76,11 +79,17 @@ _DRAIN_WAIT_MS = 50  # after a loss, how long to wait for frames still on their 
 _BYE_TIMEOUT = 10.0  # answering a peer's goodbye from a receive loop
 _IPC_PATH_MAX = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 
+# Buffers up to this size travel inside the head part: one ZeroMQ part (one send, one
+# receive, each releasing the GIL) per small frame instead of one per buffer.
+INLINE_MAX = 32 << 10
+
+_HEAD = struct.Struct("<BI")  # kind, number of buffers
 _DATA, _BYE, _LOST, _STOP = 1, 2, 3, 4
-_DATA_BYTE = bytes([_DATA])
-_BYE_MESSAGE = [bytes([_BYE])]
-_STOP_MESSAGE = [bytes([_STOP])]
-_LOST_MESSAGE = [bytes([_LOST])]
+_PLAIN_HEAD = _HEAD.pack(_DATA, 0)
+_BYE_MESSAGE = [_HEAD.pack(_BYE, 0)]
+_STOP_MESSAGE = [_HEAD.pack(_STOP, 0)]
+_LOST_MESSAGE = [_HEAD.pack(_LOST, 0)]
+_PART = -1  # a buffer's length in the head when it travels as a part of its own
 
 _MONITOR_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -287,15 +296,28 @@ class ZmqTransport:
         if peer.gone is not None:
             raise PeerLostError(peer.gone)
         buffers = frame.buffers
-        # Each buffer's element size, so the receiver knows the alignment it needs.
-        parts: list[Any] = [
-            b"".join((_DATA_BYTE, bytes([b.element_size() for b in buffers]), frame.header))
-        ]
+        if not buffers:
+            self._post(peer, [_PLAIN_HEAD + frame.header])
+            return
+        n = len(buffers)
+        # Each buffer's element size (the alignment its dtype needs at the receiver) and
+        # length, or _PART for a buffer that follows as a part of its own.
+        sizes = bytearray(n)
+        lengths = [0] * n
+        inline: list[bytes] = []
+        parts: list[Any] = [b""]
         trackers: list[zmq.MessageTracker] = []
         for index, buffer in enumerate(buffers):
-            nbytes = buffer.numel() * buffer.element_size()
+            size = sizes[index] = buffer.element_size()
+            nbytes = buffer.numel() * size
+            if nbytes <= INLINE_MAX:
+                lengths[index] = nbytes
+                if nbytes:
+                    inline.append(ctypes.string_at(buffer.data_ptr(), nbytes))
+                continue
+            lengths[index] = _PART
             if nbytes < ZERO_COPY_SEND:
-                parts.append(ctypes.string_at(buffer.data_ptr(), nbytes) if nbytes else b"")
+                parts.append(ctypes.string_at(buffer.data_ptr(), nbytes))
                 continue
             owned = index in frame.owned
             part = zmq.Frame(_memory_of(buffer, nbytes), copy=False, track=not owned)
@@ -303,6 +325,10 @@ class ZmqTransport:
             if not owned:
                 assert part.tracker is not None
                 trackers.append(part.tracker)
+        parts[0] = b"".join(
+            (_HEAD.pack(_DATA, n), sizes, struct.pack(f"<{n}q", *lengths), frame.header,
+             *inline)
+        )
         self._post(peer, parts)
         if trackers:
             # libzmq sent copies of our frames (sharing the bytes): the tracker fires
@@ -441,17 +467,17 @@ class ZmqTransport:
             if peer.draining and not rx.poll(_DRAIN_WAIT_MS):
                 return None, peer.gone or f"is unreachable: {_CRASHED}"
             try:
-                parts = rx.recv_multipart(copy=False)
+                head = rx.recv()
             except zmq.ZMQError as exc:  # the context is gone: nothing more can arrive
                 self._mark_lost(peer, f"is unreachable: {exc}")
                 return None, peer.gone or f"is unreachable: {exc}"
-            head = parts[0].buffer
-            kind = head[0] if len(head) else 0
+            if len(head) < _HEAD.size:
+                log.warning("%s: dropped a malformed message from %s",
+                            ctx.names[ctx.rank], peer.name)
+                continue
+            kind, n = _HEAD.unpack_from(head)
             if kind == _DATA:
-                n = len(parts)
-                return Frame(
-                    bytes(head[n:]), [_as_tensor(parts[i], head[i]) for i in range(1, n)]
-                ), ""
+                return self._unpack(rx, head, n), ""
             if kind == _BYE:
                 self._on_bye(peer)
                 return None, "has shut down"
@@ -462,6 +488,32 @@ class ZmqTransport:
             else:
                 log.warning("%s: dropped a message of unknown kind %d from %s",
                             ctx.names[ctx.rank], kind, peer.name)
+
+    @staticmethod
+    def _unpack(rx: zmq.Socket[bytes], head: bytes, n: int) -> Frame:
+        """The frame whose head part is ``head``; receives its other parts from ``rx``."""
+        if n == 0:
+            return Frame(head[_HEAD.size:])
+        start = _HEAD.size + n
+        sizes = head[_HEAD.size:start]
+        lengths = struct.unpack_from(f"<{n}q", head, start)
+        start += 8 * n
+        end = len(head) - sum(length for length in lengths if length > 0)
+        header = head[start:end]
+        address = ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value
+        assert address is not None
+        address += end
+        buffers = []
+        for size, length in zip(sizes, lengths, strict=True):
+            if length == _PART:  # already here: a message's parts arrive together
+                buffers.append(_as_tensor(rx.recv(copy=False), size))
+                continue
+            buffer = torch.empty(length, dtype=torch.uint8)
+            if length:
+                ctypes.memmove(buffer.data_ptr(), address, length)
+                address += length
+            buffers.append(buffer)
+        return Frame(header, buffers)
 
     def _end_receiving(self, peer: _Peer) -> None:
         """Close ``rx`` and mark the loop over (the caller holds ``reader``)."""
