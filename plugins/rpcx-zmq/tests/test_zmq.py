@@ -270,6 +270,80 @@ def test_buffers_needing_more_alignment_than_zeromq_gives_are_copied() -> None:
         assert torch.equal(narrow.view(torch.int64), torch.arange(1 << 18))
 
 
+def test_every_size_of_buffer_arrives_whole_and_in_place() -> None:
+    # Inline in the head (<= INLINE_MAX), a copied part of its own, a part sent from the
+    # tensor's memory (>= ZERO_COPY_SEND), empty ones, many of them, and odd dtypes.
+    inline = zmq_transport.INLINE_MAX
+    buffers = [
+        torch.arange(7, dtype=torch.int16),
+        torch.empty(0),
+        torch.randn(inline // 4),  # exactly INLINE_MAX bytes: inline
+        torch.randn(inline // 4 + 1),  # one element more: a part of its own, copied
+        torch.randint(0, 255, (zmq_transport.ZERO_COPY_SEND,), dtype=torch.uint8),
+        torch.tensor([True, False, True]),
+        torch.randn(3, dtype=torch.complex128),
+        *[torch.full((5,), float(i)) for i in range(50)],
+    ]
+    with transports(2) as (started, inboxes):
+        started[0].send(1, Frame(b"all sizes", buffers))
+        _, frame = inboxes[1].next()
+        assert frame.header == b"all sizes"
+        assert len(frame.buffers) == len(buffers)
+        for sent, got in zip(buffers, frame.buffers, strict=True):
+            assert got.dtype == torch.uint8 and got.dim() == 1
+            assert torch.equal(got.view(sent.dtype), sent.reshape(-1))
+            assert got.data_ptr() % sent.element_size() == 0
+
+
+def test_a_peer_on_another_host_is_reached_over_tcp(tmp_path: Any) -> None:
+    transport = ZmqTransport()
+    transport._ctx = _context(0, 2, HashStore(), ZmqRpcBackendOptions(), Inbox())
+    transport._ipc_dir = str(tmp_path)
+    socket_file = tmp_path / "0"
+    socket_file.touch()
+    endpoints = {"0": {"tcp": "tcp://10.0.0.2:5555", "ipc": f"ipc://{socket_file}"}}
+    here = host_identity()
+    assert transport._choose_endpoint({"host": here, "rx": endpoints}) == f"ipc://{socket_file}"
+    assert transport._choose_endpoint({"host": "other|boot|mnt", "rx": endpoints}) == (
+        "tcp://10.0.0.2:5555"
+    )
+    socket_file.unlink()  # same host, yet the path is not there (another /tmp)
+    assert transport._choose_endpoint({"host": here, "rx": endpoints}) == (
+        "tcp://10.0.0.2:5555"
+    )
+    transport._ipc_dir = None  # this worker does not use IPC
+    socket_file.touch()
+    assert transport._choose_endpoint({"host": here, "rx": endpoints}) == (
+        "tcp://10.0.0.2:5555"
+    )
+
+
+def test_a_sender_waiting_on_a_full_queue_is_released_by_close() -> None:
+    with transports(2) as (started, inboxes):
+        gate = threading.Event()
+        inboxes[1].block = gate  # worker1 stops reading after its first frame
+        outcome: list[BaseException | None] = []
+
+        def flood() -> None:
+            try:
+                for _ in range(100_000):  # far more than the queues and sockets hold
+                    started[0].send(1, Frame(b"x" * 1000))
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        sender = threading.Thread(target=flood)
+        sender.start()
+        time.sleep(2.0)
+        assert sender.is_alive(), "the queue should be full by now"
+        began = time.monotonic()
+        started[0].close(0.5)
+        sender.join(5.0)
+        assert not sender.is_alive() and time.monotonic() - began < 5.0
+        assert isinstance(outcome[0], PeerLostError)
+        gate.set()
+
+
 def test_sent_from_the_tensor_memory_kept_alive_by_zeromq() -> None:
     tensor = torch.arange(1 << 18, dtype=torch.int32)
     memory = zmq_transport._memory_of(tensor, tensor.numel() * 4)
