@@ -6,9 +6,9 @@ together and in order): a head part, then one part per buffer larger than
 element size (u8: the alignment its dtype needs) and its length (i64; -1: it follows as a
 part of its own), then the frame's header, then the small buffers' bytes. So a small
 frame is one part: one send and one receive, each of which releases the GIL. Kinds:
-``DATA`` (a frame) and ``BYE``
-(the last message a worker sends a peer). ``LOST`` and ``STOP`` never cross the wire:
-they are posted to a receive loop through an ``inproc://`` endpoint of its own socket.
+``DATA`` (a frame) and ``BYE`` (the last message a worker sends a peer). ``LOST`` and
+``STOP`` never cross the wire: they are posted to a receive loop through an
+``inproc://`` endpoint of its own socket.
 
 Sockets, per peer: a PULL socket (``rx``) bound for that peer alone, read by one receive
 loop (a receive lane, so requests are served on the receiving thread); a PUSH socket
@@ -21,7 +21,8 @@ Tensors: a buffer of ``ZERO_COPY_SEND`` bytes or more is sent from the tensor's 
 (``copy=False``) and ``send`` waits for ZeroMQ's message tracker, which fires once
 libzmq has written the bytes to the kernel: the caller may change the tensor after that.
 Buffers the codec made for this frame alone (``Frame.owned``) are not waited for; the
-message keeps them alive. Smaller buffers are copied. On receive, a part of
+message keeps them alive. Smaller buffers are copied (into the head up to
+``INLINE_MAX``). On receive, a part of
 ``ZERO_COPY_RECEIVE`` bytes or more becomes a tensor over ZeroMQ's own message memory
 (``torch.frombuffer`` keeps the message alive) when that memory is aligned for the
 buffer's dtype. libzmq puts a large message's bytes 40 bytes into a ``malloc`` block, so
@@ -51,17 +52,19 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import zmq
-from rpcx._lanes import ReceiveLane
 from rpcx.errors import PeerLostError, RpcTimeoutError
 from rpcx.transport import Capabilities, Frame, TransportContext
 from zmq.utils.monitor import recv_monitor_message
 
 from rpcx_zmq.addresses import host_identity, listen_host
 from rpcx_zmq.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT
+
+if TYPE_CHECKING:
+    from rpcx._lanes import ReceiveLane
 
 __all__ = ["INLINE_MAX", "ZERO_COPY_RECEIVE", "ZERO_COPY_SEND", "ZmqTransport"]
 
@@ -355,7 +358,8 @@ class ZmqTransport:
                 if not bye and peer.gone is not None:
                     raise PeerLostError(peer.gone)
                 if tx is None:
-                    raise PeerLostError("was never connected")
+                    raise PeerLostError("cannot be reached: this worker has shut down"
+                                        if self._closed else "was never connected")
                 try:
                     tx.send_multipart(parts, copy=False)
                     break
@@ -631,6 +635,9 @@ class ZmqTransport:
                 except PeerLostError as exc:
                     log.debug("goodbye to %s not sent: %s", peer.name, exc)
         started = [p for p in self._peers.values() if p.started]
+        for peer in started:
+            if not peer.connected.is_set():  # start failed: nothing to wait for
+                self._post_control(peer, _STOP_MESSAGE)
         for peer in started:
             peer.ended.wait(max(0.0, deadline - time.monotonic()))
         silent = [p for p in started if not p.ended.is_set()]
