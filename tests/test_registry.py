@@ -515,7 +515,10 @@ def test_uninstalling_a_plugin_removes_its_backend(fake_plugin_dir: Path) -> Non
             else:
                 path.unlink()
     result = run_cli("backends", "--names", pythonpath=fake_plugin_dir)
-    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+    # No trace of it: not listed, no load error (stderr may hold torch's own warnings,
+    # such as numpy's absence in the tensorpipe session).
+    assert result.returncode == 0 and "plugin" not in result.stderr, result.stderr
+    assert "fake" not in result.stdout.split()
     assert result.stdout.split() == backend_names()
 
 
