@@ -80,6 +80,7 @@ _HWM = 4096  # messages queued per peer and direction before send waits (back-pr
 _SEND_POLL_S = 0.1  # a send waiting for room or for its tracker rechecks the peer this often
 _DRAIN_WAIT_MS = 50  # after a loss, how long to wait for frames still on their way
 _BYE_TIMEOUT = 10.0  # answering a peer's goodbye from a receive loop
+_GRACE_S = 0.5  # close: what receive loops told to STOP get past the deadline
 _IPC_PATH_MAX = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 
 # Buffers up to this size travel inside the head part: one ZeroMQ part (one send, one
@@ -648,11 +649,11 @@ class ZmqTransport:
             )
         for peer in silent:  # a loop waiting in recv ends on STOP at once
             self._post_control(peer, _STOP_MESSAGE)
-        for peer in silent:
-            peer.ended.wait(1.0)
+        for peer in silent:  # past the deadline now: a short grace, no more
+            peer.ended.wait(max(0.0, deadline + _GRACE_S - time.monotonic()))
         stuck = [p for p in started if not p.ended.is_set()]
         self._closed = True
-        self._stop_monitor()
+        self._stop_monitor(max(_GRACE_S, deadline - time.monotonic()))
         for peer in self._peers.values():
             with peer.ctl_lock:
                 if peer.ctl is not None:
@@ -683,13 +684,13 @@ class ZmqTransport:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
-    def _stop_monitor(self) -> None:
+    def _stop_monitor(self, timeout: float) -> None:
         with self._wake_lock:
             if self._wake is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     self._wake.send(b"stop", flags=zmq.NOBLOCK)
         if self._monitor is not None and self._monitor is not threading.current_thread():
-            self._monitor.join(2.0)
+            self._monitor.join(timeout)
         with self._wake_lock:
             if self._wake is not None:
                 self._wake.close(linger=0)
