@@ -115,13 +115,17 @@ class ReceiveLane:
         token = object()
         with self._lock:
             held = self._holder is threading.current_thread()
-            if held:
+            nested = held and self._serving is not None
+            if held and not nested:
                 self._serving = token
-        if not held:
-            # The role moved on while this thread served an earlier request (it still
-            # has the lane as its current one until it returns to its loop). Marking
-            # the lane serving now would let the watchdog move the role off its real
-            # holder, which is receiving: two threads would then read one peer.
+        if not held or nested:
+            # Not held: the role moved on while this thread served an earlier request
+            # (it keeps the lane as its current one until it returns to its loop).
+            # Marking the lane serving would let the watchdog move the role off its
+            # real holder, which is receiving: two threads would read one peer.
+            # Nested (a request served inside another, such as a call to this worker
+            # itself): the outer request's token must stay, or ending the inner one
+            # would clear it and the outer one could no longer hand the role off.
             fn(*args)
             return
         with _pool.blocker(self):

@@ -168,3 +168,21 @@ def test_serving_on_a_thread_the_role_left_does_not_mark_the_lane() -> None:
     lane.enter()
     lane.serve(outer)
     assert not lane.still_held()
+
+
+def test_a_nested_serve_keeps_the_outer_requests_hand_off() -> None:
+    # A request served inside another on the holding thread (a call to this worker
+    # itself) must not clear the outer request's mark when it ends: a wait later in
+    # the outer request must still hand receiving off.
+    started: list[Callable[[], None]] = []
+    lane = ReceiveLane("test", lambda: None, started.append)
+    lane.enter()
+
+    def outer() -> None:
+        outer_token = lane._serving
+        lane.serve(lambda: None)  # the nested request
+        assert lane._serving is outer_token
+        assert lane.hand_off()  # the outer request's wait still moves the role
+
+    lane.serve(outer)
+    assert len(started) == 1 and not lane.still_held()
