@@ -29,16 +29,13 @@ from __future__ import annotations
 
 import collections
 import functools
-import ipaddress
 import logging
 import os
-import socket
 import struct
 import threading
 import time
 from datetime import timedelta
 from typing import Any, ClassVar
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -47,6 +44,7 @@ from rpcx._lanes import ReceiveLane
 from rpcx._memory import empty_bytes
 from rpcx.errors import PeerLostError, RpcTimeoutError, without_cpp_locations
 from rpcx.hookspecs import hookimpl
+from rpcx.hosts import address_towards
 from rpcx.options import TensorPipeRpcBackendOptions
 from rpcx.transport import Capabilities, Frame, TransportContext
 
@@ -465,33 +463,10 @@ def _device(ctx: TransportContext) -> Any:
     if interface:
         return dist.ProcessGroupGloo.create_device(interface=interface)
     if hostname is None and not os.environ.get("GLOO_SOCKET_IFNAME"):
-        hostname = _address_towards(ctx.init_method)
+        hostname = address_towards(ctx.init_method)
     if hostname:
         return dist.ProcessGroupGloo.create_device(hostname=hostname)
     return dist.ProcessGroupGloo.create_default_device()
-
-
-def _address_towards(init_method: str) -> str | None:
-    """The local address that routes to the rendezvous host, or None if unknown."""
-    url = urlparse(init_method)
-    if url.scheme == "tcp":
-        host = url.hostname
-    elif url.scheme == "env":
-        host = os.environ.get("MASTER_ADDR")
-    else:
-        return None
-    if not host:
-        return None
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_UDP)
-        family, _, _, _, address = infos[0]
-        if ipaddress.ip_address(address[0]).is_loopback:
-            return str(address[0])
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((address[0], 9))  # UDP connect sends nothing; it picks a route
-            return str(probe.getsockname()[0])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 @hookimpl

@@ -50,6 +50,7 @@ from typing import Any, ClassVar
 import torch
 
 from rpcx.errors import PeerLostError, RpcTimeoutError
+from rpcx.hosts import host_identity
 from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx_shm.options import ShmRpcBackendOptions
 from rpcx_shm.segments import ONE_OFF, ReceivedSegments, Segment, SendPool, one_off_copy
@@ -67,7 +68,6 @@ _INLINE, _NEW_SEGMENT, _MAPPED_SEGMENT = 0, 1, 2
 _MAX_FDS = 64  # descriptors one frame may carry; more large buffers travel inline
 _READ_CHUNK = 256 << 10  # bytes asked for per read: many small frames per system call
 _SOCKET_BUFFER = 4 << 20  # SO_SNDBUF/SO_RCVBUF: room for a burst of small frames
-_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _BYE_TIMEOUT_S = 10.0  # answering a peer's goodbye: how long the send lock may take
 _FLUSH_CHECK_S = 0.5  # the flusher's bound on a wait, so it sees close() promptly
 
@@ -83,16 +83,6 @@ def _drain(queue: collections.deque[int]) -> list[int]:
     while queue:
         items.append(queue.popleft())
     return items
-
-
-def host_identity() -> str:
-    """This host, as peers on the same host see it: hostname and boot id."""
-    try:
-        with open(_BOOT_ID) as boot:
-            boot_id = boot.read().strip()
-    except OSError:  # not Linux: the hostname alone
-        boot_id = ""
-    return f"{socket.gethostname()}/{boot_id}" if boot_id else socket.gethostname()
 
 
 class _Reader:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import socket
-from urllib.parse import urlparse
+
+from rpcx.hosts import address_towards, host_identity, source_address
 
 __all__ = ["address_towards", "default_address", "host_identity", "listen_host", "resolve"]
 
@@ -22,32 +22,6 @@ log = logging.getLogger("rpcx.backends.zmq")
 # asks the kernel for the route (and so the source address) towards it. TEST-NET-1 has no
 # route of its own, so this finds the default route's address.
 _PROBE = "192.0.2.1"
-
-
-def address_towards(init_method: str) -> str | None:
-    """The local address that routes to the rendezvous host of ``init_method``.
-
-    ``tcp://host:port`` names the host; ``env://`` takes ``$MASTER_ADDR``. Returns the
-    host's own address when it is a loopback one (every worker is then on this host), and
-    ``None`` for other schemes (``file://``) or when the host does not resolve.
-    """
-    url = urlparse(init_method)
-    if url.scheme == "tcp":
-        host = url.hostname
-    elif url.scheme == "env":
-        host = os.environ.get("MASTER_ADDR")
-    else:
-        return None
-    if not host:
-        return None
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, None, proto=socket.IPPROTO_UDP)[0]
-    except (OSError, IndexError):
-        return None
-    target = str(sockaddr[0])
-    if ipaddress.ip_address(target.split("%", 1)[0]).is_loopback:
-        return target
-    return _source_address(family, target)
 
 
 def default_address() -> str:
@@ -62,7 +36,7 @@ def default_address() -> str:
             return address
     except (OSError, ValueError):
         pass
-    return _source_address(socket.AF_INET, _PROBE) or "127.0.0.1"
+    return source_address(socket.AF_INET, _PROBE) or "127.0.0.1"
 
 
 def resolve(hostname: str) -> str:
@@ -88,36 +62,6 @@ def listen_host(hostname: str | None, interface: str | None, init_method: str) -
     if hostname:
         return resolve(hostname)
     return address_towards(init_method) or default_address()
-
-
-def host_identity() -> str:
-    """A string equal on two workers exactly when an ``ipc://`` path of one is the other's.
-
-    The hostname, the kernel's boot id (so a reused hostname on another machine, or after
-    a reboot, differs) and the mount namespace (containers on one host with their own
-    ``/tmp`` differ).
-    """
-    parts = [socket.gethostname()]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as file:
-            parts.append(file.read().strip())
-    except OSError:
-        parts.append("")
-    try:
-        parts.append(os.readlink("/proc/self/ns/mnt"))
-    except OSError:
-        parts.append("")
-    return "|".join(parts)
-
-
-def _source_address(family: int, target: str) -> str | None:
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((target, 9))  # UDP connect sends nothing; it picks a route
-            return str(probe.getsockname()[0])
-    except OSError:
-        log.debug("no route towards %s", target)
-        return None
 
 
 def _is_local(address: str) -> bool:
