@@ -37,7 +37,6 @@ import dataclasses
 import datetime
 import os
 import pathlib
-import platform
 import re
 import signal
 import statistics
@@ -46,9 +45,9 @@ import sys
 import time
 from typing import Any
 
+import machine
 import report
 import systems
-from run import _git_commit, _rpcx_version
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -390,13 +389,7 @@ def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     """Run the selected examples on every system, ``--rounds`` times; report."""
     args = parse_args(argv)
-    # As bench/run.py (see bench/README.md): torch's C++ log at ERROR (TensorPipe's "pipe
-    # closed" at every shutdown), and one intra-op thread per worker, as torchrun and
-    # rpcx.spawn give several processes on one host, else the OpenMP threads spinning
-    # between parallel regions starve the RPC threads on a small machine.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
+    machine.set_worker_environment()
 
     started = datetime.datetime.now()
     t0 = time.monotonic()
@@ -406,9 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": started.isoformat(timespec="seconds"),
         "duration_s": time.monotonic() - t0, "argv": sys.argv, "systems": args.systems,
         "rounds": args.rounds, "quick": args.quick, "only": args.only,
-        "torch": torch.__version__, "rpcx": _rpcx_version(), "git_commit": _git_commit(),
-        "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "python": platform.python_version(), "platform": platform.platform(),
+        **machine.machine_facts(),
         "ratio_convention": ">1 is better: torch/rpcx (times)",
         "warm_up": "the first epoch of each run is dropped when it has more than one",
     }

@@ -39,16 +39,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import pathlib
-import platform
 import socket
-import subprocess
 import sys
 import time
 from typing import Any
 
 import floors
+import machine
 import report
 import sweeps
 import systems
@@ -136,27 +134,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, cwd=pathlib.Path(__file__).parent)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the selected workloads for every system, ``--rounds`` times; report."""
     args = parse_args(argv)
-    # torch's C++ warnings (TensorPipe's "pipe closed" at every shutdown, for one) would
-    # drown the progress lines; TORCH_CPP_LOG_LEVEL=WARNING brings them back.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    # Every worker of every system runs with one intra-op thread, as torchrun sets for
-    # several processes per host: with more, OpenMP workers spinning between parallel
-    # regions take the CPU the RPC threads need (on 2 cores, the DDP + RPC epoch took
-    # torch 47-54 ms and rpcx/gloo 166-210 ms with the default, 34-37 and 66 ms with 1).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
+    machine.set_worker_environment()
 
     started = datetime.datetime.now()
     t0 = time.monotonic()
@@ -214,10 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "started": started.isoformat(timespec="seconds"), "duration_s": duration,
         "argv": sys.argv, "systems": args.systems, "rounds": args.rounds,
-        "quick": args.quick, "only": selected, "torch": torch.__version__,
-        "rpcx": _rpcx_version(), "git_commit": _git_commit(), "cpus": os.cpu_count(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "python": platform.python_version(), "platform": platform.platform(),
+        "quick": args.quick, "only": selected, **machine.machine_facts(),
         "ratio_convention": ">1 is better: rpcx/torch for rates, torch/rpcx for times",
     }
     stamp = args.json_prefix + started.strftime("%Y%m%d-%H%M%S")
@@ -242,14 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{duration / 60:.1f} min; results: {json_path}"
           + "".join(f"\nplot: {p}" for p in plots))
     return 0
-
-
-def _rpcx_version() -> str | None:
-    try:
-        import rpcx
-    except ImportError:
-        return None
-    return str(rpcx.__version__)
 
 
 if __name__ == "__main__":
