@@ -96,6 +96,16 @@ class ReceiveLane:
             _local.lane = None
         return held
 
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the role now (no side effect).
+
+        Only the holder can lose the role while it checks this: a ``True`` stays true
+        until the holder itself serves a request that hands the role off (or the
+        watchdog takes it from a request being served), so a transport may act on it
+        under a lock that the next holder also takes before it blocks.
+        """
+        return self._holder is threading.current_thread()
+
     def leave(self) -> None:
         """The receive loop ended on the calling thread (the peer is gone)."""
         with self._lock:

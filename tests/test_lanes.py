@@ -110,6 +110,21 @@ def test_hand_off_is_one_shot_and_only_while_serving() -> None:
     assert not lane.still_held()
 
 
+def test_held_here_tells_the_holder_without_changing_anything() -> None:
+    lane = ReceiveLane("test", lambda: None, lambda resume: None)
+    assert not lane.held_here()
+    lane.enter()
+    assert lane.held_here()
+    seen: list[bool] = []
+    other = threading.Thread(target=lambda: seen.append(lane.held_here()))
+    other.start()
+    other.join(TIMEOUT)
+    assert seen == [False]
+    assert lane.held_here() and lane.still_held()  # still the holder
+    lane.serve(lambda: seen.append(lane.hand_off()))
+    assert seen == [False, True] and not lane.held_here()
+
+
 @pytest.mark.parametrize("blocks", [True, False])
 def test_order_is_kept_across_hand_offs(blocks: bool) -> None:
     seen: list[int] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from datetime import timedelta
 from typing import Any
@@ -10,13 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from rpcx_shm import ShmRpcBackendOptions, ShmTransport, host_identity
+from rpcx_shm import transport as transport_module
 from rpcx_shm.segments import SendPool
 from rpcx_shm.transport import _connect_mesh
 
 import rpcx
+from rpcx._lanes import ReceiveLane
 from rpcx.registry import available_backends
 from rpcx.testing.world import world
-from rpcx.transport import TransportContext
+from rpcx.transport import Frame, TransportContext
 
 TIMEOUT = 30.0
 
@@ -234,3 +237,105 @@ def test_sends_from_many_threads_on_fresh_segments() -> None:
             thread.join(TIMEOUT)
         assert not errors, errors[0]
         assert not any(thread.is_alive() for thread in threads)
+
+
+class _Pair:
+    """Two started shm transports in this process: ``a`` (rank 0) calls, ``b`` (rank 1)
+    serves each frame on its receive lane through ``serve(frame, lane)``, as the agent
+    serves requests there."""
+
+    def __init__(self, serve: Any) -> None:
+        self.replies: list[bytes] = []
+        self.got_reply = threading.Condition()
+        self.lanes: list[ReceiveLane] = []
+        store = dist.HashStore()
+        store.set_timeout(timedelta(seconds=TIMEOUT))
+
+        def on_reply(src: int, frame: Frame) -> None:
+            with self.got_reply:
+                self.replies.append(frame.header)
+                self.got_reply.notify_all()
+
+        def new_lane(name: str, resume: Any) -> ReceiveLane:
+            lane = ReceiveLane(name, resume, lambda fn: threading.Thread(
+                target=fn, daemon=True).start())
+            self.lanes.append(lane)
+            return lane
+
+        self.a, self.b = ShmTransport(), ShmTransport()
+        contexts = [
+            dataclasses.replace(_context(0, store), deliver=on_reply),
+            dataclasses.replace(_context(1, store), receive_lane=new_lane,
+                                deliver=lambda src, frame: self.lanes[0].serve(serve, frame,
+                                                                      self.lanes[0])),
+        ]
+        starters = [threading.Thread(target=t.start, args=(c,))
+                    for t, c in zip((self.a, self.b), contexts, strict=True)]
+        for thread in starters:
+            thread.start()
+        for thread in starters:
+            thread.join(TIMEOUT)
+
+    def wait_replies(self, count: int) -> list[bytes]:
+        with self.got_reply:
+            assert self.got_reply.wait_for(lambda: len(self.replies) >= count, TIMEOUT), \
+                self.replies
+            return list(self.replies)
+
+    def close(self) -> None:
+        closers = [threading.Thread(target=t.close, args=(TIMEOUT,)) for t in (self.a, self.b)]
+        for thread in closers:
+            thread.start()
+        for thread in closers:
+            thread.join(TIMEOUT)
+
+
+def _write_at_once(pair: _Pair, headers: list[bytes]) -> None:
+    """Frames with these headers from a to b, in one write (so b reads them at once)."""
+    wire = b"".join(transport_module._HEAD.pack(transport_module._FRAME, 0, len(h)) + h
+                    for h in headers)
+    with pair.a._peers[1].lock:
+        pair.a._peers[1].sock.sendall(wire)
+
+
+def test_replies_to_a_burst_of_requests_leave_in_one_write(monkeypatch: Any) -> None:
+    # b reads 50 requests in one go; the replies it sends while more are buffered wait
+    # for the last one: one write for 50 replies, each arriving, in order.
+    writes: list[int] = []
+    real_send_all = transport_module._send_all
+
+    def counting_send_all(sock: Any, parts: list[Any], fds: list[int]) -> None:
+        if sock is pair.b._peers[0].sock:
+            writes.append(len(parts))
+        real_send_all(sock, parts, fds)
+
+    monkeypatch.setattr(transport_module, "_send_all", counting_send_all)
+    pair = _Pair(lambda frame, lane: pair.b.send(0, Frame(b"re:" + frame.header)))
+    try:
+        _write_at_once(pair, [str(i).encode() for i in range(50)])
+        assert pair.wait_replies(50) == [f"re:{i}".encode() for i in range(50)]
+        assert writes == [50], writes
+        pair.a.send(1, Frame(b"alone"))  # nothing else buffered: it is answered at once
+        assert pair.wait_replies(51)[-1] == b"re:alone"
+        assert writes == [50, 1], writes
+    finally:
+        pair.close()
+
+
+def test_a_corked_reply_leaves_when_its_lane_moves_to_another_thread() -> None:
+    # Request 1's reply is corked (request 2 is already buffered); request 2's handler
+    # gives the lane away and waits for a's receipt of reply 1, which only the new
+    # receiving thread can send (it flushes before it waits for input).
+    def serve(frame: Frame, lane: ReceiveLane) -> None:
+        if frame.header == b"2":
+            lane_moved = lane.hand_off()
+            assert lane_moved and not lane.held_here()
+            assert pair.wait_replies(1) == [b"re:1"]
+        pair.b.send(0, Frame(b"re:" + frame.header))
+
+    pair = _Pair(serve)
+    try:
+        _write_at_once(pair, [b"1", b"2"])
+        assert pair.wait_replies(2) == [b"re:1", b"re:2"]
+    finally:
+        pair.close()

@@ -25,6 +25,11 @@ Wire format, little-endian::
 sender may fill again. ``RETIRE`` (kind 4), the same shape: segments the sender dropped
 from its pool, which the receiver unmaps (tensors still over them keep their memory).
 
+Replies sent on a peer's receiving thread while more of that peer's frames are already
+buffered are corked: held, in order, and written with the next frame to that peer or
+before the receiving thread next waits for input (``_Peer.may_cork``). A burst of small
+calls is answered in a few writes instead of one each.
+
 ``BYE`` (kind 2) is the last frame a worker sends a peer; a worker that receives one it
 did not expect answers with its own, and each side's receive loop ends on the other's
 ``BYE`` or on end of file. End of file or a reset without ``BYE`` means the peer's
@@ -45,6 +50,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -70,6 +76,7 @@ _READ_CHUNK = 256 << 10  # bytes asked for per read: many small frames per syste
 _SOCKET_BUFFER = 4 << 20  # SO_SNDBUF/SO_RCVBUF: room for a burst of small frames
 _BYE_TIMEOUT_S = 10.0  # answering a peer's goodbye: how long the send lock may take
 _FLUSH_CHECK_S = 0.5  # the flusher's bound on a wait, so it sees close() promptly
+_CORK_BYTES = 64 << 10  # replies held back while more requests wait to be read, at most
 
 
 def _ids_message(kind: int, ids: list[int]) -> bytes:
@@ -93,18 +100,25 @@ class _Reader:
     between two frames.
     """
 
-    __slots__ = ("buffer", "end", "fds", "recent", "start")
+    __slots__ = ("before_wait", "buffer", "end", "fds", "recent", "start")
 
-    def __init__(self) -> None:
+    def __init__(self, before_wait: Callable[[], None]) -> None:
         self.buffer = bytearray(_READ_CHUNK)
         self.start = 0  # first unread byte
         self.end = 0  # one past the last received byte
         self.fds: collections.deque[int] = collections.deque()
         self.recent: collections.deque[Any] = collections.deque(maxlen=3)  # for errors
+        self.before_wait = before_wait  # runs before each read that may block
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet taken."""
+        return self.end - self.start
 
     def fill(self, sock: socket.socket, needed: int) -> None:
         """Read until ``needed`` unread bytes are buffered; ``EOFError`` if the peer left."""
         while self.end - self.start < needed:
+            self.before_wait()
             if len(self.buffer) - self.start < max(needed, _READ_CHUNK // 2) and self.start:
                 # Move what is unread (usually nothing or a few bytes) to the front.
                 unread = self.end - self.start
@@ -145,13 +159,16 @@ class _Peer:
     """Per-peer state: the socket, the send lock, goodbye flags, the reader and lane,
     the segments this worker fills for the peer and those the peer fills for it."""
 
-    __slots__ = ("bye_sent", "ended", "freed", "gone", "lane", "lock", "pool", "reader",
-                 "received", "sock")
+    __slots__ = ("bye_sent", "corked", "corked_bytes", "ended", "freed", "gone", "lane",
+                 "lock", "pool", "reader", "received", "sock")
 
     def __init__(self, sock: socket.socket, pool: SendPool, received: ReceivedSegments) -> None:
         self.sock = sock
         self.lock = threading.Lock()
-        self.reader = _Reader()
+        self.reader = _Reader(self.flush_corked)
+        # Replies held back, in order, to go out with the next write (see may_cork).
+        self.corked: list[bytes] = []
+        self.corked_bytes = 0
         self.pool = pool
         self.received = received
         self.freed: collections.deque[int] = collections.deque()  # ids to send in FREE
@@ -159,6 +176,39 @@ class _Peer:
         self.gone = False
         self.lane: Any = None  # rpcx._lanes.ReceiveLane when the agent offers lanes
         self.ended = threading.Event()  # the receive loop is over: nothing more arrives
+
+    def may_cork(self) -> bool:
+        """May a frame the calling thread sends now wait for the next write?
+
+        Yes when the thread receives this peer's frames (holds its lane) and more of them
+        are already buffered: it is serving a burst of requests, and their replies go out
+        together, one system call instead of one each, before it next waits for input
+        (:meth:`flush_corked`) or with any other frame to this peer. Call under ``lock``:
+        the next holder of the lane flushes under it too, so nothing is left behind.
+        """
+        lane = self.lane
+        return lane is not None and lane.held_here() and self.reader.buffered > 0
+
+    def write_locked(self, parts: list[Any], fds: list[int]) -> None:
+        """Send what is corked, then ``parts`` (and ``fds``); call under ``lock``.
+
+        ``OSError`` marks the peer gone (its receive loop reports it lost)."""
+        if self.corked:
+            parts = [*self.corked, *parts]
+            self.corked.clear()
+            self.corked_bytes = 0
+        try:
+            _send_all(self.sock, parts, fds)
+        except OSError:
+            self.gone = True
+            raise
+
+    def flush_corked(self) -> None:
+        """Send the corked replies: the receiving thread is about to wait for input."""
+        if self.corked:
+            with self.lock:
+                if not (self.gone or self.bye_sent):
+                    self.write_locked([], [])
 
 
 class ShmTransport:
@@ -202,6 +252,20 @@ class ShmTransport:
     def send(self, dst: int, frame: Frame) -> None:
         """Write ``frame`` to ``dst``'s socket; large buffers go through shared memory."""
         peer = self._peers[dst]
+        if not frame.buffers:  # most calls and replies: the head and header, one write
+            data = _HEAD.pack(_FRAME, 0, len(frame.header)) + frame.header
+            with peer.lock:
+                if peer.bye_sent or peer.gone:
+                    raise PeerLostError("has shut down")
+                if peer.may_cork() and peer.corked_bytes + len(data) <= _CORK_BYTES:
+                    peer.corked.append(data)
+                    peer.corked_bytes += len(data)
+                    return
+                try:
+                    peer.write_locked([data], [])
+                except OSError as exc:
+                    raise PeerLostError(f"is unreachable: {exc.strerror or exc}") from None
+            return
         buffers = [_as_bytes(b) for b in frame.buffers]
         sizes = [b.numel() for b in buffers]
         count = len(sizes)
@@ -250,9 +314,8 @@ class ShmTransport:
                 if retired:  # ahead of the frame: the peer unmaps before it maps anew
                     head = _ids_message(_RETIRE, retired) + head
                 try:
-                    _send_all(peer.sock, [head, frame.header, *parts], fds)
+                    peer.write_locked([head, frame.header, *parts], fds)
                 except OSError as exc:
-                    peer.gone = True
                     raise PeerLostError(f"is unreachable: {exc.strerror or exc}") from None
                 for segment in used.values():
                     segment.descriptor_sent()
@@ -293,7 +356,7 @@ class ShmTransport:
             if peer.bye_sent or peer.gone:
                 return
             with contextlib.suppress(OSError):  # a lost peer is seen by its receiver
-                peer.sock.sendall(message)
+                peer.write_locked([message], [])
 
     # ---------------------------------------------------------------------- receive
 
@@ -352,6 +415,10 @@ class ShmTransport:
         if kind in (_FREE, _RETIRE):
             reader.fill(sock, 4 * count)
             return kind, list(struct.unpack(f"<{count}I", reader.take(4 * count)))
+        if kind == _FRAME and not count:  # no buffers: the header is all there is
+            reader.fill(sock, header_len)
+            reader.recent.append((0, header_len))
+            return Frame(bytes(reader.take(header_len)), [])
         if kind != _FRAME:
             raise ValueError(f"unknown frame kind {kind} (count {count}, header {header_len}; "
                              f"frames before: {list(reader.recent)})")
@@ -450,8 +517,11 @@ class ShmTransport:
             try:
                 # Never blocks: a peer that stopped reading gets no goodbye (close()
                 # shuts the socket down instead). A head this small goes whole or not
-                # at all (the kernel queues it only with room for all of it).
-                peer.sock.send(_HEAD.pack(_BYE, 0, 0), socket.MSG_DONTWAIT)
+                # at all (the kernel queues it only with room for all of it). Replies
+                # still corked go first (rare: they leave before the next read blocks).
+                data = b"".join([*peer.corked, _HEAD.pack(_BYE, 0, 0)])
+                peer.corked.clear()
+                peer.sock.send(data, socket.MSG_DONTWAIT)
             except OSError as exc:
                 log.debug("goodbye not delivered: %s", exc)
         finally:
