@@ -15,7 +15,7 @@ nox.options.error_on_missing_interpreters = True
 PYTHON = "3.11"  # torch==2.13.0's CPU wheel on this project's machines is for 3.11
 BUILTIN_BACKENDS = ["loopback", "gloo", "tensorpipe"]
 # Backends shipped as separate packages under plugins/: backend name -> package directory.
-PLUGINS = {"shm": "plugins/rpcx-shm"}
+PLUGINS = {"shm": "plugins/rpcx-shm", "zmq": "plugins/rpcx-zmq"}
 BACKENDS = BUILTIN_BACKENDS + list(PLUGINS)
 CONSTRAINTS = ("-c", "constraints.txt")
 
@@ -114,6 +114,7 @@ def typecheck(session: nox.Session) -> None:
     _install(session, "typecheck")
     session.run("mypy")
     for directory in PLUGINS.values():
+        session.install(*CONSTRAINTS, "-e", directory)  # its dependencies' types too
         session.run("mypy", f"{directory}/src")
 
 
@@ -121,6 +122,7 @@ def typecheck(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """rpcx backends against torch.distributed.rpc, side by side (not a test).
 
+    Every plugin under plugins/ is installed, so its backend runs beside the built-ins.
     Runs bench/run.py: every workload, both sweeps and the raw floors; the table on
     stdout, JSON and plots in bench/results/. Arguments after ``--`` go to it, e.g.
     ``nox -s bench -- --quick --rounds 1`` or ``-- --only rpc_sync,size_sweep``.
@@ -130,6 +132,8 @@ def bench(session: nox.Session) -> None:
     only ``--quick``. Run it alone as ``python bench/examples.py ...`` for the rest.
     """
     _install(session, "bench")
+    for directory in PLUGINS.values():  # their backends are measured too
+        session.install(*CONSTRAINTS, "-e", directory)
     session.run("python", "bench/run.py", *session.posargs)
     quick = ["--quick"] if "--quick" in session.posargs else []
     session.run("python", "bench/examples.py", *quick)

@@ -24,7 +24,7 @@ import systems
 def main(argv: list[str] | None = None) -> int:
     """Translate this script's options into ``run.py``'s and run the RNN workload."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--systems", default=",".join(systems.ALL_SYSTEMS))
+    parser.add_argument("--systems", default=systems.default_systems())
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternate the systems this many times; report medians")

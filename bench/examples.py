@@ -25,7 +25,7 @@ shows as ``error[n]`` with the reason in footnote n. Output: the markdown table 
 stdout, one progress line per run on stderr, ``bench/results/<stamp>-examples.json``
 with every run's per-epoch numbers, output and the medians. Usage::
 
-    python bench/examples.py [--systems torch,gloo,tensorpipe,loopback] [--rounds 3]
+    python bench/examples.py [--systems torch,gloo,shm] [--rounds 3]
                              [--quick] [--only ddp_rpc,rnn] [--timeout 300]
 """
 
@@ -340,7 +340,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
                                      epilog="examples: " + ", ".join(EXAMPLES))
-    parser.add_argument("--systems", default=",".join(systems.ALL_SYSTEMS),
+    parser.add_argument("--systems", default=systems.default_systems(),
                         help="comma-separated: torch and rpcx backends (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleave the systems this many times; report medians "

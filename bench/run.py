@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=(__doc__ or "").split("\n")[0],
         epilog="workloads: " + ", ".join(ALL_NAMES),
     )
-    parser.add_argument("--systems", default=",".join(systems.ALL_SYSTEMS),
+    parser.add_argument("--systems", default=systems.default_systems(),
                         help="comma-separated: torch and rpcx backends (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleave the systems this many times; report medians "

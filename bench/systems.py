@@ -10,11 +10,21 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-# The default --systems; any other installed rpcx backend (a plugin's) may be named too.
-ALL_SYSTEMS = ("torch", "gloo", "tensorpipe", "loopback")
+BUILTIN_SYSTEMS = ("torch", "gloo", "tensorpipe", "loopback")
 BASELINE = "torch"
 RPC_TIMEOUT_S = 60.0  # every call's default timeout: a lost reply becomes an error, not a hang
 NUM_WORKER_THREADS = 16
+
+
+def default_systems() -> str:
+    """The default ``--systems``: torch, the built-in backends, then every installed
+    plugin's backend (``nox -s bench`` installs the plugins under ``plugins/``)."""
+    try:
+        import rpcx
+    except ImportError:
+        return ",".join(BUILTIN_SYSTEMS)
+    plugins = sorted(set(rpcx.backend_names()) - set(BUILTIN_SYSTEMS))
+    return ",".join((*BUILTIN_SYSTEMS, *plugins))
 
 
 def api(system: str) -> SimpleNamespace:
