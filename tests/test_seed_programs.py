@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from rpcx.registry import resolve_backend
-
 pytest.importorskip("numpy", reason="the seed programs import numpy themselves")
 
 SEEDS = pathlib.Path(__file__).resolve().parent / "seed_programs"
@@ -162,23 +160,23 @@ DDP_EXAMPLE = SeedProgram("ddp_rpc", "example.py", gpus=2, check=_check_ddp)
 PROGRAMS = {"rl": RL, "rnn": RNN, "ddp_tutorial": DDP_TUTORIAL, "ddp_example": DDP_EXAMPLE}
 
 
-def _multi_process(backend: str) -> None:
-    caps = resolve_backend(backend).capabilities
-    if caps.in_process or not caps.multi_process:
-        pytest.skip("the program starts its workers as processes (mp.spawn)")
+# The programs start their workers as processes themselves (mp.spawn).
+needs_processes = pytest.mark.rpcx_requires(
+    "multi_process", reason="the program starts its workers as processes (mp.spawn)"
+)
 
 
+@needs_processes
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_rl_tutorial_runs_on_rpcx(
     rpcx_backend: str, tmp_path: pathlib.Path, world_size: int
 ) -> None:
-    _multi_process(rpcx_backend)
     RL.check(_run(RL, tmp_path, rpcx_backend, "--world_size", str(world_size)))
 
 
+@needs_processes
 @pytest.mark.parametrize("name", ["rnn", "ddp_tutorial", "ddp_example"])
 def test_seed_program_runs_on_rpcx(rpcx_backend: str, tmp_path: pathlib.Path, name: str) -> None:
-    _multi_process(rpcx_backend)
     program = PROGRAMS[name]
     program.check(_run(program, tmp_path, rpcx_backend))
 
@@ -204,3 +202,15 @@ def test_only_imports_change() -> None:
         for old, new in zip(before, after, strict=True):
             if old != new:
                 assert old.lstrip().startswith(("import ", "from ")), (source_file, old)
+
+
+def test_cuda_on_cpu_shim_runs_the_sitecustomize_it_shadows(tmp_path: pathlib.Path) -> None:
+    shadowed = tmp_path / "sitecustomize.py"
+    shadowed.write_text("import os\nos.environ['SHADOWED_SITECUSTOMIZE_RAN'] = 'yes'\n")
+    out = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ.get('SHADOWED_SITECUSTOMIZE_RAN'))"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(CUDA_ON_CPU), str(tmp_path)])},
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    assert out.stdout.strip() == "yes", out.stderr
+
