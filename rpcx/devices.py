@@ -13,7 +13,7 @@ covers a tensor's device the send fails, and the error says which map to set.
 
 from __future__ import annotations
 
-import pickle
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rpcx import rendezvous
+from rpcx.errors import RpcError
 from rpcx.options import invert_device_map, normalize_device, normalize_device_map
 
 __all__ = [
@@ -57,28 +58,39 @@ class WorkerDevices:
         )
 
     def to_bytes(self) -> bytes:
-        """Plain-data pickle (devices as strings), so no class needs importing to read it."""
-        plain = (
-            self.name,
-            self.device_count,
-            {to: {str(k): str(v) for k, v in m.items()} for to, m in self.device_maps.items()},
-            [str(d) for d in self.devices],
-        )
-        return pickle.dumps(plain)
+        """JSON (devices as strings): what other workers read must not be able to run
+        code in them, and anyone who can reach the rendezvous store can write it."""
+        plain = {
+            "name": self.name,
+            "device_count": self.device_count,
+            "device_maps": {to: {str(k): str(v) for k, v in m.items()}
+                            for to, m in self.device_maps.items()},
+            "devices": [str(d) for d in self.devices],
+        }
+        return json.dumps(plain, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> WorkerDevices:
-        """Inverse of :meth:`to_bytes`."""
-        name, count, maps, devices = pickle.loads(data)
-        return cls(
-            name=name,
-            device_count=count,
-            device_maps={
-                to: {torch.device(k): torch.device(v) for k, v in m.items()}
-                for to, m in maps.items()
-            },
-            devices=[torch.device(d) for d in devices],
-        )
+        """Inverse of :meth:`to_bytes`; ``ValueError`` for anything it did not write."""
+        try:
+            plain = json.loads(data)
+            name, count = plain["name"], plain["device_count"]
+            maps, devices = plain["device_maps"], plain["devices"]
+            if not (isinstance(name, str) and type(count) is int and count >= 0
+                    and isinstance(maps, dict) and isinstance(devices, list)
+                    and all(isinstance(m, dict) for m in maps.values())):
+                raise TypeError("unexpected field types")
+            return cls(
+                name=name,
+                device_count=count,
+                device_maps={
+                    str(to): {torch.device(str(k)): torch.device(str(v)) for k, v in m.items()}
+                    for to, m in maps.items()
+                },
+                devices=[torch.device(str(d)) for d in devices],
+            )
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+            raise ValueError(f"not a device declaration: {type(exc).__name__}: {exc}") from None
 
 
 class _SameDevice(Mapping[torch.device, torch.device]):
@@ -243,5 +255,15 @@ def exchange_devices(
         what=(f"init_rpc: worker {name!r} (rank {rank}) waiting for every worker's device "
               "maps (bounded by rpc_timeout)"),
     )
-    return plan_routes(rank, [WorkerDevices.from_bytes(b) for b in gathered])
+    declarations = []
+    for peer, data in enumerate(gathered):
+        try:
+            declarations.append(WorkerDevices.from_bytes(data))
+        except ValueError as exc:
+            raise RpcError(
+                f"init_rpc: worker {name!r} (rank {rank}) read an invalid device declaration "
+                f"for rank {peer} from the rendezvous store ({exc}); is something other than "
+                "rpcx writing to it?"
+            ) from None
+    return plan_routes(rank, declarations)
 

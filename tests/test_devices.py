@@ -6,6 +6,11 @@ without one. The tensors themselves move in tests/test_cuda.py (skipped without 
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
+from typing import Any
+
 import pytest
 import torch
 
@@ -84,8 +89,29 @@ def test_invalid_declarations_raise_naming_worker_and_entry(
 def test_declarations_travel_as_plain_data() -> None:
     original = WorkerDevices("a", 2, {"b": {CUDA0: CUDA1}}, [CUDA0])
     data = original.to_bytes()
-    assert b"torch" not in data  # readable without importing any class
+    assert json.loads(data)["device_maps"] == {"b": {"cuda:0": "cuda:1"}}
     assert WorkerDevices.from_bytes(data) == original
+
+
+class _RunsCode:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, ("import os; os.environ['RPCX_TEST_PICKLE_RAN'] = 'yes'",))
+
+
+@pytest.mark.parametrize("data", [
+    pickle.dumps(("a", 0, {}, [])),  # the old format
+    pickle.dumps(_RunsCode()),  # a value written by a stray store client
+    b"not json", b"[]", b'{"name": "a"}',
+    b'{"name": 1, "device_count": 0, "device_maps": {}, "devices": []}',
+    b'{"name": "a", "device_count": -1, "device_maps": {}, "devices": []}',
+    b'{"name": "a", "device_count": 0, "device_maps": {"b": ["x"]}, "devices": []}',
+    b'{"name": "a", "device_count": 0, "device_maps": {}, "devices": ["warp:9"]}',
+])
+def test_anything_else_in_the_store_is_refused_and_never_run(data: bytes) -> None:
+    os.environ.pop("RPCX_TEST_PICKLE_RAN", None)
+    with pytest.raises(ValueError, match="not a device declaration"):
+        WorkerDevices.from_bytes(data)
+    assert "RPCX_TEST_PICKLE_RAN" not in os.environ
 
 
 def test_missing_entry_messages_say_which_map_to_set() -> None:
@@ -129,3 +155,33 @@ def test_worlds_with_cpu_only_maps_run_normally(rpcx_backend: str) -> None:
     with world(rpcx_backend, size=2, device_maps={"worker1": {"cpu": "cpu"}}):
         got = rpcx.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
         assert got.device == CPU and torch.equal(got, torch.full((2,), 2.0))
+
+
+def test_a_crafted_store_value_fails_init_rpc_and_runs_nothing(tmp_path: Any) -> None:
+    # A store client posing as rank 1 writes a pickle that would run code as rank 1's
+    # device declaration: rank 0's init_rpc refuses it, naming the rank, before any
+    # transport exists.
+    import threading
+
+    from rpcx import rendezvous
+
+    init_method = f"file://{tmp_path / 'rendezvous'}"
+    posed: list[BaseException] = []
+
+    def intruder() -> None:
+        try:
+            store = rendezvous.open_store(init_method, 1, 2, 30.0)
+            session, _ = rendezvous.join_world(store, "intruder", 1, 2, 30.0)
+            session.set("devices/1", pickle.dumps(_RunsCode()))
+        except BaseException as exc:
+            posed.append(exc)
+
+    os.environ.pop("RPCX_TEST_PICKLE_RAN", None)
+    thread = threading.Thread(target=intruder, daemon=True)
+    thread.start()
+    options = rpcx.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=30)
+    with pytest.raises(rpcx.RpcError, match="invalid device declaration for rank 1"):
+        rpcx.init_rpc("w0", rank=0, world_size=2, backend="gloo", rpc_backend_options=options)
+    thread.join(30)
+    assert not posed, posed
+    assert "RPCX_TEST_PICKLE_RAN" not in os.environ
