@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import threading
 from datetime import timedelta
 from typing import Any
@@ -262,10 +263,13 @@ class _Pair:
             self.lanes.append(lane)
             return lane
 
+        self.lost = {0: threading.Event(), 1: threading.Event()}  # by the rank that saw it
         self.a, self.b = ShmTransport(), ShmTransport()
         contexts = [
-            dataclasses.replace(_context(0, store), deliver=on_reply),
+            dataclasses.replace(_context(0, store), deliver=on_reply,
+                                peer_lost=lambda rank, reason: self.lost[0].set()),
             dataclasses.replace(_context(1, store), receive_lane=new_lane,
+                                peer_lost=lambda rank, reason: self.lost[1].set(),
                                 deliver=lambda src, frame: self.lanes[0].serve(serve, frame,
                                                                       self.lanes[0])),
         ]
@@ -301,12 +305,12 @@ def _write_at_once(pair: _Pair, headers: list[bytes]) -> None:
 def test_replies_to_a_burst_of_requests_leave_in_one_write(monkeypatch: Any) -> None:
     # b reads 50 requests in one go; the replies it sends while more are buffered wait
     # for the last one: one write for 50 replies, each arriving, in order.
-    writes: list[int] = []
+    writes: list[bytes] = []
     real_send_all = transport_module._send_all
 
     def counting_send_all(sock: Any, parts: list[Any], fds: list[int]) -> None:
         if sock is pair.b._peers[0].sock:
-            writes.append(len(parts))
+            writes.append(b"".join(bytes(p) for p in parts))
         real_send_all(sock, parts, fds)
 
     monkeypatch.setattr(transport_module, "_send_all", counting_send_all)
@@ -314,10 +318,45 @@ def test_replies_to_a_burst_of_requests_leave_in_one_write(monkeypatch: Any) -> 
     try:
         _write_at_once(pair, [str(i).encode() for i in range(50)])
         assert pair.wait_replies(50) == [f"re:{i}".encode() for i in range(50)]
-        assert writes == [50], writes
+        assert len(writes) == 1 and writes[0].count(b"re:") == 50, writes
         pair.a.send(1, Frame(b"alone"))  # nothing else buffered: it is answered at once
         assert pair.wait_replies(51)[-1] == b"re:alone"
-        assert writes == [50, 1], writes
+        assert len(writes) == 2 and writes[1].count(b"re:") == 1, writes
+    finally:
+        pair.close()
+
+
+def test_more_corked_replies_than_one_write_can_carry_parts() -> None:
+    # 3,000 replies of ~20 bytes: 64 KiB of them is over 1,024 pieces, the kernel's
+    # limit for one sendmsg. Every reply still arrives, in order.
+    pair = _Pair(lambda frame, lane: pair.b.send(0, Frame(b"re:" + frame.header)))
+    try:
+        _write_at_once(pair, [str(i).encode() for i in range(3000)])
+        assert pair.wait_replies(3000) == [f"re:{i}".encode() for i in range(3000)]
+    finally:
+        pair.close()
+
+
+def test_a_frame_that_cannot_be_written_ends_the_connection_on_both_sides(
+    monkeypatch: Any,
+) -> None:
+    # A write that fails (here EMSGSIZE) must not lose the frame silently and leave the
+    # connection up: both workers report each other lost, so calls fail at once.
+    real_send_all = transport_module._send_all
+
+    def failing_send_all(sock: Any, parts: list[Any], fds: list[int]) -> None:
+        if sock is pair.b._peers[0].sock:
+            raise OSError(errno.EMSGSIZE, "Message too long")
+        real_send_all(sock, parts, fds)
+
+    monkeypatch.setattr(transport_module, "_send_all", failing_send_all)
+    pair = _Pair(lambda frame, lane: None)
+    try:
+        with pytest.raises(rpcx.PeerLostError, match="Message too long"):
+            pair.b.send(0, Frame(b"reply"))
+        assert pair.lost[0].wait(TIMEOUT) and pair.lost[1].wait(TIMEOUT)
+        with pytest.raises(rpcx.PeerLostError):
+            pair.b.send(0, Frame(b"another"))
     finally:
         pair.close()
 

@@ -159,16 +159,16 @@ class _Peer:
     """Per-peer state: the socket, the send lock, goodbye flags, the reader and lane,
     the segments this worker fills for the peer and those the peer fills for it."""
 
-    __slots__ = ("bye_sent", "corked", "corked_bytes", "ended", "freed", "gone", "lane",
+    __slots__ = ("bye_sent", "corked", "ended", "freed", "gone", "lane",
                  "lock", "pool", "reader", "received", "sock")
 
     def __init__(self, sock: socket.socket, pool: SendPool, received: ReceivedSegments) -> None:
         self.sock = sock
         self.lock = threading.Lock()
         self.reader = _Reader(self.flush_corked)
-        # Replies held back, in order, to go out with the next write (see may_cork).
-        self.corked: list[bytes] = []
-        self.corked_bytes = 0
+        # Replies held back, back to back, to go out with the next write (see may_cork).
+        # One byte string, not a list: a write takes at most 1,024 pieces.
+        self.corked = bytearray()
         self.pool = pool
         self.received = received
         self.freed: collections.deque[int] = collections.deque()  # ids to send in FREE
@@ -192,15 +192,18 @@ class _Peer:
     def write_locked(self, parts: list[Any], fds: list[int]) -> None:
         """Send what is corked, then ``parts`` (and ``fds``); call under ``lock``.
 
-        ``OSError`` marks the peer gone (its receive loop reports it lost)."""
+        ``OSError`` marks the peer gone and shuts the socket down, so that both ends'
+        receive loops see the connection end and report each other lost: a frame that
+        could not be written must never vanish silently."""
         if self.corked:
-            parts = [*self.corked, *parts]
+            parts = [bytes(self.corked), *parts]
             self.corked.clear()
-            self.corked_bytes = 0
         try:
             _send_all(self.sock, parts, fds)
         except OSError:
             self.gone = True
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
             raise
 
     def flush_corked(self) -> None:
@@ -257,9 +260,8 @@ class ShmTransport:
             with peer.lock:
                 if peer.bye_sent or peer.gone:
                     raise PeerLostError("has shut down")
-                if peer.may_cork() and peer.corked_bytes + len(data) <= _CORK_BYTES:
-                    peer.corked.append(data)
-                    peer.corked_bytes += len(data)
+                if peer.may_cork() and len(peer.corked) + len(data) <= _CORK_BYTES:
+                    peer.corked += data
                     return
                 try:
                     peer.write_locked([data], [])
@@ -519,7 +521,7 @@ class ShmTransport:
                 # shuts the socket down instead). A head this small goes whole or not
                 # at all (the kernel queues it only with room for all of it). Replies
                 # still corked go first (rare: they leave before the next read blocks).
-                data = b"".join([*peer.corked, _HEAD.pack(_BYE, 0, 0)])
+                data = bytes(peer.corked) + _HEAD.pack(_BYE, 0, 0)
                 peer.corked.clear()
                 peer.sock.send(data, socket.MSG_DONTWAIT)
             except OSError as exc:
