@@ -121,7 +121,9 @@ class TestCalls:
         # A transport that batches what it sends while a burst is being served (rpcx-shm
         # corks replies) must still deliver every reply: a batch once outgrew one write.
         for _ in range(3):
-            futures = [rpcx.rpc_async(W1, remote.add, args=(i, 1)) for i in range(5000)]
+            futures: list[torch.futures.Future[int]] = [
+                rpcx.rpc_async(W1, remote.add, args=(i, 1)) for i in range(5000)
+            ]
             assert torch.futures.wait_all(futures) == [i + 1 for i in range(5000)]
 
     def test_concurrent_calls_with_tensors(self, rpc_world: World) -> None:
