@@ -436,6 +436,11 @@ class RpcAgent:
 
     def _on_frame(self, src: int, frame: Frame) -> None:
         kind, rid = decode_envelope(frame)
+        if kind not in self._handlers and kind != MessageKind.RESULT and kind != MessageKind.ERROR:
+            # Checked before anything in the frame is decoded: not even its notes.
+            log.warning("%s: dropped a frame of unknown kind %d from %s", self.name, kind,
+                        self._describe_ranks([src]))
+            return
         if has_notes(frame):
             self._handle_notes(src, frame)
         if kind == MessageKind.RESULT or kind == MessageKind.ERROR or kind in self._inline_kinds:
@@ -481,6 +486,9 @@ class RpcAgent:
                 except Exception:
                     log.exception("%s: note of kind %d from %s failed",
                                   self.name, kind, caller.name)
+        except SerializationError as exc:  # not plain data: nothing of it was run
+            log.warning("%s: dropped the notes of a frame from %s: %s", self.name,
+                        caller.name, exc)
         except Exception:
             log.exception("%s: could not read the notes of a frame from %s", self.name,
                           caller.name)
@@ -490,6 +498,13 @@ class RpcAgent:
 
     def _on_response(self, src: int, kind: int, rid: int, frame: Frame) -> None:
         pending = self._pending.get(rid)
+        if pending is not None and pending.dst.id != src:
+            # Only the worker a request went to may answer it; nothing in this frame is
+            # decoded (it may be forged, or a peer's bug).
+            log.warning("%s: dropped a reply to %s from %s: the request went to %s",
+                        self.name, pending.call, self._describe_ranks([src]),
+                        pending.dst.name)
+            return
         if pending is None:
             log.debug("%s: response %d from rank %d arrived after its call ended",
                       self.name, rid, src)

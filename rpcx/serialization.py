@@ -523,7 +523,9 @@ def encode(kind: int, request_id: int, payload: Any, ctx: EncodeContext) -> Fram
         # Notes are known only once the payload is pickled (extensions add them), so
         # they are spliced in between the envelope (and scope) and the payload.
         flags |= _NOTED
-        notes = pickle.dumps(ctx.notes, _PROTOCOL)
+        # Kinds as plain ints: notes are read by an unpickler that refuses every global
+        # (decode_notes), so they cannot name a class or function, let alone run one.
+        notes = pickle.dumps([(int(kind), payload) for kind, payload in ctx.notes], _PROTOCOL)
         at = _ENVELOPE.size + (_SCOPE.size if ctx.scope is not None else 0)
         header = b"".join((header[:at], _NOTES_LEN.pack(len(notes)), notes, header[at:]))
     if flags:
@@ -542,14 +544,35 @@ def has_notes(frame: Frame) -> bool:
     return bool(frame.header[0] & _NOTED)
 
 
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Reads plain data only (numbers, strings, bytes, tuples, lists, dicts, sets):
+    any class or function the stream names is refused, so nothing can run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(
+            f"plain data expected, but the stream names {module}.{name}"
+        )
+
+
 def decode_notes(frame: Frame) -> list[tuple[int, Any]]:
-    """The one-way messages riding in ``frame``; ``[]`` if none."""
+    """The one-way messages riding in ``frame``; ``[]`` if none.
+
+    Raises :class:`SerializationError` if they are not plain data (see ``encode``).
+    """
     if not frame.header[0] & _NOTED:
         return []
     start = _ENVELOPE.size + (_SCOPE.size if frame.header[0] & _SCOPED else 0)
     (length,) = _NOTES_LEN.unpack_from(frame.header, start)
     start += _NOTES_LEN.size
-    notes: list[tuple[int, Any]] = pickle.loads(memoryview(frame.header)[start : start + length])
+    data = memoryview(frame.header)[start : start + length]
+    try:
+        notes = _PlainDataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:
+        raise SerializationError(f"unreadable notes: {type(exc).__name__}: {exc}") from None
+    if not isinstance(notes, list) or not all(
+        isinstance(note, tuple) and len(note) == 2 and type(note[0]) is int for note in notes
+    ):
+        raise SerializationError("unreadable notes: not a list of (kind, payload) pairs")
     return notes
 
 

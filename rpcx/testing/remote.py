@@ -662,3 +662,51 @@ def wait_until_lost(name: str, timeout: float) -> dict[str, str]:
 def not_a_module() -> int:
     """A "module class" for RemoteModule that builds something else."""
     return 7
+
+
+# --------------------------------------------------------------------------- hostile
+# A worker that misbehaves on purpose, through its own agent and transport: what a buggy
+# or compromised peer could send.
+
+
+def forge_reply(to_rank: int, request_id: int, value: Any) -> None:
+    """Send ``value`` to ``to_rank`` as the answer to its request ``request_id``,
+    although that request went to another worker."""
+    from rpcx.messages import MessageKind
+    from rpcx.serialization import EncodeContext, encode
+
+    agent = _context_agent()
+    ctx = EncodeContext(to_rank, agent=agent, routes=agent.routes, response=True)
+    frame = encode(MessageKind.RESULT, request_id, value, ctx)
+    frame.reply_to = request_id
+    agent._send(to_rank, frame)
+
+
+def send_noted_frame(to_rank: int, kind: int, payload: Any, notes: bytes) -> None:
+    """Send ``to_rank`` a one-way frame of ``kind`` whose notes are the raw bytes
+    ``notes`` (a pickle of the sender's choosing)."""
+    from rpcx import serialization as codec
+    from rpcx.transport import Frame
+
+    agent = _context_agent()
+    ctx = codec.EncodeContext(to_rank, agent=agent, routes=agent.routes)
+    plain = codec.encode(kind & codec._KIND_MASK, 0, payload, ctx)
+    body = plain.header[codec._ENVELOPE.size :]
+    header = b"".join((codec._ENVELOPE.pack(kind | codec._NOTED, 0),
+                       codec._NOTES_LEN.pack(len(notes)), notes, body))
+    agent._send(to_rank, Frame(header, plain.buffers))
+
+
+class SetsEnvironmentWhenUnpickled:
+    """Unpickling this sets ``os.environ[name] = "yes"`` (a stand-in for any code)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"import os; os.environ[{self.name!r}] = 'yes'",))
+
+
+def environment_has(name: str) -> bool:
+    """Whether this worker's process has the environment variable ``name``."""
+    return name in os.environ

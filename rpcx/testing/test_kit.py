@@ -13,4 +13,5 @@ take skip with the reason: those marked ``rpcx_requires`` when its
 from rpcx.testing.conformance import *  # noqa: F403
 from rpcx.testing.conformance_cuda import *  # noqa: F403
 from rpcx.testing.conformance_failures import *  # noqa: F403
+from rpcx.testing.conformance_hostile import *  # noqa: F403
 from rpcx.testing.conformance_parity import *  # noqa: F403
