@@ -28,6 +28,9 @@ __all__ = [
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_INIT_METHOD = "env://"
 DEFAULT_NUM_WORKER_THREADS = 16
+# Largest message (header and tensors) a worker accepts: a peer announcing more is
+# broken or hostile, and is dropped before anything is allocated for it.
+DEFAULT_MAX_FRAME_BYTES = 64 << 30
 
 DeviceLike = Union[int, str, torch.device]  # noqa: UP007  (an alias, evaluated on 3.10)
 DeviceMap = dict[torch.device, torch.device]
@@ -42,6 +45,9 @@ class RpcBackendOptions:
         num_worker_threads: how many threads run incoming requests concurrently. rpcx
             adds a thread while one of them blocks on a nested call, so nested calls
             cannot deadlock a small pool.
+        max_frame_bytes: the largest message (pickled header plus every tensor) this
+            worker accepts, 64 GiB by default. A peer that announces a larger one is
+            reported lost with a protocol error before anything is allocated for it.
     """
 
     def __init__(
@@ -49,10 +55,13 @@ class RpcBackendOptions:
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
         init_method: str = DEFAULT_INIT_METHOD,
         num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
         self.num_worker_threads = int(num_worker_threads)
+        self.max_frame_bytes = int(max_frame_bytes)
 
     def validate(self) -> None:
         """Raise ``ValueError`` if a field holds a value no backend can use."""
@@ -60,6 +69,8 @@ class RpcBackendOptions:
             raise ValueError(f"rpc_timeout must be >= 0 seconds, got {self.rpc_timeout}")
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        if self.max_frame_bytes < 1 << 20:
+            raise ValueError(f"max_frame_bytes must be at least 1 MiB, got {self.max_frame_bytes}")
         if not isinstance(self.init_method, str) or "://" not in self.init_method:
             raise ValueError(
                 f"init_method must be a URL such as 'tcp://host:port', 'env://' or "
@@ -75,7 +86,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     """torch's TensorPipe options, understood by every rpcx backend.
 
     ``device_maps`` maps a destination worker's name to ``{local device: remote device}``.
-    Responses travel along the inverse map. Maps must be one-to-one.
+    Responses travel along the inverse map. Maps must be one-to-one. ``max_frame_bytes``
+    is rpcx's own (see :class:`RpcBackendOptions`).
     """
 
     def __init__(
@@ -88,8 +100,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         devices: Iterable[DeviceLike] | None = None,
         _transports: list[str] | None = None,
         _channels: list[str] | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
-        super().__init__(rpc_timeout, init_method, num_worker_threads)
+        super().__init__(rpc_timeout, init_method, num_worker_threads,
+                         max_frame_bytes=max_frame_bytes)
         self.device_maps: dict[str, DeviceMap] = {}
         self.devices: list[torch.device] = []
         # TensorPipe's transports and channels: the tensorpipe backend hands them to

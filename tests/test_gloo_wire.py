@@ -243,3 +243,53 @@ def test_goodbye_ends_both_receivers_and_reports_the_peer_gone(
     assert last[0][:16] == last[1][:16] == struct.pack("<BxxxIQ", BYE, 0, 0)
     with pytest.raises(gloo.PeerLostError):
         a.transport.send(1, Frame(b"after goodbye", []))
+
+
+def _inject_slot(wire: Wire, head: bytes, rest: bytes = b"") -> None:
+    """A slot from rank 0 to rank 1 that rank 0's transport never wrote."""
+    slot = bytearray(gloo.SLOT_BYTES)
+    slot[: len(head) + len(rest)] = head + rest
+    wire.fifo((0, 1, SLOT_TAG)).put(torch.frombuffer(slot, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(("head", "rest", "why"), [
+    (struct.pack("<BxxxIQ", 9, 0, 0), b"", "unknown frame mode 9"),
+    (struct.pack("<BxxxIQ", INLINE, 0, gloo.SLOT_BYTES), b"", "announced inside a slot"),
+    (struct.pack("<BxxxIQ", INLINE, 2, 16), struct.pack("<2Q", 1 << 40, 4),
+     "buffers of 1099511627780 bytes in a body of 16"),
+    (struct.pack("<BxxxIQ", INLINE, 5000, 1 << 20), b"", "5000 buffers"),
+    (struct.pack("<BxxxIQ", EXTENDED, 1, 1 << 62), b"", "over max_frame_bytes"),
+    (struct.pack("<BxxxIQ", SPLIT, 1, 8), struct.pack("<Q", 1 << 62), "over max_frame_bytes"),
+])
+def test_bytes_that_are_no_frame_end_the_peer_with_a_protocol_error(
+    pair: tuple[Wire, End, End], head: bytes, rest: bytes, why: str,
+) -> None:
+    # Before anything is allocated for them (2^62 bytes raised MemoryError in the
+    # receiving thread, which died without reporting the peer: calls then timed out).
+    wire, _, b = pair
+    _inject_slot(wire, head, rest)
+    peer, reason = b.lost.get(timeout=TIMEOUT)
+    assert peer == 0 and reason.startswith("is unreachable: protocol error:"), reason
+    assert why in reason, reason
+    assert b.transport._peers[0].ended.wait(TIMEOUT)
+    with pytest.raises(gloo.PeerLostError):
+        b.transport.send(0, Frame(b"to a peer that broke the protocol", []))
+    # b no longer receives from a, so it cannot answer a's goodbye: say goodbye for it.
+    bye = bytearray(gloo.SLOT_BYTES)
+    bye[:16] = struct.pack("<BxxxIQ", BYE, 0, 0)
+    wire.fifo((1, 0, SLOT_TAG)).put(torch.frombuffer(bye, dtype=torch.uint8))
+
+
+def test_a_frame_over_max_frame_bytes_is_refused(pair: tuple[Wire, End, End]) -> None:
+    wire, a, b = pair
+    b.transport._max_frame = 1 << 20  # what start() reads from options.max_frame_bytes
+    a.transport.send(1, Frame(b"small", [torch.ones(256, dtype=torch.uint8)]))
+    assert b.next_frame().header == b"small"
+    a.transport.send(1, Frame(b"big", [torch.ones(2 << 20, dtype=torch.uint8)]))
+    peer, reason = b.lost.get(timeout=TIMEOUT)
+    assert peer == 0, peer
+    assert "protocol error" in reason and "over max_frame_bytes (1048576)" in reason, reason
+    assert b.delivered.empty()
+    bye = bytearray(gloo.SLOT_BYTES)
+    bye[:16] = struct.pack("<BxxxIQ", BYE, 0, 0)
+    wire.fifo((1, 0, SLOT_TAG)).put(torch.frombuffer(bye, dtype=torch.uint8))

@@ -117,6 +117,7 @@ def test_validate_accepts_zero_timeout() -> None:
         ("init_method", "localhost:29500", "init_method"),
         ("init_method", "", "init_method"),
         ("init_method", None, "init_method"),
+        ("max_frame_bytes", 1000, "max_frame_bytes"),
     ],
 )
 def test_validate_rejects(field: str, value: object, match: str) -> None:
@@ -276,3 +277,9 @@ def test_invert_device_map() -> None:
     assert invert_device_map({}) == {}
     forward = normalize_device_map({0: 1, 1: 0})
     assert invert_device_map(invert_device_map(forward)) == forward
+
+
+def test_max_frame_bytes_defaults_to_64_gib_and_is_a_keyword_of_both_classes() -> None:
+    assert RpcBackendOptions().max_frame_bytes == 64 << 30
+    assert TensorPipeRpcBackendOptions(max_frame_bytes=1 << 30).max_frame_bytes == 1 << 30
+    assert RpcBackendOptions(max_frame_bytes=2 << 20).max_frame_bytes == 2 << 20

@@ -45,7 +45,7 @@ from rpcx._memory import empty_bytes
 from rpcx.errors import PeerLostError, RpcTimeoutError, without_cpp_locations
 from rpcx.hookspecs import hookimpl
 from rpcx.hosts import address_towards
-from rpcx.options import TensorPipeRpcBackendOptions
+from rpcx.options import DEFAULT_MAX_FRAME_BYTES, TensorPipeRpcBackendOptions
 from rpcx.transport import Capabilities, Frame, TransportContext
 
 __all__ = ["GlooRpcBackendOptions", "GlooTransport"]
@@ -61,6 +61,11 @@ RECEIVE_DEPTH = 64
 _HEAD = struct.Struct("<BxxxIQ")  # mode, number of buffers, body length
 _INLINE, _EXTENDED, _BYE, _SPLIT = 1, 2, 3, 4
 _TAG_SLOT, _TAG_DATA = 0, 1
+_MAX_BUFFERS = SLOT_BYTES  # a frame's buffer count: its sizes must fit a body
+
+
+class ProtocolError(Exception):
+    """A peer sent bytes that are not a frame of this format (a bug, or hostile)."""
 # gloo fails (and closes the pair) when a receive outlasts this, so make it effectively
 # infinite: an idle peer is not a dead peer. Dead peers surface as closed connections.
 _PAIR_TIMEOUT = timedelta(days=3650)
@@ -128,12 +133,14 @@ class GlooTransport:
         self._pg: Any = None
         self._peers: dict[int, _Peer] = {}
         self._closing = False
+        self._max_frame = DEFAULT_MAX_FRAME_BYTES
 
     # ------------------------------------------------------------------------ start
 
     def start(self, ctx: TransportContext) -> None:
         """Create the process group (connects the full mesh) and start receiving."""
         self._ctx = ctx
+        self._max_frame = int(getattr(ctx.options, "max_frame_bytes", self._max_frame))
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = _PAIR_TIMEOUT
         opts._devices = [_device(ctx)]
@@ -275,12 +282,14 @@ class GlooTransport:
                 if mode == _BYE:
                     self._on_bye(src)
                     break
+                self._check_slot(mode, n, body_len)
                 if mode == _INLINE:
                     frame = _unpack_inline(slot, slot_tensor, n, body_len)
                 elif mode == _SPLIT:
                     sizes = struct.unpack_from(f"<{n}Q", slot, _HEAD.size)
                     start = _HEAD.size + 8 * n
                     header = bytes(slot[start : _HEAD.size + body_len])
+                    self._check_sizes(sizes, len(header))
                     frame = self._receive_buffers(src, header, sizes)
                 else:
                     frame = self._receive_extended(src, n, body_len)
@@ -297,9 +306,32 @@ class GlooTransport:
                 del frame
                 if lane is not None and not lane.still_held():
                     return False  # a follower receives from here on
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # gloo's own: the connection broke
             self._on_broken(src, exc)
+        except Exception as exc:  # bytes that are no frame: this peer cannot go on
+            log.warning("%s: protocol error from %s: %s", ctx.names[ctx.rank],
+                        ctx.names[src], exc)
+            self._on_broken(src, exc, protocol=True)
         return True
+
+    def _check_slot(self, mode: int, n: int, body_len: int) -> None:
+        """Refuse a slot head that no sender of this format writes, before anything
+        is allocated for it."""
+        if mode not in (_INLINE, _SPLIT, _EXTENDED):
+            raise ProtocolError(f"unknown frame mode {mode}")
+        if n > _MAX_BUFFERS or body_len < 8 * n:
+            raise ProtocolError(f"{n} buffers in a body of {body_len} bytes")
+        if mode != _EXTENDED and _HEAD.size + body_len > SLOT_BYTES:
+            raise ProtocolError(f"a body of {body_len} bytes announced inside a slot")
+        if body_len > self._max_frame:
+            raise ProtocolError(f"a body of {body_len} bytes, over max_frame_bytes "
+                                f"({self._max_frame})")
+
+    def _check_sizes(self, sizes: tuple[int, ...], header_len: int) -> None:
+        total = sum(sizes) + header_len
+        if total > self._max_frame:
+            raise ProtocolError(f"a frame of {total} bytes, over max_frame_bytes "
+                                f"({self._max_frame})")
 
     def _end_receiving(self, src: int) -> None:
         peer = self._peers[src]
@@ -324,6 +356,7 @@ class GlooTransport:
         body = bytearray(body_len)
         self._pg.recv([torch.frombuffer(body, dtype=torch.uint8)], src, _TAG_DATA).wait()
         sizes = struct.unpack_from(f"<{n}Q", body, 0)
+        self._check_sizes(sizes, body_len - 8 * n)
         return self._receive_buffers(src, bytes(body[8 * n :]), sizes)
 
     def _receive_buffers(self, src: int, header: bytes, sizes: tuple[int, ...]) -> Frame:
@@ -345,14 +378,16 @@ class GlooTransport:
         if not self._closing:
             ctx.peer_lost(src, "has shut down")
 
-    def _on_broken(self, src: int, exc: BaseException) -> None:
+    def _on_broken(self, src: int, exc: BaseException, protocol: bool = False) -> None:
         ctx = self._ctx
         assert ctx is not None
         peer = self._peers[src]
         with peer.lock:
             peer.gone = True
         reason = _clean(exc)
-        if "closed by peer" in reason.lower() or "connection reset" in reason.lower():
+        if protocol:
+            reason = f"protocol error: {reason}"
+        elif "closed by peer" in reason.lower() or "connection reset" in reason.lower():
             reason = "closed its connection (its process probably exited or crashed)"
         ctx.peer_lost(src, f"is unreachable: {reason}")
 
@@ -436,6 +471,8 @@ def _unpack_inline(slot: bytearray, slot_tensor: torch.Tensor, n: int, body_len:
     sizes = struct.unpack_from(f"<{n}Q", slot, _HEAD.size)
     offset = _HEAD.size + 8 * n
     header_len = body_len - 8 * n - sum(sizes)
+    if header_len < 0:
+        raise ProtocolError(f"buffers of {sum(sizes)} bytes in a body of {body_len}")
     header = bytes(slot[offset : offset + header_len])
     offset += header_len
     buffers = []

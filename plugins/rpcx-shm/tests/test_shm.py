@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import struct
 import threading
 from datetime import timedelta
 from typing import Any
@@ -357,6 +358,34 @@ def test_a_frame_that_cannot_be_written_ends_the_connection_on_both_sides(
         assert pair.lost[0].wait(TIMEOUT) and pair.lost[1].wait(TIMEOUT)
         with pytest.raises(rpcx.PeerLostError):
             pair.b.send(0, Frame(b"another"))
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize(("head", "why"), [
+    (transport_module._HEAD.pack(9, 0, 0), "unknown frame kind 9"),
+    (transport_module._HEAD.pack(transport_module._FRAME, 0xFFFFFFFF, 16),
+     "4294967295 buffers"),
+    (transport_module._HEAD.pack(transport_module._FRAME, 0, 0xFFFFFFFF),
+     "over max_frame_bytes (16777216)"),
+    (transport_module._HEAD.pack(transport_module._FRAME, 1, 0) + struct.pack("<Q", 1 << 62)
+     + bytes(5), "over max_frame_bytes"),
+])
+def test_bytes_that_are_no_frame_end_the_connection_on_both_sides(
+    head: bytes, why: str,
+) -> None:
+    # Refused before anything is allocated for them; both workers report the other lost.
+    reasons: list[str] = []
+    pair = _Pair(lambda frame, lane: None)
+    pair.b._max_frame = 16 << 20  # what start() reads from options.max_frame_bytes
+    pair.b._ctx = dataclasses.replace(  # type: ignore[arg-type]
+        pair.b._ctx, peer_lost=lambda rank, reason: (reasons.append(reason),
+                                                     pair.lost[1].set()))
+    try:
+        with pair.a._peers[1].lock:
+            pair.a._peers[1].sock.sendall(head)
+        assert pair.lost[1].wait(TIMEOUT) and pair.lost[0].wait(TIMEOUT)
+        assert reasons and "protocol error" in reasons[0] and why in reasons[0], reasons
     finally:
         pair.close()
 

@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import queue
+import struct
 import subprocess
 import sys
 import threading
@@ -364,6 +365,31 @@ def test_a_peer_that_leaves_is_reported_once_and_sends_fail() -> None:
         assert inboxes[1].next()[1].header == b"others still talk"
         time.sleep(0.2)
         assert inboxes[0].lost.empty() and inboxes[1].lost.empty()
+
+
+@pytest.mark.parametrize(("parts", "why"), [
+    # A length past the end of the head (copied out of it before, past its memory).
+    ([zmq_transport._HEAD.pack(zmq_transport._DATA, 1) + b"\x01"
+      + struct.pack("<q", 1 << 40) + b"hdr"], "in a head of"),
+    ([zmq_transport._HEAD.pack(zmq_transport._DATA, 3) + b"\x01"], "for 3 buffers"),
+    ([zmq_transport._HEAD.pack(zmq_transport._DATA, 1) + b"\x01"
+      + struct.pack("<q", -7)], "negative buffer length"),
+    ([zmq_transport._HEAD.pack(zmq_transport._DATA, 1) + b"\x01"
+      + struct.pack("<q", zmq_transport._PART)], "but no part"),
+])
+def test_heads_that_are_no_frame_end_the_peer_with_a_protocol_error(
+    parts: list[bytes], why: str
+) -> None:
+    with transports(3) as (started, inboxes):
+        peer = started[1]._peers[0]
+        with peer.tx_lock:
+            assert peer.tx is not None
+            peer.tx.send_multipart(parts)
+        rank, reason = inboxes[0].lost.get(timeout=10)
+        assert rank == 1 and "protocol error" in reason and why in reason, reason
+        assert inboxes[0].frames.empty()
+        started[2].send(0, Frame(b"the others still talk"))  # worker 0 serves on
+        assert inboxes[0].next()[1].header == b"the others still talk"
 
 
 def test_close_is_bounded_when_a_peer_does_not_answer() -> None:

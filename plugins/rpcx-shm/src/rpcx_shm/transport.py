@@ -57,6 +57,7 @@ import torch
 
 from rpcx.errors import PeerLostError, RpcTimeoutError
 from rpcx.hosts import host_identity
+from rpcx.options import DEFAULT_MAX_FRAME_BYTES
 from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx_shm.options import ShmRpcBackendOptions
 from rpcx_shm.segments import ONE_OFF, ReceivedSegments, Segment, SendPool, one_off_copy
@@ -72,6 +73,7 @@ _FRAME, _BYE, _FREE, _RETIRE = 1, 2, 3, 4
 _PACK_PARTS = 64  # more inline buffers than this are packed into one (the iovec limit)
 _INLINE, _NEW_SEGMENT, _MAPPED_SEGMENT = 0, 1, 2
 _MAX_FDS = 64  # descriptors one frame may carry; more large buffers travel inline
+_MAX_BUFFERS = 1 << 20  # buffers in one frame, at most (their sizes are read up front)
 _READ_CHUNK = 256 << 10  # bytes asked for per read: many small frames per system call
 _SOCKET_BUFFER = 4 << 20  # SO_SNDBUF/SO_RCVBUF: room for a burst of small frames
 _BYE_TIMEOUT_S = 10.0  # answering a peer's goodbye: how long the send lock may take
@@ -124,8 +126,11 @@ class _Reader:
                 unread = self.end - self.start
                 self.buffer[:unread] = self.buffer[self.start : self.end]
                 self.start, self.end = 0, unread
-            if len(self.buffer) - self.start < needed:  # a frame larger than the buffer
-                self.buffer.extend(bytes(needed - (len(self.buffer) - self.start)))
+            if self.end == len(self.buffer):  # full, and a frame larger than it: grow,
+                # by what has arrived so far at most (doubling), never by what the peer
+                # merely announced: memory follows the bytes actually received.
+                missing = needed - (self.end - self.start)
+                self.buffer.extend(bytes(min(missing, max(_READ_CHUNK, len(self.buffer)))))
             with memoryview(self.buffer) as whole, whole[self.end :] as view:
                 count, ancillary, flags, _ = sock.recvmsg_into(
                     [view], socket.CMSG_SPACE(_MAX_FDS * 4)
@@ -223,6 +228,7 @@ class ShmTransport:
         self._ctx: TransportContext | None = None
         self._peers: dict[int, _Peer] = {}
         self._shm_min = ShmRpcBackendOptions.DEFAULT_SHM_MIN_BYTES
+        self._max_frame = DEFAULT_MAX_FRAME_BYTES
         self._closing = False
         self._flush_wanted = threading.Event()
         self._flusher_thread: threading.Thread | None = None
@@ -233,6 +239,7 @@ class ShmTransport:
         """Check every worker is on this host, connect to each, start receiving."""
         self._ctx = ctx
         self._shm_min = int(getattr(ctx.options, "shm_min_bytes", self._shm_min))
+        self._max_frame = int(getattr(ctx.options, "max_frame_bytes", self._max_frame))
         pool_bytes = int(getattr(ctx.options, "shm_pool_bytes",
                                  ShmRpcBackendOptions.DEFAULT_SHM_POOL_BYTES))
         for rank, sock in _connect_mesh(ctx, host_identity()).items():
@@ -414,6 +421,12 @@ class ShmTransport:
         kind, count, header_len = _HEAD.unpack(reader.take(_HEAD.size))
         if kind == _BYE:
             return None
+        # Checked before anything is read or allocated for it (max_frame_bytes).
+        if count > _MAX_BUFFERS:
+            raise ValueError(f"a frame announcing {count} buffers (at most {_MAX_BUFFERS})")
+        if 13 * count + header_len > self._max_frame:
+            raise ValueError(f"a frame announcing {count} buffers and a header of "
+                             f"{header_len} bytes, over max_frame_bytes ({self._max_frame})")
         if kind in (_FREE, _RETIRE):
             reader.fill(sock, 4 * count)
             return kind, list(struct.unpack(f"<{count}I", reader.take(4 * count)))
@@ -430,6 +443,9 @@ class ShmTransport:
         ids = struct.unpack(f"<{count}I", reader.take(4 * count)) if count else ()
         header = bytes(reader.take(header_len))
         reader.recent.append((count, header_len, sizes, where, ids))
+        if sum(sizes) + header_len > self._max_frame:
+            raise ValueError(f"a frame of {sum(sizes) + header_len} bytes, over "
+                             f"max_frame_bytes ({self._max_frame})")
         inline = sum(size for size, w in zip(sizes, where, strict=True) if w == _INLINE)
         reader.fill(sock, inline)
         buffers = []
@@ -474,6 +490,9 @@ class ShmTransport:
             reason = f"{type(exc).__name__}: {exc}"
         else:
             reason = f"protocol error: {type(exc).__name__}: {exc}"
+            # This end reads no more: let the peer see the connection end too.
+            with contextlib.suppress(OSError):
+                peer.sock.shutdown(socket.SHUT_RDWR)
         ctx.peer_lost(src, f"is unreachable: {reason}")
 
     # ------------------------------------------------------------------------ close

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import zmq
 from rpcx.errors import PeerLostError, RpcTimeoutError
+from rpcx.options import DEFAULT_MAX_FRAME_BYTES
 from rpcx.transport import Capabilities, Frame, TransportContext
 from zmq.utils.monitor import recv_monitor_message
 
@@ -218,6 +219,9 @@ class ZmqTransport:
         rx = zctx.socket(zmq.PULL)
         self._tune(rx)
         rx.rcvhwm = _HWM
+        # A message part over the cap makes ZeroMQ drop the connection, unread.
+        rx.setsockopt(zmq.MAXMSGSIZE, int(getattr(self._ctx.options, "max_frame_bytes",
+                                                  DEFAULT_MAX_FRAME_BYTES)))
         if ":" in host:  # an IPv6 address
             rx.ipv6 = True
             host = f"[{host}]"
@@ -482,7 +486,13 @@ class ZmqTransport:
                 continue
             kind, n = _HEAD.unpack_from(head)
             if kind == _DATA:
-                return self._unpack(rx, head, n), ""
+                try:
+                    return self._unpack(rx, head, n), ""
+                except ValueError as exc:  # not a frame this format writes: stop here
+                    reason = f"is unreachable: protocol error: {exc}"
+                    log.warning("%s: %s %s", ctx.names[ctx.rank], peer.name, reason)
+                    self._mark_lost(peer, reason)
+                    return None, peer.gone or reason
             if kind == _BYE:
                 self._on_bye(peer)
                 return None, "has shut down"
@@ -499,11 +509,19 @@ class ZmqTransport:
         """The frame whose head part is ``head``; receives its other parts from ``rx``."""
         if n == 0:
             return Frame(head[_HEAD.size:])
+        # Every length is checked against the head before any byte is copied out of it:
+        # a peer's numbers must never send a copy past the end of the message.
+        if len(head) < _HEAD.size + 9 * n:
+            raise ValueError(f"a head of {len(head)} bytes for {n} buffers")
         start = _HEAD.size + n
         sizes = head[_HEAD.size:start]
         lengths = struct.unpack_from(f"<{n}q", head, start)
         start += 8 * n
+        if any(length < 0 and length != _PART for length in lengths):
+            raise ValueError("a negative buffer length")
         end = len(head) - sum(length for length in lengths if length > 0)
+        if end < start:
+            raise ValueError(f"buffers of {len(head) - end} bytes in a head of {len(head)}")
         header = head[start:end]
         address = ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value
         assert address is not None
@@ -511,6 +529,8 @@ class ZmqTransport:
         buffers = []
         for size, length in zip(sizes, lengths, strict=True):
             if length == _PART:  # already here: a message's parts arrive together
+                if not rx.getsockopt(zmq.RCVMORE):
+                    raise ValueError("a buffer announced as a part of its own, but no part")
                 buffers.append(_as_tensor(rx.recv(copy=False), size))
                 continue
             buffer = torch.empty(length, dtype=torch.uint8)
