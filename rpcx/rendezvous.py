@@ -9,13 +9,16 @@ progress.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
-from torch._C._distributed_c10d import HashStore
+from torch._C._distributed_c10d import HashStore, TCPStore
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous as torch_rendezvous
 
@@ -44,10 +47,17 @@ _hub: dict[str, tuple[Any, int]] = {}  # world key -> (HashStore, users)
 
 
 def open_store(init_method: str, rank: int, world_size: int, timeout: float | None) -> Any:
-    """Connect to (or host) the rendezvous store of ``init_method``."""
+    """Connect to (or host) the rendezvous store of ``init_method``.
+
+    Rank 0 hosts a ``tcp://`` or ``env://`` store on the address the URL names only
+    (torch's own handler listens on every interface, so ``tcp://127.0.0.1:port`` was
+    reachable from other hosts), when that address is one of this host's.
+    """
     store_timeout = timedelta(seconds=timeout) if timeout else _NO_LIMIT
     try:
-        store, _, _ = next(
+        bound = _host_on_named_address(init_method, world_size, store_timeout) if rank == 0 \
+            else None
+        store, _, _ = (bound, rank, world_size) if bound is not None else next(
             torch_rendezvous(init_method, rank=rank, world_size=world_size, timeout=store_timeout)
         )
     except (RuntimeError, ValueError, OSError) as exc:
@@ -57,6 +67,46 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float | No
     # Blocking store calls that rpcx does not bound itself (the transport's address
     # exchange, for one) are bounded by the join timeout; rpcx's own waits poll.
     store.set_timeout(store_timeout)
+    return store
+
+
+def _host_on_named_address(init_method: str, world_size: int, timeout: timedelta) -> Any:
+    """The store rank 0 hosts, listening on the URL's address alone; ``None`` where
+    torch's handler must do it (another URL, options in the URL, torchelastic's agent
+    store, a name with several addresses, or an address this host cannot bind: then
+    torch listens on every interface, as before)."""
+    url = urlparse(init_method)
+    if url.scheme == "tcp" and not url.query:
+        host, port = url.hostname, url.port
+    elif url.scheme == "env" and not url.query and not url.netloc:
+        host, port_text = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+        port = int(port_text) if port_text.isdigit() else None
+    else:
+        return None
+    if not host or not port or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        if len({info[4][0] for info in found}) != 1:
+            return None  # several addresses: workers may reach any of them
+        family, kind, proto, _, address = found[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError:
+        return None
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(max(128, world_size))
+    except OSError:  # not this host's address, or the port is taken (a store already)
+        listener.close()
+        return None
+    try:
+        store = TCPStore(host, port, world_size, True, timeout, multi_tenant=True,
+                         master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the descriptor now
     return store
 
 
