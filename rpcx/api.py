@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ipaddress
 import logging
 import threading
 from typing import Any, TypeVar
 
-from rpcx import _context, calls, devices, rendezvous, rref
+from rpcx import _context, calls, devices, hosts, rendezvous, rref
 from rpcx.agent import RpcAgent
 from rpcx.autograd import service as autograd_service
 from rpcx.errors import RpcError
@@ -38,6 +39,7 @@ T = TypeVar("T")
 UNSET_RPC_TIMEOUT = -1.0
 _atexit_lock = threading.Lock()
 _atexit_registered = False
+_exposure_warned = False  # the no-authentication warning is given once per process
 
 
 def is_available() -> bool:
@@ -78,6 +80,7 @@ def init_rpc(
         else spec.options_type()
     )
     options.validate()
+    _warn_if_exposed(name, options.init_method, spec)
     rank, world_size = _rank_and_size(spec, options, rank, world_size)
     join_timeout = options.rpc_timeout or None
 
@@ -314,6 +317,35 @@ def _call(
     return agent.request(
         dst, MessageKind.CALL, payload, timeout=agent.timeout_for(timeout), api=api, target=func
     )
+
+
+def _exposed_address(init_method: str, spec: BackendSpec) -> str | None:
+    """The address beyond loopback a world set up across a network listens on: the
+    local address towards a ``tcp://`` or ``env://`` rendezvous host that is not a
+    loopback one; ``None`` otherwise.
+
+    A ``file://`` world (what ``rpcx.launch`` and ``rpcx.spawn`` use on one host) is
+    not reported, although gloo, zmq and tensorpipe then listen on the address the
+    host name resolves to: docs/security.md says so.
+    """
+    if spec.capabilities.in_process:
+        return None
+    address = hosts.address_towards(init_method)
+    if address is None or ipaddress.ip_address(address.split("%", 1)[0]).is_loopback:
+        return None
+    return address
+
+
+def _warn_if_exposed(name: str, init_method: str, spec: BackendSpec) -> None:
+    global _exposure_warned
+    address = _exposed_address(init_method, spec)
+    if address is None or _exposure_warned:
+        return
+    _exposure_warned = True
+    log.warning(
+        "worker %r: rpcx has no authentication yet: any process that can reach %s can "
+        "make this worker run code, as with torch.distributed.rpc. Run it on trusted "
+        "networks only (docs/security.md).", name, address)
 
 
 def _check_callable(func: Any) -> None:
