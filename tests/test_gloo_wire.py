@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rpcx.backends import gloo
 from rpcx.transport import Frame
@@ -293,3 +295,38 @@ def test_a_frame_over_max_frame_bytes_is_refused(pair: tuple[Wire, End, End]) ->
     bye = bytearray(gloo.SLOT_BYTES)
     bye[:16] = struct.pack("<BxxxIQ", BYE, 0, 0)
     wire.fifo((1, 0, SLOT_TAG)).put(torch.frombuffer(bye, dtype=torch.uint8))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    mode=st.one_of(st.sampled_from([INLINE, EXTENDED, SPLIT]), st.integers(0, 255)),
+    n=st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1)),
+    body_len=st.one_of(st.integers(0, gloo.SLOT_BYTES), st.integers(0, 2**64 - 1)),
+    rest=st.binary(max_size=256),
+)
+def test_any_slot_is_a_frame_within_bounds_or_a_protocol_error(
+    mode: int, n: int, body_len: int, rest: bytes
+) -> None:
+    # What the receiving thread does with a slot before posting any receive for it:
+    # either a ProtocolError, or sizes it may act on (inline frames within the slot,
+    # others within max_frame_bytes). Never MemoryError, never an allocation by a size
+    # the peer merely announced.
+    transport = gloo.GlooTransport()
+    transport._max_frame = 1 << 30
+    slot = bytearray(gloo.SLOT_BYTES)
+    head = struct.pack("<BxxxIQ", mode, n, body_len) + rest
+    slot[: len(head)] = head
+    try:
+        transport._check_slot(mode, n, body_len)
+        if mode == INLINE:
+            frame = gloo._unpack_inline(slot, torch.frombuffer(slot, dtype=torch.uint8),
+                                        n, body_len)
+            assert frame.nbytes <= gloo.SLOT_BYTES
+        elif mode == SPLIT:
+            sizes = struct.unpack_from(f"<{n}Q", slot, 16)
+            transport._check_sizes(sizes, body_len - 8 * n)
+            assert sum(sizes) <= transport._max_frame
+        else:
+            assert mode == EXTENDED and body_len <= transport._max_frame
+    except gloo.ProtocolError:
+        pass

@@ -26,6 +26,8 @@ import pytest
 import rpcx
 import torch
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rpcx.errors import PeerLostError
 from rpcx.registry import available_backends
 from rpcx.transport import Frame, TransportContext
@@ -464,3 +466,35 @@ def test_start_fails_in_time_when_a_peer_never_listens() -> None:
         transport.start(_context(0, 2, store, options, Inbox()))
     assert time.monotonic() - began < 5.0
     transport.close(1.0)
+
+
+class _NoMoreParts:
+    """An rx socket with nothing after the head part."""
+
+    def getsockopt(self, option: int) -> int:
+        assert option == zmq.RCVMORE
+        return 0
+
+    def recv(self, copy: bool = True) -> Any:
+        raise AssertionError("a part was read although none was announced")
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    n=st.one_of(st.integers(1, 4), st.integers(1, 2**32 - 1)),
+    lengths=st.lists(st.one_of(st.integers(-2, 64), st.integers(-(2**63), 2**63 - 1)),
+                     max_size=4),
+    rest=st.binary(max_size=200),
+)
+def test_any_head_unpacks_within_its_own_bytes_or_is_refused(
+    n: int, lengths: list[int], rest: bytes
+) -> None:
+    # Every byte copied out of a head must lie inside it: lengths a peer writes are
+    # checked before ctypes.memmove runs (a wrong one read past the message before).
+    head = (zmq_transport._HEAD.pack(zmq_transport._DATA, n) + bytes(min(n, 4))
+            + struct.pack(f"<{len(lengths)}q", *lengths) + rest)
+    try:
+        frame = ZmqTransport._unpack(_NoMoreParts(), head, n)  # type: ignore[arg-type]
+    except ValueError:
+        return
+    assert len(frame.header) + sum(b.numel() for b in frame.buffers) <= len(head)

@@ -78,6 +78,7 @@ class SendPool:
 
     def __init__(self, limit: int) -> None:
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)  # notified by release()
         self._segments: dict[int, Segment] = {}
         self._free: list[Segment] = []
         self._bytes = 0
@@ -113,6 +114,18 @@ class SendPool:
                 segment = self._segments.get(segment_id)
                 if segment is not None and segment not in self._free:
                     self._free.append(segment)
+            self._released.notify_all()
+
+    def busy(self) -> int:
+        """How many pooled segments the peer still holds (filled, not yet freed)."""
+        with self._lock:
+            return len(self._segments) - len(self._free)
+
+    def wait_busy_at_most(self, count: int, timeout: float) -> bool:
+        """Wait until the peer holds at most ``count`` segments; False after ``timeout``."""
+        with self._lock:
+            return self._released.wait_for(
+                lambda: len(self._segments) - len(self._free) <= count, timeout)
 
     def take_retired(self) -> list[int]:
         """Ids of segments dropped since the last call (the peer should unmap them)."""
