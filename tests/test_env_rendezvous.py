@@ -8,7 +8,6 @@ neither ``rank`` nor ``world_size``.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rpcx.registry import resolve_backend
+from rpcx.testing.world import free_port
 
 WORKER = '''\
 import os
@@ -37,11 +37,6 @@ rpcx.shutdown()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 def test_rank_and_world_size_from_the_environment(rpcx_backend: str, tmp_path: Path) -> None:
     caps = resolve_backend(rpcx_backend).capabilities
@@ -49,7 +44,7 @@ def test_rank_and_world_size_from_the_environment(rpcx_backend: str, tmp_path: P
         pytest.skip("an in-process backend runs every worker in one process (one environment)")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in (1, 0):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
 import rpcx
+from rpcx.testing.world import free_port
 
 
 def _world(worker: rpcx.LaunchedWorker, backend: str, token: str) -> tuple[int, int, str, str]:
@@ -33,18 +33,12 @@ def _here(worker: rpcx.LaunchedWorker, pid: int) -> tuple[rpcx.LaunchedWorker, b
     return worker, os.getpid() == pid
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
 
 @pytest.fixture
 def as_if_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process, as torchrun's rank 1 of 2 would see its environment."""
     for var, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(var, value)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import pathlib
-import socket
 import subprocess
 import sys
 import threading
@@ -18,18 +17,13 @@ import rpcx
 from rpcx import _context
 from rpcx.registry import resolve_backend
 from rpcx.testing import remote
-from rpcx.testing.world import LOG_LEVEL_ENV, world
+from rpcx.testing.world import LOG_LEVEL_ENV, free_port, world
 
 
 def _multi_process(backend: str) -> bool:
     caps = resolve_backend(backend).capabilities
     return caps.multi_process and not caps.in_process
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _in_thread(fn, *args):  # type: ignore[no-untyped-def]
@@ -91,7 +85,7 @@ def test_calls_after_shutdown_fail_clearly(rpcx_backend: str) -> None:
 
 def test_init_twice_fails_and_reinit_after_shutdown_works(rpcx_backend: str) -> None:
     # file:// cannot be reused (torch's FileStore needs a fresh file), so use tcp://.
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     if not _multi_process(rpcx_backend):
         init_method = f"file:///reinit-{uuid.uuid4().hex}"
     with world(rpcx_backend, size=1, init_method=init_method) as w:
@@ -292,7 +286,7 @@ except rpcx.RpcError as exc:
 def test_peer_that_joins_then_vanishes_fails_init_within_rpc_timeout(rpcx_backend: str) -> None:
     if not _multi_process(rpcx_backend):
         pytest.skip("in-process backends have no transport to connect")
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     done = subprocess.run(
         [sys.executable, "-c", _JOIN_THEN_VANISH, url, rpcx_backend],
         capture_output=True, text=True, timeout=60,
@@ -304,19 +298,10 @@ def test_peer_that_joins_then_vanishes_fails_init_within_rpc_timeout(rpcx_backen
     assert "'w0'" in message and "rpc_timeout" in message, message
 
 
-@pytest.mark.parametrize("scheme", ["tcp", "env"])
-def test_tcp_and_env_rendezvous(
-    rpcx_backend: str, scheme: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_tcp_and_env_rendezvous(rpcx_backend: str, loopback_rendezvous: tuple[str, int]) -> None:
     if not _multi_process(rpcx_backend):
         pytest.skip("in-process backends ignore the rendezvous address")
-    port = _free_port()
-    if scheme == "env":
-        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-        monkeypatch.setenv("MASTER_PORT", str(port))
-        init_method = "env://"
-    else:
-        init_method = f"tcp://127.0.0.1:{port}"
+    init_method, _ = loopback_rendezvous
     with world(rpcx_backend, size=2, init_method=init_method):
         assert rpcx.rpc_sync("worker1", remote.worker_name) == "worker1"
 

@@ -9,10 +9,11 @@ unavailable), then runs init_rpc, calls, an RRef and shutdown on the backend und
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from rpcx.testing.world import free_port
 
 BLOCKER = '''\
 import sys
@@ -58,11 +59,6 @@ if __name__ == "__main__":
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 def test_init_rpc_works_without_numpy(rpcx_backend: str, tmp_path: Path) -> None:
     blocker = tmp_path / "block"
@@ -73,7 +69,7 @@ def test_init_rpc_works_without_numpy(rpcx_backend: str, tmp_path: Path) -> None
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(blocker), env.get("PYTHONPATH")) if p)
     env.pop("RPCX_BACKEND", None)
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     done = subprocess.run(
         [sys.executable, str(program), rpcx_backend, init_method],
         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,

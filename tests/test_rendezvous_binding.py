@@ -7,20 +7,13 @@ world started on ``tcp://127.0.0.1:port`` took store connections from other host
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
-import pytest
-
 from rpcx import rendezvous
+from rpcx.testing.world import free_port
 
 TIMEOUT = 30.0
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:  # a port from the OS
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _listeners(port: int) -> set[str]:
@@ -41,17 +34,10 @@ def _listeners(port: int) -> set[str]:
 LOOPBACK_V4 = "0100007F"  # 127.0.0.1 in /proc/net/tcp's byte order
 
 
-@pytest.mark.parametrize("scheme", ["tcp", "env"])
 def test_a_loopback_url_hosts_the_store_on_loopback_only(
-    scheme: str, monkeypatch: pytest.MonkeyPatch
+    loopback_rendezvous: tuple[str, int],
 ) -> None:
-    port = _free_port()
-    if scheme == "env":
-        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-        monkeypatch.setenv("MASTER_PORT", str(port))
-        url = "env://"
-    else:
-        url = f"tcp://127.0.0.1:{port}"
+    url, port = loopback_rendezvous
     store = rendezvous.open_store(url, 0, 1, TIMEOUT)
     try:
         assert _listeners(port) == {LOOPBACK_V4}
@@ -66,9 +52,9 @@ def test_an_address_this_host_cannot_bind_is_left_to_torch() -> None:
     # 192.0.2.1 (TEST-NET-1) is nobody's: torch's handler would wait for it; rpcx does
     # not try to bind it (and so does not fail differently from torch).
     assert rendezvous._host_on_named_address(
-        f"tcp://192.0.2.1:{_free_port()}", 1, rendezvous._NO_LIMIT) is None
+        f"tcp://192.0.2.1:{free_port()}", 1, rendezvous._NO_LIMIT) is None
 
 
 def test_urls_rpcx_leaves_to_torch() -> None:
-    for url in ("file:///tmp/x", f"tcp://127.0.0.1:{_free_port()}?use_libuv=0"):
+    for url in ("file:///tmp/x", f"tcp://127.0.0.1:{free_port()}?use_libuv=0"):
         assert rendezvous._host_on_named_address(url, 1, rendezvous._NO_LIMIT) is None

@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -37,6 +36,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+
+from rpcx.testing.world import free_port
 
 pytest.importorskip("numpy", reason="the seed programs import numpy themselves")
 
@@ -71,12 +72,6 @@ class SeedProgram:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
 
 def _on_rpcx(source: str) -> str:
     """``source`` with its torch RPC imports pointed at rpcx: the only change."""
@@ -88,7 +83,7 @@ def _on_rpcx(source: str) -> str:
 
 def _copy(program: SeedProgram, into: pathlib.Path, on_rpcx: bool) -> pathlib.Path:
     """The program's files in ``into``, on fresh ports, imports rewritten if ``on_rpcx``."""
-    ports = {fixed: str(_free_port()) for fixed in FIXED_PORTS}
+    ports = {fixed: str(free_port()) for fixed in FIXED_PORTS}
     rewritten = 0
     for source_file in sorted((SEEDS / program.directory).glob("*.py")):
         source = original = source_file.read_text()

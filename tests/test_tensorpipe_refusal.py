@@ -9,13 +9,13 @@ be unset), with torch's own init_rpc working without numpy as in test_examples.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from rpcx.registry import backend_names
+from rpcx.testing.world import free_port
 
 PROGRAM = '''\
 import io, os, sys
@@ -47,11 +47,6 @@ torch_rpc.shutdown()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 def test_refuses_when_torch_rpc_agent_is_set() -> None:
     if "tensorpipe" not in backend_names():
@@ -59,7 +54,7 @@ def test_refuses_when_torch_rpc_agent_is_set() -> None:
     env = dict(os.environ)
     env.pop("RPCX_BACKEND", None)
     done = subprocess.run(
-        [sys.executable, "-c", PROGRAM, str(_free_port()), str(_free_port())],
+        [sys.executable, "-c", PROGRAM, str(free_port()), str(free_port())],
         capture_output=True, text=True, timeout=180, env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import socket
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -27,6 +28,13 @@ log = logging.getLogger("rpcx.testing")
 
 _JOIN_TIMEOUT = 60.0
 LOG_LEVEL_ENV = "RPCX_TEST_LOG_LEVEL"  # e.g. INFO: worker processes log at that level
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS reports free (tests never hard-code one)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _options(
