@@ -17,6 +17,7 @@ __all__ = [
     "BackendNotFoundError",
     "InvalidWorkerNameError",
     "PeerLostError",
+    "ProtocolError",
     "RemoteException",
     "RemoteTraceback",
     "RpcError",
@@ -58,6 +59,13 @@ class InvalidWorkerNameError(RpcError, ValueError):
 
 class PeerLostError(RpcError, ConnectionError):
     """The destination worker died, left, or became unreachable."""
+
+
+class ProtocolError(RpcError, ValueError):
+    """A peer sent bytes that are no frame of the transport's format (a bug, or hostile
+    input). Transports raise it from their decoders, before allocating or copying by the
+    sizes it announced, and report that peer lost with the reason ``protocol error: ...``.
+    """
 
 
 class SerializationError(RpcError, pickle.PicklingError):

@@ -55,11 +55,11 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float | No
     """
     store_timeout = timedelta(seconds=timeout) if timeout else _NO_LIMIT
     try:
-        bound = _host_on_named_address(init_method, world_size, store_timeout) if rank == 0 \
-            else None
-        store, _, _ = (bound, rank, world_size) if bound is not None else next(
-            torch_rendezvous(init_method, rank=rank, world_size=world_size, timeout=store_timeout)
-        )
+        store = (_host_on_named_address(init_method, world_size, store_timeout)
+                 if rank == 0 else None)
+        if store is None:
+            store, _, _ = next(torch_rendezvous(
+                init_method, rank=rank, world_size=world_size, timeout=store_timeout))
     except (RuntimeError, ValueError, OSError) as exc:
         raise RpcError(
             f"rendezvous at {init_method!r} failed for rank {rank} of {world_size}: {exc}"

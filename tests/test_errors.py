@@ -18,6 +18,7 @@ from rpcx.errors import (
     BackendNotFoundError,
     InvalidWorkerNameError,
     PeerLostError,
+    ProtocolError,
     RemoteErrorInfo,
     RemoteException,
     RemoteTraceback,
@@ -76,6 +77,7 @@ ALL_ERRORS = [
     RpcTimeoutError,
     UnknownWorkerError,
     PeerLostError,
+    ProtocolError,
     SerializationError,
     BackendNotFoundError,
     InvalidWorkerNameError,
@@ -109,6 +111,7 @@ def test_timeout_error_is_builtin_timeout_error() -> None:
 def test_mixed_in_builtin_bases() -> None:
     assert issubclass(UnknownWorkerError, ValueError)
     assert issubclass(PeerLostError, ConnectionError)
+    assert issubclass(ProtocolError, ValueError)
     assert issubclass(SerializationError, pickle.PicklingError)
     assert issubclass(BackendNotFoundError, ValueError)
     assert issubclass(InvalidWorkerNameError, ValueError)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from rpcx._lanes import ReceiveLane
 from rpcx._memory import empty_bytes
-from rpcx.errors import PeerLostError, RpcTimeoutError, without_cpp_locations
+from rpcx.errors import PeerLostError, ProtocolError, RpcTimeoutError, without_cpp_locations
 from rpcx.hookspecs import hookimpl
 from rpcx.hosts import address_towards
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES, TensorPipeRpcBackendOptions
@@ -62,10 +62,6 @@ _HEAD = struct.Struct("<BxxxIQ")  # mode, number of buffers, body length
 _INLINE, _EXTENDED, _BYE, _SPLIT = 1, 2, 3, 4
 _TAG_SLOT, _TAG_DATA = 0, 1
 _MAX_BUFFERS = SLOT_BYTES  # a frame's buffer count: its sizes must fit a body
-
-
-class ProtocolError(Exception):
-    """A peer sent bytes that are not a frame of this format (a bug, or hostile)."""
 # gloo fails (and closes the pair) when a receive outlasts this, so make it effectively
 # infinite: an idle peer is not a dead peer. Dead peers surface as closed connections.
 _PAIR_TIMEOUT = timedelta(days=3650)
@@ -306,9 +302,13 @@ class GlooTransport:
                 del frame
                 if lane is not None and not lane.still_held():
                     return False  # a follower receives from here on
+        except ProtocolError as exc:  # (an RpcError, so a RuntimeError: caught first)
+            log.warning("%s: protocol error from %s: %s", ctx.names[ctx.rank],
+                        ctx.names[src], exc)
+            self._on_broken(src, exc, protocol=True)
         except RuntimeError as exc:  # gloo's own: the connection broke
             self._on_broken(src, exc)
-        except Exception as exc:  # bytes that are no frame: this peer cannot go on
+        except Exception as exc:  # anything else a frame made fail: this peer cannot go on
             log.warning("%s: protocol error from %s: %s", ctx.names[ctx.rank],
                         ctx.names[src], exc)
             self._on_broken(src, exc, protocol=True)

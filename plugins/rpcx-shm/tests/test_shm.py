@@ -24,6 +24,7 @@ from rpcx_shm.transport import _connect_mesh
 import rpcx
 from rpcx._context import current_agent
 from rpcx._lanes import ReceiveLane
+from rpcx.errors import ProtocolError
 from rpcx.registry import available_backends
 from rpcx.testing.world import world
 from rpcx.transport import Frame, TransportContext
@@ -446,7 +447,7 @@ def _wire_bytes(draw: Any) -> bytes:
 def test_any_bytes_read_as_frames_or_end_the_connection_within_bounds(wire: bytes) -> None:
     # The receive loop's reader on bytes of the peer's choosing, then end of file: each
     # read gives a frame, segment bookkeeping, or raises what the loop turns into
-    # "closed its connection" (EOFError, OSError) or "protocol error" (ValueError,
+    # "closed its connection" (EOFError, OSError) or "protocol error" (ProtocolError,
     # KeyError, IndexError). Never MemoryError, and memory follows the bytes received.
     transport = ShmTransport()
     transport._max_frame = 1 << 30
@@ -460,7 +461,7 @@ def test_any_bytes_read_as_frames_or_end_the_connection_within_bounds(wire: byte
             for _ in range(len(wire) + 1):
                 if transport._read_frame(peer) is None:
                     break
-        except (EOFError, OSError, ValueError, KeyError, IndexError):
+        except (EOFError, OSError, ProtocolError, KeyError, IndexError):
             pass
         finally:
             _, peak = tracemalloc.get_traced_memory()

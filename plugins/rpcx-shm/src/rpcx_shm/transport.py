@@ -55,7 +55,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from rpcx.errors import PeerLostError, RpcTimeoutError
+from rpcx.errors import PeerLostError, ProtocolError, RpcTimeoutError
 from rpcx.hosts import host_identity
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES
 from rpcx.transport import Capabilities, Frame, TransportContext
@@ -423,9 +423,9 @@ class ShmTransport:
             return None
         # Checked before anything is read or allocated for it (max_frame_bytes).
         if count > _MAX_BUFFERS:
-            raise ValueError(f"a frame announcing {count} buffers (at most {_MAX_BUFFERS})")
+            raise ProtocolError(f"a frame announcing {count} buffers (at most {_MAX_BUFFERS})")
         if 13 * count + header_len > self._max_frame:
-            raise ValueError(f"a frame announcing {count} buffers and a header of "
+            raise ProtocolError(f"a frame announcing {count} buffers and a header of "
                              f"{header_len} bytes, over max_frame_bytes ({self._max_frame})")
         if kind in (_FREE, _RETIRE):
             reader.fill(sock, 4 * count)
@@ -435,7 +435,7 @@ class ShmTransport:
             reader.recent.append((0, header_len))
             return Frame(bytes(reader.take(header_len)), [])
         if kind != _FRAME:
-            raise ValueError(f"unknown frame kind {kind} (count {count}, header {header_len}; "
+            raise ProtocolError(f"unknown frame kind {kind} (count {count}, header {header_len}; "
                              f"frames before: {list(reader.recent)})")
         reader.fill(sock, 13 * count + header_len)
         sizes = struct.unpack(f"<{count}Q", reader.take(8 * count)) if count else ()
@@ -443,8 +443,10 @@ class ShmTransport:
         ids = struct.unpack(f"<{count}I", reader.take(4 * count)) if count else ()
         header = bytes(reader.take(header_len))
         reader.recent.append((count, header_len, sizes, where, ids))
+        if any(w > _MAPPED_SEGMENT for w in where):
+            raise ProtocolError(f"unknown buffer placements {sorted(set(where))}")
         if sum(sizes) + header_len > self._max_frame:
-            raise ValueError(f"a frame of {sum(sizes) + header_len} bytes, over "
+            raise ProtocolError(f"a frame of {sum(sizes) + header_len} bytes, over "
                              f"max_frame_bytes ({self._max_frame})")
         inline = sum(size for size, w in zip(sizes, where, strict=True) if w == _INLINE)
         reader.fill(sock, inline)
@@ -489,7 +491,8 @@ class ShmTransport:
         elif isinstance(exc, OSError):
             reason = f"{type(exc).__name__}: {exc}"
         else:
-            reason = f"protocol error: {type(exc).__name__}: {exc}"
+            detail = exc if isinstance(exc, ProtocolError) else f"{type(exc).__name__}: {exc}"
+            reason = f"protocol error: {detail}"
             # This end reads no more: let the peer see the connection end too.
             with contextlib.suppress(OSError):
                 peer.sock.shutdown(socket.SHUT_RDWR)

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import zmq
-from rpcx.errors import PeerLostError, RpcTimeoutError
+from rpcx.errors import PeerLostError, ProtocolError, RpcTimeoutError
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES
 from rpcx.transport import Capabilities, Frame, TransportContext
 from zmq.utils.monitor import recv_monitor_message
@@ -488,7 +488,7 @@ class ZmqTransport:
             if kind == _DATA:
                 try:
                     return self._unpack(rx, head, n), ""
-                except ValueError as exc:  # not a frame this format writes: stop here
+                except ProtocolError as exc:  # not a frame this format writes: stop
                     reason = f"is unreachable: protocol error: {exc}"
                     log.warning("%s: %s %s", ctx.names[ctx.rank], peer.name, reason)
                     self._mark_lost(peer, reason)
@@ -512,16 +512,16 @@ class ZmqTransport:
         # Every length is checked against the head before any byte is copied out of it:
         # a peer's numbers must never send a copy past the end of the message.
         if len(head) < _HEAD.size + 9 * n:
-            raise ValueError(f"a head of {len(head)} bytes for {n} buffers")
+            raise ProtocolError(f"a head of {len(head)} bytes for {n} buffers")
         start = _HEAD.size + n
         sizes = head[_HEAD.size:start]
         lengths = struct.unpack_from(f"<{n}q", head, start)
         start += 8 * n
         if any(length < 0 and length != _PART for length in lengths):
-            raise ValueError("a negative buffer length")
+            raise ProtocolError("a negative buffer length")
         end = len(head) - sum(length for length in lengths if length > 0)
         if end < start:
-            raise ValueError(f"buffers of {len(head) - end} bytes in a head of {len(head)}")
+            raise ProtocolError(f"buffers of {len(head) - end} bytes in a head of {len(head)}")
         header = head[start:end]
         address = ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value
         assert address is not None
@@ -530,7 +530,7 @@ class ZmqTransport:
         for size, length in zip(sizes, lengths, strict=True):
             if length == _PART:  # already here: a message's parts arrive together
                 if not rx.getsockopt(zmq.RCVMORE):
-                    raise ValueError("a buffer announced as a part of its own, but no part")
+                    raise ProtocolError("a buffer announced as a part of its own, but no part")
                 buffers.append(_as_tensor(rx.recv(copy=False), size))
                 continue
             buffer = torch.empty(length, dtype=torch.uint8)
