@@ -28,6 +28,7 @@ from rpcx._memory import copy_of
 from rpcx._pending import CLOSED, PendingCall, PendingCalls, describe_callable
 from rpcx._pool import WorkerPool, current_pool
 from rpcx._timer import DeadlineTimer
+from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
 from rpcx.errors import (
     PeerLostError,
@@ -132,6 +133,8 @@ class RpcAgent:
         options: RpcBackendOptions,
         init_method: str,
         routes: DeviceRoutes | None = None,
+        guard: FrameGuard | None = None,
+        connection_auth: ConnectionAuth | None = None,
     ) -> None:
         self.info = workers[rank]
         self.workers = workers
@@ -148,6 +151,14 @@ class RpcAgent:
         self._by_name = {w.name: w for w in workers}
         self._store = store
         self._transport = transport
+        # With a world key every frame is sealed on its way out and checked on its way in
+        # (rpcx.auth); without one the transport is called directly.
+        self.guard = guard
+        self._connection_auth = connection_auth
+        self._transport_send = (
+            transport.send if guard is None
+            else lambda dst, frame: transport.send(dst, guard.seal(dst, frame))
+        )
         self._handlers: dict[int, Handler] = {}
         self._inline_kinds: set[int] = set()
         self._decode_error_hooks: dict[int, Callable[[WorkerInfo, Any, BaseException], None]] = {}
@@ -278,9 +289,11 @@ class RpcAgent:
             store=rendezvous.prefixed(self._store, "transport"),
             options=self.options,
             init_method=self.init_method,
-            deliver=self._on_frame,
+            deliver=(self._on_frame if self.guard is None
+                     else self.guard.guarding(self._on_frame, self._on_peer_lost)),
             peer_lost=self._on_peer_lost,
             receive_lane=self._new_lane,
+            auth=self._connection_auth,
         )
         self._transport.start(ctx)
 
@@ -430,7 +443,7 @@ class RpcAgent:
                 b if i in frame.owned else copy_of(b) for i, b in enumerate(frame.buffers)
             ]))
         else:
-            self._transport.send(dst, frame)
+            self._transport_send(dst, frame)
 
     # ---------------------------------------------------------------------- incoming
 

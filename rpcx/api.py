@@ -9,7 +9,7 @@ import logging
 import threading
 from typing import Any, TypeVar
 
-from rpcx import _context, calls, devices, hosts, rendezvous, rref
+from rpcx import _context, auth, calls, devices, hosts, rendezvous, rref
 from rpcx.agent import RpcAgent
 from rpcx.autograd import service as autograd_service
 from rpcx.errors import RpcError
@@ -80,7 +80,10 @@ def init_rpc(
         else spec.options_type()
     )
     options.validate()
-    _warn_if_exposed(name, options.init_method, spec)
+    key = auth.resolve_key(options)
+    seal = auth.ValueSeal(key) if key is not None else None
+    if key is None:
+        _warn_if_exposed(name, options.init_method, spec)
     rank, world_size = _rank_and_size(spec, options, rank, world_size)
     join_timeout = options.rpc_timeout or None
 
@@ -91,7 +94,8 @@ def init_rpc(
     else:
         store = rendezvous.open_store(options.init_method, rank, world_size, join_timeout)
     try:
-        session, names = rendezvous.join_world(store, name, rank, world_size, join_timeout)
+        session, names = rendezvous.join_world(
+            store, name, rank, world_size, join_timeout, seal)
     except Exception as exc:
         if spec.capabilities.in_process:
             rendezvous.release_in_process_store(world_key)
@@ -104,7 +108,9 @@ def init_rpc(
         raise
     workers = [WorkerInfo(n, r) for r, n in enumerate(names)]
     try:
-        routes = devices.exchange_devices(session, rank, name, world_size, options, join_timeout)
+        routes = devices.exchange_devices(
+            session, rank, name, world_size, options, join_timeout, seal)
+        guard, connections = _authenticate(session, key, rank, names, options, join_timeout)
     except BaseException:
         if spec.capabilities.in_process:
             rendezvous.release_in_process_store(world_key)
@@ -118,6 +124,8 @@ def init_rpc(
         options=options,
         init_method=options.init_method,
         routes=routes,
+        guard=guard,
+        connection_auth=connections,
     )
     try:
         calls.install(agent)
@@ -319,6 +327,28 @@ def _call(
     )
 
 
+def _authenticate(
+    session: Any, key: bytes | None, rank: int, names: list[str], options: Any,
+    timeout: float | None,
+) -> tuple[auth.FrameGuard | None, auth.ConnectionAuth | None]:
+    """With a key: exchange sealed session nonces, return the frame guard and the proofs
+    transports use on their connections. Without one: ``(None, None)``."""
+    if key is None:
+        return None, None
+    nonces = rendezvous.all_gather(
+        session, "auth", rank, len(names), auth.new_nonce(), timeout,
+        what=f"init_rpc: worker {names[rank]!r} (rank {rank}) waiting for session nonces",
+        seal=auth.ValueSeal(key),
+    )
+    for peer, nonce in enumerate(nonces):
+        if len(nonce) != auth.NONCE_BYTES:  # sealed by a key holder: a bug, not an attack
+            raise RpcError(f"init_rpc: rank {peer} published a session nonce of "
+                           f"{len(nonce)} bytes, expected {auth.NONCE_BYTES}")
+    guard = auth.FrameGuard(key, rank, nonces, names,
+                            payload=bool(getattr(options, "auth_payload", False)))
+    return guard, auth.ConnectionAuth(key, nonces)
+
+
 def _exposed_address(init_method: str, spec: BackendSpec) -> str | None:
     """The address beyond loopback a world set up across a network listens on: the
     local address towards a ``tcp://`` or ``env://`` rendezvous host that is not a
@@ -343,9 +373,9 @@ def _warn_if_exposed(name: str, init_method: str, spec: BackendSpec) -> None:
         return
     _exposure_warned = True
     log.warning(
-        "worker %r: rpcx has no authentication yet: any process that can reach %s can "
-        "make this worker run code, as with torch.distributed.rpc. Run it on trusted "
-        "networks only (docs/security.md).", name, address)
+        "worker %r runs without authentication: any process that can reach %s can "
+        "make it run code, as with torch.distributed.rpc. Set %s to a shared secret on "
+        "every worker (docs/security.md).", name, address, auth.AUTH_KEY_ENV)
 
 
 def _check_callable(func: Any) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rpcx import rendezvous
+from rpcx.auth import ValueSeal
 from rpcx.errors import RpcError
 from rpcx.options import invert_device_map, normalize_device, normalize_device_map
 
@@ -246,14 +247,18 @@ def _check_device(
 
 
 def exchange_devices(
-    store: Any, rank: int, name: str, world_size: int, options: Any, timeout: float | None
+    store: Any, rank: int, name: str, world_size: int, options: Any, timeout: float | None,
+    seal: ValueSeal | None = None,
 ) -> DeviceRoutes:
-    """Share this worker's declaration through ``store``; return its checked routes."""
+    """Share this worker's declaration through ``store``; return its checked routes.
+
+    ``seal``: the world key, see :func:`rpcx.rendezvous.all_gather`."""
     mine = WorkerDevices.of(name, options)
     gathered = rendezvous.all_gather(
         store, "devices", rank, world_size, mine.to_bytes(), timeout,
         what=(f"init_rpc: worker {name!r} (rank {rank}) waiting for every worker's device "
               "maps (bounded by rpc_timeout)"),
+        seal=seal,
     )
     declarations = []
     for peer, data in enumerate(gathered):

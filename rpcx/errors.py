@@ -14,6 +14,7 @@ import traceback
 from dataclasses import dataclass
 
 __all__ = [
+    "AuthenticationError",
     "BackendNotFoundError",
     "InvalidWorkerNameError",
     "PeerLostError",
@@ -65,6 +66,15 @@ class ProtocolError(RpcError, ValueError):
     """A peer sent bytes that are no frame of the transport's format (a bug, or hostile
     input). Transports raise it from their decoders, before allocating or copying by the
     sizes it announced, and report that peer lost with the reason ``protocol error: ...``.
+    """
+
+
+class AuthenticationError(RpcError, PermissionError):
+    """A worker or a value did not prove it holds this world's key (``RPCX_AUTH_KEY``).
+
+    Raised by ``init_rpc`` when a rendezvous value from some rank is not sealed with this
+    worker's key (that rank holds another key, or is no worker at all); the message names
+    the rank.
     """
 
 

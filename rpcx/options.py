@@ -48,6 +48,11 @@ class RpcBackendOptions:
         max_frame_bytes: the largest message (pickled header plus every tensor) this
             worker accepts, 64 GiB by default. A peer that announces a larger one is
             reported lost with a protocol error before anything is allocated for it.
+        auth_key: the world's shared secret (``str`` or ``bytes``); wins over
+            ``$RPCX_AUTH_KEY``. With a key, only workers holding it can join the world
+            or send this worker a frame (docs/security.md). Never printed, never sent.
+        auth_payload: with a key, also authenticate every tensor's bytes, not only
+            headers and sizes (costs a SHA-256 pass over each tensor at both ends).
     """
 
     def __init__(
@@ -57,11 +62,26 @@ class RpcBackendOptions:
         num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        auth_key: str | bytes | None = None,
+        auth_payload: bool = False,
     ) -> None:
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
         self.num_worker_threads = int(num_worker_threads)
         self.max_frame_bytes = int(max_frame_bytes)
+        self.auth_key = auth_key
+        self.auth_payload = bool(auth_payload)
+
+    @property
+    def auth_key(self) -> str | bytes | None:
+        """The shared secret, or ``None`` (then ``$RPCX_AUTH_KEY`` applies)."""
+        return self._auth_key
+
+    @auth_key.setter
+    def auth_key(self, key: str | bytes | None) -> None:
+        if key is not None and not isinstance(key, (str, bytes)):
+            raise TypeError(f"auth_key must be str or bytes, got {type(key).__name__}")
+        self._auth_key = key  # "_": left out of repr(), so logs never show it
 
     def validate(self) -> None:
         """Raise ``ValueError`` if a field holds a value no backend can use."""
@@ -79,6 +99,8 @@ class RpcBackendOptions:
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        if self._auth_key is not None:
+            fields += ", auth_key=<set>"
         return f"{type(self).__name__}({fields})"
 
 
@@ -87,7 +109,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     ``device_maps`` maps a destination worker's name to ``{local device: remote device}``.
     Responses travel along the inverse map. Maps must be one-to-one. ``max_frame_bytes``
-    is rpcx's own (see :class:`RpcBackendOptions`).
+    and the ``auth_*`` fields are rpcx's own (see :class:`RpcBackendOptions`).
     """
 
     def __init__(
@@ -101,9 +123,12 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         _transports: list[str] | None = None,
         _channels: list[str] | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        auth_key: str | bytes | None = None,
+        auth_payload: bool = False,
     ) -> None:
         super().__init__(rpc_timeout, init_method, num_worker_threads,
-                         max_frame_bytes=max_frame_bytes)
+                         max_frame_bytes=max_frame_bytes, auth_key=auth_key,
+                         auth_payload=auth_payload)
         self.device_maps: dict[str, DeviceMap] = {}
         self.devices: list[torch.device] = []
         # TensorPipe's transports and channels: the tensorpipe backend hands them to

@@ -22,7 +22,8 @@ from torch._C._distributed_c10d import HashStore, TCPStore
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous as torch_rendezvous
 
-from rpcx.errors import RpcError, RpcTimeoutError
+from rpcx.auth import AUTH_KEY_ENV, ValueSeal, is_sealed
+from rpcx.errors import AuthenticationError, RpcError, RpcTimeoutError
 
 __all__ = [
     "all_gather",
@@ -137,12 +138,14 @@ def prefixed(store: Any, prefix: str) -> Any:
 
 
 def join_world(
-    store: Any, name: str, rank: int, world_size: int, timeout: float | None
+    store: Any, name: str, rank: int, world_size: int, timeout: float | None,
+    seal: ValueSeal | None = None,
 ) -> tuple[Any, list[str]]:
     """Publish this worker's name, wait for every other, return (session store, names).
 
     Each ``init_rpc`` on a store starts a new *session* (its own key prefix), so a world
-    can shut down and start again on the same rendezvous address.
+    can shut down and start again on the same rendezvous address. ``seal``: see
+    :func:`all_gather`.
     """
     joined = store.add("rpcx/joined", 1)
     session = prefixed(store, f"rpcx/s{(joined - 1) // world_size}")
@@ -151,6 +154,7 @@ def join_world(
     gathered = all_gather(
         session, "name", rank, world_size, name.encode(), timeout,
         what=f"init_rpc: worker {name!r} (rank {rank}) waiting for workers to join",
+        seal=seal,
     )
     names = [value.decode() for value in gathered]
     seen: dict[str, int] = {}
@@ -173,11 +177,17 @@ def all_gather(
     timeout: float | None,
     *,
     what: str,
+    seal: ValueSeal | None = None,
 ) -> list[bytes]:
     """Publish ``value`` under ``tag`` and return every rank's value, in rank order.
 
     ``what`` describes the wait in the error raised when some rank never publishes.
+    With a ``seal`` (the world key) values are sealed, and one whose seal is not genuine
+    raises :class:`~rpcx.errors.AuthenticationError` naming its rank; without one, a
+    sealed value (a rank holding a key) raises it too.
     """
+    if seal is not None:
+        value = seal.seal(f"{tag}/{rank}", value)
     store.set(f"{tag}/{rank}", value)
     _wait_for(
         store,
@@ -187,7 +197,30 @@ def all_gather(
         what=what,
         describe=lambda ranks: "ranks " + ", ".join(map(str, ranks)),
     )
-    return [bytes(store.get(f"{tag}/{r}")) for r in range(world_size)]
+    values = [bytes(store.get(f"{tag}/{r}")) for r in range(world_size)]
+    return [_opened(seal, tag, rank, r, v) for r, v in enumerate(values)]
+
+
+def _opened(seal: ValueSeal | None, tag: str, me: int, rank: int, value: bytes) -> bytes:
+    """``value`` as published by ``rank``, checked against the world key (see all_gather)."""
+    if seal is None:
+        if is_sealed(value):
+            raise AuthenticationError(
+                f"init_rpc (rank {me}): authentication failed for rank {rank}: its {tag!r} "
+                "value is "
+                f"sealed with a key, but this worker has none; set {AUTH_KEY_ENV} (or "
+                "the auth_key option) to the world's key on every worker"
+            )
+        return value
+    opened = seal.open(f"{tag}/{rank}", value)
+    if opened is None:
+        raise AuthenticationError(
+            f"init_rpc (rank {me}): authentication failed for rank {rank}: its {tag!r} value "
+            "in the rendezvous store is not sealed with this worker's key (that worker was "
+            f"started with another {AUTH_KEY_ENV}, or none, or something that is no "
+            "worker wrote it)"
+        )
+    return opened
 
 
 def barrier(

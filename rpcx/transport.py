@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
 
     from rpcx._lanes import ReceiveLane
+    from rpcx.auth import ConnectionAuth
     from rpcx.devices import DeviceRoutes
     from rpcx.options import RpcBackendOptions
 
@@ -97,6 +98,15 @@ class TransportContext:
             thread when a request served on the receiving thread blocks). Requests
             delivered on a lane are served on the receiving thread, saving the hand-off
             to the request pool. Without a lane, they go to the pool.
+        auth: set when the world has a key (:mod:`rpcx.auth`). Frames are already sealed
+            and checked by the core; a transport that accepts connections of its own
+            should make each new connection prove the key with it (a challenge from each
+            end, answered with ``auth.proof``) and close one that fails, before reading
+            a frame from it.
+
+    ``deliver`` raises :class:`~rpcx.errors.ProtocolError` when a frame breaks the
+    protocol above the transport (it failed authentication): end that connection as for
+    a malformed frame of the transport's own format.
     """
 
     rank: int
@@ -109,6 +119,7 @@ class TransportContext:
     peer_lost: Callable[[int, str], None]
     routes: DeviceRoutes | None = None
     receive_lane: Callable[[str, Callable[[], None]], ReceiveLane] | None = None
+    auth: ConnectionAuth | None = None
 
 
 class Transport(Protocol):

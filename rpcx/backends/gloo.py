@@ -296,6 +296,8 @@ class GlooTransport:
                     self._repost(src, ring)
                 try:
                     ctx.deliver(src, frame)
+                except ProtocolError:  # refused above the transport: end this peer
+                    raise
                 except Exception:
                     log.exception("%s: delivering a frame from rank %d failed",
                                   ctx.names[ctx.rank], src)

@@ -11,14 +11,17 @@ endpoint in this process) through the rendezvous store, and resolves peers from 
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from typing import Any, ClassVar
 
 from rpcx._memory import copy_of
-from rpcx.errors import PeerLostError
+from rpcx.errors import PeerLostError, ProtocolError
 from rpcx.hookspecs import hookimpl
 from rpcx.transport import Capabilities, Frame, TransportContext
+
+log = logging.getLogger("rpcx.backends.loopback")
 
 __all__ = ["LoopbackTransport"]
 
@@ -59,7 +62,11 @@ class LoopbackTransport:
             buffer if i in frame.owned else copy_of(buffer)
             for i, buffer in enumerate(frame.buffers)
         ])
-        peer._deliver(ctx.rank, copy)
+        try:
+            peer._deliver(ctx.rank, copy)
+        except ProtocolError as exc:  # the peer refused the frame and ended the link
+            log.debug("%s: %s", ctx.names[ctx.rank], exc)
+            self._peer_gone(dst, f"ended the connection: {exc}")
 
     def close(self, timeout: float) -> None:
         """Leave the world; peers still running see this worker as gone."""
@@ -91,10 +98,10 @@ class LoopbackTransport:
             raise PeerLostError("has shut down")
         ctx.deliver(src, frame)
 
-    def _peer_gone(self, rank: int) -> None:
+    def _peer_gone(self, rank: int, reason: str = "has shut down") -> None:
         if rank not in self._gone and self._ctx is not None:
             self._gone.add(rank)
-            self._ctx.peer_lost(rank, "has shut down")
+            self._ctx.peer_lost(rank, reason)
 
 
 @hookimpl

@@ -47,7 +47,7 @@ import torch.distributed.rpc as torch_rpc
 import torch.distributed.rpc.api
 
 from rpcx._memory import copy_of
-from rpcx.errors import PeerLostError, RpcError, without_cpp_locations
+from rpcx.errors import PeerLostError, ProtocolError, RpcError, without_cpp_locations
 from rpcx.hookspecs import hookimpl
 from rpcx.options import DEFAULT_NUM_WORKER_THREADS, TensorPipeRpcBackendOptions
 from rpcx.transport import Capabilities, Frame, TransportContext
@@ -403,6 +403,8 @@ class TensorPipeTransport:
                     continue
                 try:
                     ctx.deliver(src, ready)
+                except ProtocolError as exc:  # refused (authentication): nothing more
+                    self._lose(src, f"protocol error: {exc}")
                 except Exception:
                     log.exception("%s: delivering a frame from rank %d failed",
                                   ctx.names[ctx.rank], src)

@@ -710,3 +710,45 @@ class SetsEnvironmentWhenUnpickled:
 def environment_has(name: str) -> bool:
     """Whether this worker's process has the environment variable ``name``."""
     return name in os.environ
+
+
+def count_in_environment(name: str) -> int:
+    """Add one to the counter in the environment variable ``name``; return the count."""
+    count = int(os.environ.get(name, "0")) + 1
+    os.environ[name] = str(count)
+    return count
+
+
+def environment_value(name: str) -> str | None:
+    """The environment variable ``name`` of this worker's process, or ``None``."""
+    return os.environ.get(name)
+
+
+def send_unauthenticated_call(to_rank: int, how: str, marker: str) -> None:
+    """Send ``to_rank``, straight through the transport, a call of
+    :func:`count_in_environment` (``marker``) whose MAC is ``"bad"`` (one bit flipped),
+    ``"missing"`` (an unsealed frame, as a stray socket would send), or ``"replayed"``
+    (a genuine frame, sent twice)."""
+    from rpcx import serialization as codec
+    from rpcx.messages import MessageKind
+    from rpcx.transport import Frame
+
+    agent = _context_agent()
+    guard = agent.guard
+    assert guard is not None, "this world runs without a key"
+    ctx = codec.EncodeContext(to_rank, agent=agent, routes=agent.routes)
+    frame = codec.encode(MessageKind.CALL, 0, (count_in_environment, (marker,), {}), ctx)
+    transport = agent._transport
+    if how == "missing":
+        transport.send(to_rank, frame)
+        return
+    sealed = guard.seal(to_rank, frame)
+    if how == "bad":
+        header = bytearray(sealed.header)
+        header[-1] ^= 1
+        transport.send(to_rank, Frame(bytes(header), sealed.buffers))
+    elif how == "replayed":
+        transport.send(to_rank, Frame(sealed.header, sealed.buffers))
+        transport.send(to_rank, Frame(sealed.header, sealed.buffers))
+    else:
+        raise ValueError(f"unknown way to break a MAC: {how!r}")

@@ -396,6 +396,8 @@ class ShmTransport:
                     continue
                 try:
                     ctx.deliver(src, frame)
+                except ProtocolError:  # refused above the transport: end the connection
+                    raise
                 except Exception:
                     log.exception("%s: delivering a frame from rank %d failed",
                                   ctx.names[ctx.rank], src)

@@ -456,6 +456,13 @@ class ZmqTransport:
                 return
             try:
                 deliver(src, frame)
+            except ProtocolError as exc:  # refused above the transport: stop reading it
+                reason = f"is unreachable: protocol error: {exc}"
+                self._mark_lost(peer, reason)
+                with peer.reader:
+                    self._end_receiving(peer)
+                self._report(peer, peer.gone or reason)
+                return
             except Exception:
                 log.exception("%s: delivering a frame from %s failed",
                               ctx.names[ctx.rank], peer.name)

@@ -1,0 +1,163 @@
+"""Conformance: with a world key, nobody without it joins, and no unauthenticated frame runs.
+
+Each test starts worlds of its own (a wrong key must fail ``init_rpc``, and a refused
+frame ends a connection), so the module's shared world is closed first.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import rpcx
+from rpcx import rendezvous
+from rpcx.errors import AuthenticationError
+from rpcx.registry import resolve_backend
+from rpcx.testing import remote
+from rpcx.testing.fixtures import WorldKeeper
+from rpcx.testing.world import World, _options, world
+
+__all__ = ["TestAuthentication"]
+
+KEY = "conformance-key-" + "0123456789abcdef"
+OTHER_KEY = "another-key-----" + "0123456789abcdef"
+BOUND = 30.0
+
+
+def join_and_report(rank: int, size: int, init_method: str, backend: str,
+                    options: dict[str, Any], answers: Any) -> None:
+    """Worker ``rank`` tries to join; puts ``"joined"`` or the error it got on ``answers``."""
+    try:
+        rpcx.init_rpc(f"worker{rank}", backend=backend, rank=rank, world_size=size,
+                      rpc_backend_options=_options(backend, init_method, options))
+    except BaseException as exc:
+        answers.put(f"{type(exc).__name__}: {exc}")
+        return
+    answers.put("joined")
+    rpcx.shutdown()
+
+
+class _Outsider:
+    """Runs :func:`join_and_report` for rank 1 as a process or a thread, per backend."""
+
+    def __init__(self, backend: str, init_method: str, options: dict[str, Any]) -> None:
+        spec = resolve_backend(backend)
+        args = (1, 2, init_method, spec.name, options)
+        if spec.capabilities.multi_process and not spec.capabilities.in_process:
+            context = multiprocessing.get_context("spawn")
+            self.answers: Any = context.Queue()
+            self.runner: Any = context.Process(target=join_and_report,
+                                               args=(*args, self.answers), daemon=True)
+        else:
+            self.answers = queue.Queue()
+            self.runner = threading.Thread(target=join_and_report,
+                                           args=(*args, self.answers), daemon=True)
+        self.runner.start()
+
+    def answer(self) -> str:
+        got: str = self.answers.get(timeout=2 * BOUND)
+        self.runner.join(BOUND)
+        return got
+
+
+class TestAuthentication:
+    """A world whose workers hold ``KEY`` (the ``auth_key`` option)."""
+
+    @pytest.fixture
+    def own_worlds(self, rpc_world_keeper: WorldKeeper) -> Iterator[str]:
+        """A fresh ``file://`` rendezvous; this process runs no other world meanwhile."""
+        rpc_world_keeper.close()
+        with tempfile.TemporaryDirectory(prefix="rpcx-auth-") as directory:
+            yield "file://" + os.path.join(directory, "rendezvous")
+
+    @pytest.mark.parametrize("outsider_key", [OTHER_KEY, None], ids=["another-key", "no-key"])
+    def test_a_worker_without_the_key_never_joins(
+        self, rpcx_backend: str, own_worlds: str, outsider_key: str | None,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        monkeypatch.delenv("RPCX_AUTH_KEY", raising=False)
+        outsider = _Outsider(rpcx_backend, own_worlds,
+                             {"rpc_timeout": BOUND, "auth_key": outsider_key})
+        options = _options(rpcx_backend, own_worlds, {"rpc_timeout": BOUND, "auth_key": KEY})
+        with pytest.raises(AuthenticationError, match="authentication failed for rank 1"):
+            rpcx.init_rpc("worker0", backend=rpcx_backend, rank=0, world_size=2,
+                          rpc_backend_options=options)
+        answer = outsider.answer()
+        assert answer.startswith("AuthenticationError")
+        assert "authentication failed for rank 0" in answer
+        if outsider_key is None:
+            assert "this worker has none" in answer
+
+    @pytest.mark.rpcx_requires("multi_process", reason="an in-process world has no store "
+                                "other processes can reach")
+    def test_a_stray_store_client_makes_init_rpc_fail_and_runs_nothing(
+        self, rpcx_backend: str, own_worlds: str,
+    ) -> None:
+        marker = f"RPCX_KIT_{uuid.uuid4().hex}"
+        posed: list[BaseException] = []
+
+        def intruder() -> None:  # a plain store client posing as rank 1, without the key
+            try:
+                store = rendezvous.open_store(own_worlds, 1, 2, BOUND)
+                session, _ = rendezvous.join_world(store, "intruder", 1, 2, BOUND)
+                session.set("devices/1", pickle.dumps(remote.SetsEnvironmentWhenUnpickled(
+                    marker)))
+            except AuthenticationError:
+                pass  # it cannot read the worker's sealed name either
+            except BaseException as exc:
+                posed.append(exc)
+
+        thread = threading.Thread(target=intruder, daemon=True)
+        thread.start()
+        options = _options(rpcx_backend, own_worlds, {"rpc_timeout": BOUND, "auth_key": KEY})
+        with pytest.raises(AuthenticationError, match="authentication failed for rank 1"):
+            rpcx.init_rpc("worker0", backend=rpcx_backend, rank=0, world_size=2,
+                          rpc_backend_options=options)
+        thread.join(BOUND)
+        assert not posed, posed
+        assert marker not in os.environ
+
+    def test_frames_with_bad_missing_or_replayed_macs_run_nothing(
+        self, rpcx_backend: str, own_worlds: str,
+    ) -> None:
+        # worker2 -> worker1: a bit flipped; worker3 -> worker1: no MAC at all;
+        # worker3 -> worker2: a genuine call sent twice. Each receiver refuses the frame,
+        # reports the sender lost, and keeps serving worker0.
+        with world(rpcx_backend, size=4, init_method=own_worlds, rpc_timeout=BOUND,
+                   auth_key=KEY) as started:
+            self._check_refusals(started)
+
+    @staticmethod
+    def _check_refusals(started: World) -> None:
+        markers = {how: f"RPCX_KIT_{how}_{uuid.uuid4().hex}"
+                   for how in ("bad", "missing", "replayed")}
+        rpcx.rpc_sync("worker2", remote.send_unauthenticated_call,
+                      args=(1, "bad", markers["bad"]))
+        rpcx.rpc_sync("worker3", remote.send_unauthenticated_call,
+                      args=(1, "missing", markers["missing"]))
+        rpcx.rpc_sync("worker3", remote.send_unauthenticated_call,
+                      args=(2, "replayed", markers["replayed"]))
+        for victim, sender, problem in (("worker1", "worker2", "bad or missing MAC"),
+                                        ("worker1", "worker3", "MAC"),
+                                        ("worker2", "worker3", "replayed")):
+            lost = rpcx.rpc_sync(victim, remote.wait_until_lost, args=(sender, BOUND))
+            assert sender in lost, (victim, lost)
+            assert "failed authentication" in lost[sender] and problem in lost[sender], lost
+        assert rpcx.rpc_sync("worker1", remote.environment_value, args=(markers["bad"],)) is None
+        assert rpcx.rpc_sync("worker1", remote.environment_value,
+                             args=(markers["missing"],)) is None
+        assert rpcx.rpc_sync("worker2", remote.environment_value,
+                             args=(markers["replayed"],)) == "1"  # the genuine one, once
+        for name in started.names[1:]:
+            assert rpcx.rpc_sync(name, remote.add, args=(2, 3), timeout=BOUND) == 5
+        assert rpcx.rpc_sync("worker2", remote.call_and_wait, args=(
+            rpcx.rpc_async, "worker0", remote.add, (1, 1))) == 2
