@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 import pytest
 import torch
@@ -251,12 +250,12 @@ def test_connection_proofs_bind_purpose_ranks_session_and_challenge() -> None:
     challenge = ours.challenge()
     proof = theirs.proof("shm connect", 2, 0, challenge)
     assert ours.check("shm connect", 2, 0, challenge, proof)
-    wrong: list[tuple[Any, ...]] = [
+    wrong: list[tuple[str, int, int, bytes]] = [
         ("shm accept", 2, 0, challenge), ("shm connect", 1, 0, challenge),
         ("shm connect", 2, 0, ours.challenge()), ("shm connect", 7, 0, challenge),
     ]
-    for args in wrong:
-        assert not ours.check(*args, proof)
+    for purpose, src, dst, asked in wrong:
+        assert not ours.check(purpose, src, dst, asked, proof)
     assert not auth.ConnectionAuth(KEY, _nonces()).check("shm connect", 2, 0, challenge, proof)
     assert not auth.ConnectionAuth(b"y" * 32, nonces).check(
         "shm connect", 2, 0, challenge, proof)
