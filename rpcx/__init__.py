@@ -21,6 +21,7 @@ from rpcx.api import (
     shutdown,
 )
 from rpcx.errors import (
+    AuthenticationError,
     BackendNotFoundError,
     InvalidWorkerNameError,
     PeerLostError,
@@ -56,6 +57,7 @@ __all__ = [
     "DEFAULT_NUM_WORKER_THREADS",
     "DEFAULT_RPC_TIMEOUT_SEC",
     "UNSET_RPC_TIMEOUT",
+    "AuthenticationError",
     "BackendNotFoundError",
     "BackendType",
     "InvalidWorkerNameError",

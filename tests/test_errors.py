@@ -15,6 +15,7 @@ import pytest
 import rpcx
 from rpcx import errors
 from rpcx.errors import (
+    AuthenticationError,
     BackendNotFoundError,
     InvalidWorkerNameError,
     PeerLostError,
@@ -71,6 +72,7 @@ def notes(exc: BaseException) -> list[str]:
 
 
 ALL_ERRORS = [
+    AuthenticationError,
     RpcError,
     RpcNotInitializedError,
     RpcShutdownError,

@@ -55,7 +55,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from rpcx.errors import PeerLostError, ProtocolError, RpcTimeoutError
+from rpcx import auth
+from rpcx.errors import AuthenticationError, PeerLostError, ProtocolError, RpcTimeoutError
 from rpcx.hosts import host_identity
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES
 from rpcx.transport import Capabilities, Frame, TransportContext
@@ -68,6 +69,8 @@ log = logging.getLogger("rpcx.backends.shm")
 
 _HEAD = struct.Struct("<BxxxII")  # kind, number of buffers, header length
 _HELLO = struct.Struct("<8sI")  # magic, rank of the connecting worker
+_NONCE, _PROOF = auth.NONCE_BYTES, auth.TAG_BYTES  # a challenge, an answer to one
+_HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection may take to introduce itself
 _MAGIC = b"rpcx-shm"
 _FRAME, _BYE, _FREE, _RETIRE = 1, 2, 3, 4
 _PACK_PARTS = 64  # more inline buffers than this are packed into one (the iovec limit)
@@ -591,9 +594,9 @@ def _connect_mesh(ctx: TransportContext, host: str) -> dict[int, socket.socket]:
                 sockets[rank] = sock
                 sock.settimeout(limit)
                 sock.connect(addresses[rank]["path"])
-                sock.sendall(_HELLO.pack(_MAGIC, ctx.rank))
+                _introduce(sock, ctx, rank)
             listener.settimeout(limit)
-            for _ in range(ctx.rank + 1, ctx.world_size):
+            while len(sockets) < ctx.world_size - 1:
                 try:
                     conn, _ = listener.accept()
                 except TimeoutError:
@@ -603,12 +606,11 @@ def _connect_mesh(ctx: TransportContext, host: str) -> dict[int, socket.socket]:
                         f"init_rpc: worker {me!r} (rank {ctx.rank}): no shm connection from "
                         f"{', '.join(missing)} within {limit:g} s (rpc_timeout)"
                     ) from None
-                conn.settimeout(limit)
-                magic, rank = _HELLO.unpack(_receive_exactly(conn, _HELLO.size))
-                if magic != _MAGIC or not ctx.rank < rank < ctx.world_size or rank in sockets:
+                admitted = _admit(conn, ctx, sockets)
+                if admitted is None:
                     conn.close()
-                    raise RuntimeError(f"init_rpc: worker {me!r}: unexpected shm connection")
-                sockets[rank] = conn
+                else:
+                    sockets[admitted] = conn
         except BaseException:
             for sock in sockets.values():
                 sock.close()
@@ -623,6 +625,51 @@ def _connect_mesh(ctx: TransportContext, host: str) -> dict[int, socket.socket]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         os.rmdir(directory)
+
+
+def _introduce(sock: socket.socket, ctx: TransportContext, rank: int) -> None:
+    """This worker's side of a connection to ``rank``: its hello and, with a world key,
+    a mutual challenge-response (``rank`` proves the key first)."""
+    sock.sendall(_HELLO.pack(_MAGIC, ctx.rank))
+    if ctx.auth is None:
+        return
+    challenge = ctx.auth.challenge()
+    sock.sendall(challenge)
+    answer = _receive_exactly(sock, _NONCE + _PROOF)
+    theirs, proof = answer[:_NONCE], answer[_NONCE:]
+    if not ctx.auth.check("shm accept", rank, ctx.rank, challenge, proof):
+        raise AuthenticationError(
+            f"init_rpc: worker {ctx.names[ctx.rank]!r} (rank {ctx.rank}): the shm connection "
+            f"to rank {rank} failed authentication (its socket is not that worker's)")
+    sock.sendall(ctx.auth.proof("shm connect", ctx.rank, rank, theirs))
+
+
+def _admit(conn: socket.socket, ctx: TransportContext,
+           connected: dict[int, socket.socket]) -> int | None:
+    """The rank of a new connection, or ``None`` (logged) for one that is no expected
+    worker's or, with a world key, fails the challenge-response."""
+    me = ctx.names[ctx.rank]
+    # A stray connection that sends nothing must not hold the mesh up for long.
+    conn.settimeout(_HANDSHAKE_TIMEOUT)
+    try:
+        magic, rank = _HELLO.unpack(_receive_exactly(conn, _HELLO.size))
+        rank = int(rank)
+        if magic != _MAGIC or not ctx.rank < rank < ctx.world_size or rank in connected:
+            log.warning("%s: refused an shm connection that is no expected worker's", me)
+            return None
+        if ctx.auth is not None:
+            challenge = ctx.auth.challenge()
+            theirs = _receive_exactly(conn, _NONCE)
+            conn.sendall(challenge + ctx.auth.proof("shm accept", ctx.rank, rank, theirs))
+            proof = _receive_exactly(conn, _PROOF)
+            if not ctx.auth.check("shm connect", rank, ctx.rank, challenge, proof):
+                log.warning("%s: refused an shm connection claiming to be rank %d: it failed "
+                            "authentication", me, rank)
+                return None
+    except (OSError, EOFError) as exc:
+        log.warning("%s: refused an shm connection: %s", me, exc)
+        return None
+    return rank
 
 
 def _receive_exactly(sock: socket.socket, count: int) -> bytes:

@@ -59,6 +59,7 @@ import zmq
 from rpcx.errors import PeerLostError, ProtocolError, RpcTimeoutError
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES
 from rpcx.transport import Capabilities, Frame, TransportContext
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from rpcx_zmq.addresses import host_identity, listen_host
@@ -96,6 +97,7 @@ _STOP_MESSAGE = [_HEAD.pack(_STOP, 0)]
 _LOST_MESSAGE = [_HEAD.pack(_LOST, 0)]
 _PART = -1  # a buffer's length in the head when it travels as a part of its own
 
+_LOCAL = "local"  # the user name of a worker's own control sockets
 _MONITOR_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
@@ -161,6 +163,7 @@ class ZmqTransport:
         self._closing = False
         self._closed = False
         self.endpoints: dict[int, str] = {}  # where this worker's tx connect, by peer rank
+        self._zap: ThreadAuthenticator | None = None  # checks connections with a world key
 
     # ------------------------------------------------------------------------ start
 
@@ -179,6 +182,8 @@ class ZmqTransport:
         if getattr(options, "ipc", True):
             self._ipc_dir = _private_dir()
         token = f"{os.getpid()}-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+        if ctx.auth is not None:
+            self._start_zap(ctx)
         published: dict[str, dict[str, str]] = {}
         for rank in range(ctx.world_size):
             if rank == ctx.rank:
@@ -212,6 +217,21 @@ class ZmqTransport:
         self._monitor.start()
         self._wait_connected(limit)
 
+    def _start_zap(self, ctx: TransportContext) -> None:
+        """With a world key, every connection to one of our PULL sockets must log in as
+        the peer it is for (ZeroMQ's PLAIN mechanism, checked by a ZAP handler thread):
+        its password is a proof of the key bound to both ranks and this session's
+        nonces, so a stray socket is refused before a message of it is read."""
+        assert ctx.auth is not None and self._zctx is not None
+        self._zap = ThreadAuthenticator(self._zctx, log=logging.getLogger("rpcx_zmq.zap"))
+        self._zap.start()
+        for rank in range(ctx.world_size):
+            if rank != ctx.rank:
+                self._zap.configure_plain(_zap_domain(rank), {
+                    str(rank): _password(ctx, rank, ctx.rank),
+                    _LOCAL: _password(ctx, ctx.rank, ctx.rank),  # our own control socket
+                })
+
     def _bind_rx(self, peer: _Peer, host: str, token: str) -> dict[str, str]:
         """Create and bind the PULL socket for ``peer``; its endpoints for the peer."""
         zctx = self._zctx
@@ -222,6 +242,10 @@ class ZmqTransport:
         # A message part over the cap makes ZeroMQ drop the connection, unread.
         rx.setsockopt(zmq.MAXMSGSIZE, int(getattr(self._ctx.options, "max_frame_bytes",
                                                   DEFAULT_MAX_FRAME_BYTES)))
+        ctx = self._ctx
+        if ctx.auth is not None:
+            rx.zap_domain = _zap_domain(peer.rank).encode()
+            rx.plain_server = True
         if ":" in host:  # an IPv6 address
             rx.ipv6 = True
             host = f"[{host}]"
@@ -234,6 +258,9 @@ class ZmqTransport:
         rx.bind(inproc)
         ctl = zctx.socket(zmq.PUSH)
         ctl.linger = 0
+        if ctx.auth is not None:
+            ctl.plain_username = _LOCAL.encode()
+            ctl.plain_password = _password(ctx, ctx.rank, ctx.rank).encode()
         ctl.connect(inproc)
         peer.rx, peer.ctl = rx, ctl
         return endpoints
@@ -262,6 +289,11 @@ class ZmqTransport:
         tx.sndtimeo = int(_SEND_POLL_S * 1000)
         if peer.endpoint.startswith("tcp://["):
             tx.ipv6 = True
+        ctx = self._ctx
+        assert ctx is not None
+        if ctx.auth is not None:
+            tx.plain_username = str(ctx.rank).encode()
+            tx.plain_password = _password(ctx, ctx.rank, peer.rank).encode()
         peer.tx_monitor = tx.get_monitor_socket(_MONITOR_EVENTS)
         tx.connect(peer.endpoint)
         peer.tx = tx
@@ -706,6 +738,8 @@ class ZmqTransport:
             )
             _abandoned.append(zctx)
         else:
+            if self._zap is not None:
+                self._zap.stop()
             zctx.term()
         self._zctx = None
         if self._ipc_dir is not None:
@@ -722,6 +756,17 @@ class ZmqTransport:
             if self._wake is not None:
                 self._wake.close(linger=0)
                 self._wake = None
+
+
+def _zap_domain(rank: int) -> str:
+    """The ZAP domain of the PULL socket that receives from ``rank``."""
+    return f"rpcx-from-{rank}"
+
+
+def _password(ctx: TransportContext, src: int, dst: int) -> str:
+    """What ``src`` logs in with on ``dst``'s socket for it (a proof of the world key)."""
+    assert ctx.auth is not None
+    return ctx.auth.proof("zmq connect", src, dst).hex()
 
 
 def _pipe(zctx: zmq.Context[Any], address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
