@@ -11,6 +11,10 @@ from types import SimpleNamespace
 from typing import Any
 
 BUILTIN_SYSTEMS = ("torch", "gloo", "tensorpipe", "loopback")
+# A system is a backend name, optionally with flags: "gloo+auth" runs gloo with a world
+# key (rpcx.auth: every frame's header MACed), "gloo+auth+payload" MACs tensors too.
+AUTH_FLAG, PAYLOAD_FLAG = "auth", "payload"
+BENCH_KEY = "rpcx-bench-key-0123456789abcdef"
 BASELINE = "torch"
 RPC_TIMEOUT_S = 60.0  # every call's default timeout: a lost reply becomes an error, not a hang
 NUM_WORKER_THREADS = 16
@@ -47,24 +51,36 @@ def api(system: str) -> SimpleNamespace:
     )
 
 
+def backend_of(system: str) -> str:
+    """The rpcx backend (or ``torch``) that ``system`` runs: its name before any ``+``."""
+    return system.split("+", 1)[0]
+
+
+def _flags(system: str) -> set[str]:
+    return set(system.split("+")[1:])
+
+
 def in_process(system: str) -> bool:
     """Whether ``system``'s workers are threads of one process (rpcx's loopback)."""
     if system == BASELINE:
         return False
     from rpcx.registry import resolve_backend
 
-    return resolve_backend(system).capabilities.in_process
+    return resolve_backend(backend_of(system)).capabilities.in_process
 
 
 def init_worker(
     ns: SimpleNamespace, name: str, rank: int, world_size: int, init_method: str
 ) -> None:
     """``init_rpc`` on ``ns``'s system with the options every system gets alike."""
+    extra: dict[str, Any] = {}
+    if AUTH_FLAG in _flags(ns.system):
+        extra = {"auth_key": BENCH_KEY, "auth_payload": PAYLOAD_FLAG in _flags(ns.system)}
     options = ns.rpc.TensorPipeRpcBackendOptions(
         init_method=init_method, num_worker_threads=NUM_WORKER_THREADS,
-        rpc_timeout=RPC_TIMEOUT_S,
+        rpc_timeout=RPC_TIMEOUT_S, **extra,
     )
-    kwargs: dict[str, Any] = {} if ns.system == BASELINE else {"backend": ns.system}
+    kwargs: dict[str, Any] = {} if ns.system == BASELINE else {"backend": backend_of(ns.system)}
     ns.rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options,
                     **kwargs)
 
@@ -81,7 +97,11 @@ def missing_requirement(system: str) -> str | None:
             import rpcx
         except ImportError as exc:
             return f"rpcx does not import: {exc}"
-        if system not in rpcx.backend_names():
+        unknown = _flags(system) - {AUTH_FLAG, PAYLOAD_FLAG}
+        if unknown or (PAYLOAD_FLAG in _flags(system) and AUTH_FLAG not in _flags(system)):
+            return (f"system {system!r}: flags are +{AUTH_FLAG} and +{AUTH_FLAG}+"
+                    f"{PAYLOAD_FLAG}")
+        if backend_of(system) not in rpcx.backend_names():
             return (f"unknown system {system!r}: neither torch nor an installed rpcx backend "
                     f"({', '.join(rpcx.backend_names())})")
     return None

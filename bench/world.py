@@ -39,6 +39,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import systems
+
 STARTUP_S = 120.0  # spawn + import torch + init_rpc, up to 8 processes on 2 cores
 SHUTDOWN_GRACE_S = 45.0
 FAILURE_GRACE_S = 15.0
@@ -214,7 +216,7 @@ def run_world(spec: WorldSpec) -> WorldOutcome:
     notes: list[str] = []
     killed: set[int] = set()
     try:
-        if spec.system == "loopback":
+        if systems.backend_of(spec.system) == "loopback":
             procs.append(ctx.Process(target=_loopback_host, args=(spec, tmp), daemon=True))
         else:
             procs.extend(
@@ -257,7 +259,8 @@ def run_world(spec: WorldSpec) -> WorldOutcome:
     codes = [p.exitcode for p in procs]
     for index, proc in enumerate(procs):
         if proc.exitcode and proc.pid not in killed:
-            who = "the loopback host process" if spec.system == "loopback" else f"rank {index}"
+            who = ("the loopback host process"
+                   if systems.backend_of(spec.system) == "loopback" else f"rank {index}")
             notes.append(f"{spec.label}: {who} exited with {_exit_text(proc.exitcode)}"
                          + (" after all workloads were measured" if measured else ""))
     for workload in spec.workloads:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["MessageKind"]
+__all__ = ["CONTROL_KINDS", "MessageKind"]
 
 
 class MessageKind(enum.IntEnum):
@@ -29,3 +29,12 @@ class MessageKind(enum.IntEnum):
     AUTOGRAD_CHAIN = 12  # one-way, payload: (context_id, [(tag, index, grad)], chain)
     AUTOGRAD_CHAIN_END = 13  # one-way, payload: (token, next round's ranks, error info)
 
+
+
+# Requests whose payload is bookkeeping, never user code or user objects: the codec reads
+# them with an unpickler that accepts plain data and tensors only (rpcx.serialization).
+CONTROL_KINDS = frozenset({
+    MessageKind.RREF_FETCH, MessageKind.RREF_FORKS, MessageKind.RREF_DELETE,
+    MessageKind.RREF_CONFIRM, MessageKind.AUTOGRAD_BACKWARD, MessageKind.AUTOGRAD_RELEASE,
+    MessageKind.AUTOGRAD_RUN, MessageKind.AUTOGRAD_CHAIN, MessageKind.AUTOGRAD_CHAIN_END,
+})

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rpcx.errors import SerializationError
+from rpcx.messages import CONTROL_KINDS
 from rpcx.transport import Frame
 
 if TYPE_CHECKING:
@@ -636,11 +637,34 @@ class _LenientUnpickler(pickle.Unpickler):
         return _Tolerant(found)
 
 
+class _ControlUnpickler(pickle.Unpickler):
+    """Reads the payload of an RRef or autograd bookkeeping message: plain data, tensors
+    (rebuilt by the codec's own functions from plain arguments) and rpcx's record of a
+    remote error. Any other class or function the stream names is refused."""
+
+    _ALLOWED = frozenset({
+        ("rpcx.serialization", "_rebuild_tensor"),
+        ("rpcx.serialization", "_rebuild_view"),
+        ("rpcx.serialization", "_rebuild_sparse"),
+        ("rpcx.errors", "RemoteErrorInfo"),
+    })
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(
+                f"a bookkeeping message holds plain data and tensors only, but the stream "
+                f"names {module}.{name}"
+            )
+        return super().find_class(module, name)
+
+
 def decode_payload(frame: Frame, ctx: DecodeContext, lenient: bool = False) -> Any:
     """Unpickle a frame's payload. Raises :class:`SerializationError` saying what failed.
 
     ``lenient=True`` replaces classes and functions that cannot be found by inert
     placeholders, to recover what can be recovered from a message that failed to decode.
+    Requests of the bookkeeping kinds (``CONTROL_KINDS``) are read by an unpickler that
+    refuses anything but plain data and tensors, leniently or not.
     """
     ctx.buffers = frame.buffers
     start = _payload_start(frame.header)
@@ -648,6 +672,8 @@ def decode_payload(frame: Frame, ctx: DecodeContext, lenient: bool = False) -> A
     _contexts.decoding = ctx
     try:
         data = memoryview(frame.header)[start:]
+        if frame.header[0] & _KIND_MASK in CONTROL_KINDS:
+            return _ControlUnpickler(io.BytesIO(data)).load()
         if lenient:
             return _LenientUnpickler(io.BytesIO(data)).load()
         return pickle.loads(data)

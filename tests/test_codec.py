@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rpcx.errors import SerializationError
+from rpcx.messages import MessageKind
 from rpcx.serialization import (
     DecodeContext,
     EncodeContext,
@@ -516,3 +517,26 @@ def test_frame_marks_the_buffers_the_codec_copied_as_owned() -> None:
     assert frame.buffers[0].data_ptr() == plain.data_ptr()  # shared: transports copy it
     out = decode_payload(frame, DecodeContext(peer=0))
     assert torch.equal(out[2], strided_wide) and torch.equal(out[3], conjugated)
+
+
+def test_bookkeeping_payloads_are_read_as_plain_data_and_tensors_only() -> None:
+    import os
+    import uuid
+
+    from rpcx.messages import CONTROL_KINDS
+    from rpcx.testing.remote import SetsEnvironmentWhenUnpickled
+
+    marker = f"RPCX_TEST_{uuid.uuid4().hex}"
+    grads = (7, [(1, 0, torch.arange(4.0)), (2, 1, torch.ones(2, 3).t())])
+    for kind in sorted(CONTROL_KINDS):
+        frame = encode(kind, 0, grads, EncodeContext(1))
+        context_id, entries = decode_payload(frame, DecodeContext(0))
+        assert context_id == 7 and torch.equal(entries[1][2], torch.ones(2, 3).t())
+        hostile = encode(kind, 0, SetsEnvironmentWhenUnpickled(marker), EncodeContext(1))
+        for lenient in (False, True):
+            with pytest.raises(SerializationError, match="plain data and tensors only"):
+                decode_payload(hostile, DecodeContext(0), lenient=lenient)
+    assert marker not in os.environ
+    # A call's payload is no bookkeeping: it may name any function.
+    call = encode(MessageKind.CALL, 1, (torch.add, (1, 2), {}), EncodeContext(1))
+    assert decode_payload(call, DecodeContext(0))[0] is torch.add

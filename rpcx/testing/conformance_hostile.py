@@ -63,3 +63,20 @@ class TestHostilePeers:
         assert rpcx.rpc_sync(W1, remote.add, args=(1, 2)) == 3
         assert rpcx.rpc_sync(W2, remote.call_and_wait, args=(
             rpcx.rpc_async, W1, remote.add, (2, 2))) == 4
+
+    def test_bookkeeping_messages_that_name_a_global_run_nothing(
+        self, rpc_world: World
+    ) -> None:
+        # RRef and autograd bookkeeping is read as plain data and tensors only.
+        marker = f"RPCX_KIT_{uuid.uuid4().hex}"
+        for kind in (MessageKind.RREF_FETCH, MessageKind.RREF_FORKS, MessageKind.RREF_DELETE,
+                     MessageKind.RREF_CONFIRM, MessageKind.AUTOGRAD_BACKWARD,
+                     MessageKind.AUTOGRAD_RELEASE, MessageKind.AUTOGRAD_RUN,
+                     MessageKind.AUTOGRAD_CHAIN, MessageKind.AUTOGRAD_CHAIN_END):
+            rpcx.rpc_sync(W2, remote.send_code_as, args=(1, int(kind), marker))
+        assert rpcx.rpc_sync(W2, remote.call_and_wait, args=(
+            rpcx.rpc_async, W1, remote.environment_has, (marker,))) is False
+        assert rpcx.rpc_sync(W1, remote.add, args=(1, 2)) == 3
+        # and the bookkeeping itself still works between them
+        rref = rpcx.rpc_sync(W2, remote.make_rref, args=(41,))
+        assert rpcx.rpc_sync(W1, remote.rref_to_here, args=(rref,)) == 41

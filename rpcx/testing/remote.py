@@ -6,6 +6,7 @@ They live in the package so every worker process can import them.
 from __future__ import annotations
 
 import os
+import pickle
 import select
 import threading
 from typing import Any
@@ -695,6 +696,13 @@ def send_noted_frame(to_rank: int, kind: int, payload: Any, notes: bytes) -> Non
     header = b"".join((codec._ENVELOPE.pack(kind | codec._NOTED, 0),
                        codec._NOTES_LEN.pack(len(notes)), notes, body))
     agent._send(to_rank, Frame(header, plain.buffers))
+
+
+def send_code_as(to_rank: int, kind: int, marker: str) -> None:
+    """Send ``to_rank`` a one-way frame of ``kind`` whose payload sets the environment
+    variable ``marker`` when unpickled (built here: as an argument of this call, it would
+    have run on this worker)."""
+    send_noted_frame(to_rank, kind, SetsEnvironmentWhenUnpickled(marker), pickle.dumps([]))
 
 
 class SetsEnvironmentWhenUnpickled:
