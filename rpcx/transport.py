@@ -62,12 +62,17 @@ class Capabilities:
         in_process: every worker is a thread of one process (rendezvous happens in memory).
         cuda_direct: CUDA tensors travel device to device; otherwise they are staged
             through host memory.
+        refuses_strangers: bytes from a process outside the world, sent to any port or
+            socket the transport listens on, can neither run code nor cost a worker its
+            peers (given a world key, where connections must prove it). The conformance
+            kit fuzzes every listener of a worker to check it.
     """
 
     multi_process: bool
     multi_host: bool
     in_process: bool = False
     cuda_direct: bool = False
+    refuses_strangers: bool = True
 
     def summary(self) -> str:
         """A short comma-separated list of the true flags."""

@@ -81,8 +81,11 @@ class _Inbox:
 class TensorPipeTransport:
     """Frames as torch TensorPipe calls; responses ride in the calls' replies."""
 
+    # torch's agent owns the listener: it unpickles what arrives before rpcx sees it, and
+    # one malformed message there ends the process (std::terminate, "Error reading nop
+    # object"), key or no key. docs/security.md says so.
     capabilities: ClassVar[Capabilities] = Capabilities(
-        multi_process=True, multi_host=True, cuda_direct=True
+        multi_process=True, multi_host=True, cuda_direct=True, refuses_strangers=False
     )
 
     def __init__(self) -> None:

@@ -6,21 +6,28 @@ frame ends a connection), so the module's shared world is closed first.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import pickle
 import queue
+import random
+import socket
+import struct
 import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 import rpcx
-from rpcx import rendezvous
+from rpcx import _context, auth, rendezvous
+from rpcx import serialization as codec
 from rpcx.errors import AuthenticationError
+from rpcx.messages import MessageKind
 from rpcx.registry import resolve_backend
 from rpcx.testing import remote
 from rpcx.testing.fixtures import WorldKeeper
@@ -28,7 +35,13 @@ from rpcx.testing.world import World, _options, world
 
 __all__ = ["TestAuthentication"]
 
+log = logging.getLogger("rpcx.testing")
+
 KEY = "conformance-key-" + "0123456789abcdef"
+SEED = 20261124
+FUZZ_CONNECTIONS = 60  # per listener
+FUZZ_MESSAGES = 25  # per connection
+FUZZ_MEMORY_BOUND = 64 << 20
 OTHER_KEY = "another-key-----" + "0123456789abcdef"
 BOUND = 30.0
 
@@ -44,6 +57,84 @@ def join_and_report(rank: int, size: int, init_method: str, backend: str,
         return
     answers.put("joined")
     rpcx.shutdown()
+
+
+@dataclass
+class Tried:
+    """What a fuzzing run sent."""
+
+    connections: int = 0
+    messages: int = 0
+    bytes: int = 0
+
+
+def listening_addresses(process: Any) -> list[tuple[int, Any]]:
+    """``(family, address)`` of every TCP and Unix socket ``process`` listens on."""
+    found = []
+    for conn in process.net_connections(kind="inet"):
+        if conn.status == "LISTEN":
+            host = conn.laddr.ip
+            if host in ("0.0.0.0", "::"):
+                host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+            found.append((socket.AF_INET6 if ":" in host else socket.AF_INET,
+                          (host, conn.laddr.port)))
+    for conn in process.net_connections(kind="unix"):
+        if conn.laddr and conn.status in ("LISTEN", "NONE") and os.path.exists(conn.laddr):
+            found.append((socket.AF_UNIX, conn.laddr))
+    return found
+
+
+def call_frames(marker: str) -> list[bytes]:
+    """Headers of a call that would set ``marker`` on its callee: as the codec writes it,
+    and sealed for rank 1 with a key that is not the world's."""
+    agent = _context.current_agent()
+    ctx = codec.EncodeContext(1, agent=agent, routes=agent.routes)
+    frame = codec.encode(MessageKind.CALL, 0, remote.SetsEnvironmentWhenUnpickled(marker),
+                         ctx)
+    stranger = auth.FrameGuard(b"not this world's key, 32 bytes..", 0,
+                               [auth.new_nonce() for _ in range(3)], ["a", "b", "c"])
+    return [frame.header, stranger.seal(1, frame).header]
+
+
+def _mutated(rng: random.Random, frames: list[bytes]) -> bytes:
+    choice = rng.randrange(4)
+    if choice == 0:
+        return rng.randbytes(rng.randrange(1, 4096))
+    data = bytearray(rng.choice(frames))
+    if choice == 1:
+        for _ in range(rng.randrange(1, 8)):
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    elif choice == 2:
+        data = data[: rng.randrange(1, len(data))]
+    else:
+        data = struct.pack("<Q", rng.randrange(1 << 64)) + data + rng.randbytes(64)
+    return bytes(data)
+
+
+def fuzz_listeners(targets: list[tuple[int, Any]], frames: list[bytes],
+                   rng: random.Random) -> Tried:
+    """Open ``FUZZ_CONNECTIONS`` connections to each target and write ``FUZZ_MESSAGES``
+    random or mutated messages on each; a connection the worker closes is fine."""
+    tried = Tried()
+    for family, address in targets:
+        for _ in range(FUZZ_CONNECTIONS):
+            try:
+                conn = socket.socket(family, socket.SOCK_STREAM)
+                conn.settimeout(BOUND)
+                conn.connect(address)
+            except OSError:
+                continue  # refused (a backlog full of strangers): also fine
+            tried.connections += 1
+            with conn:
+                for _ in range(FUZZ_MESSAGES):
+                    data = _mutated(rng, frames)
+                    try:
+                        conn.sendall(data)
+                    except OSError:
+                        break  # the worker hung up on us
+                    tried.messages += 1
+                    tried.bytes += len(data)
+    return tried
 
 
 class _Outsider:
@@ -135,6 +226,37 @@ class TestAuthentication:
         with world(rpcx_backend, size=4, init_method=own_worlds, rpc_timeout=BOUND,
                    auth_key=KEY) as started:
             self._check_refusals(started)
+
+    @pytest.mark.rpcx_requires(
+        "multi_process", "refuses_strangers",
+        reason="an in-process world listens nowhere; a backend that declares it cannot "
+               "refuse strangers is not fuzzed (docs/security.md)")
+    def test_strangers_at_every_listening_port_run_nothing(
+        self, rpcx_backend: str, own_worlds: str,
+    ) -> None:
+        # Random bytes, and real call frames (unsealed, or sealed with another key) cut,
+        # flipped and extended, at every TCP port and Unix socket worker1 listens on.
+        psutil = pytest.importorskip("psutil")
+        with world(rpcx_backend, size=3, init_method=own_worlds, rpc_timeout=BOUND,
+                   auth_key=KEY):
+            worker1 = psutil.Process(rpcx.rpc_sync("worker1", remote.process_id))
+            marker = f"RPCX_KIT_FUZZ_{uuid.uuid4().hex}"
+            targets = listening_addresses(worker1)
+            if not targets:  # (shm closes its socket once every peer is connected)
+                pytest.skip(f"worker1 of {rpcx_backend!r} listens on no port or socket "
+                            "once init_rpc returns: no stranger can reach it")
+            rss_before = worker1.memory_info().rss
+            tried = fuzz_listeners(targets, call_frames(marker), random.Random(SEED))
+            assert rpcx.rpc_sync("worker1", remote.add, args=(2, 3), timeout=BOUND) == 5
+            assert rpcx.rpc_sync("worker2", remote.call_and_wait, args=(
+                rpcx.rpc_async, "worker1", remote.add, (4, 4))) == 8
+            assert rpcx.rpc_sync("worker1", remote.environment_value, args=(marker,)) is None
+            assert rpcx.rpc_sync("worker1", rpcx.debug_info)["lost_peers"] == {}
+            grown = worker1.memory_info().rss - rss_before
+            assert grown < FUZZ_MEMORY_BOUND, f"worker1 grew by {grown >> 20} MiB"
+            log.info("%s: %d connections to %d listeners, %d messages, %d bytes; worker1 "
+                     "grew %d KiB", rpcx_backend, tried.connections, len(targets),
+                     tried.messages, tried.bytes, grown >> 10)
 
     @staticmethod
     def _check_refusals(started: World) -> None:
