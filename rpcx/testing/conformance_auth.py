@@ -70,7 +70,7 @@ class Tried:
 
 def listening_addresses(process: Any) -> list[tuple[int, Any]]:
     """``(family, address)`` of every TCP and Unix socket ``process`` listens on."""
-    found = []
+    found: list[tuple[int, Any]] = []
     for conn in process.net_connections(kind="inet"):
         if conn.status == "LISTEN":
             host = conn.laddr.ip
@@ -107,7 +107,7 @@ def _mutated(rng: random.Random, frames: list[bytes]) -> bytes:
     elif choice == 2:
         data = data[: rng.randrange(1, len(data))]
     else:
-        data = struct.pack("<Q", rng.randrange(1 << 64)) + data + rng.randbytes(64)
+        data = bytearray(struct.pack("<Q", rng.randrange(1 << 64))) + data + rng.randbytes(64)
     return bytes(data)
 
 
