@@ -231,7 +231,9 @@ def debug_info() -> dict[str, Any]:
     ``parked_confirmations`` (confirmations that arrived before their RRef, bounded);
     ``autograd``: ``contexts`` (distributed autograd contexts alive here),
     ``releasing`` (context releases this worker started that peers have not yet
-    confirmed) and ``passes`` (local backward passes run here so far).
+    confirmed) and ``passes`` (local backward passes run here so far);
+    ``authenticated`` (whether the world runs with a key) and ``refused_frames`` (frames
+    dropped because they failed authentication).
     Call it on another worker with ``rpcx.rpc_sync(name, rpcx.debug_info)``.
     """
     agent = _context.current_agent()
@@ -244,6 +246,8 @@ def debug_info() -> dict[str, Any]:
         "lost_peers": agent.lost_peers(),
         "rrefs": rref.service(agent).stats(),
         "autograd": autograd_service.service(agent).stats(),
+        "authenticated": agent.guard is not None,
+        "refused_frames": agent.guard.refused if agent.guard is not None else 0,
     }
 
 
