@@ -41,6 +41,9 @@ def tests(session: nox.Session, backend: str) -> None:
         session.chdir(PLUGINS[backend])
         session.run(*pytest, "tests", *session.posargs)
         return
+    if backend != "loopback":
+        # Tests that do not depend on the backend ran in the loopback session already.
+        pytest += ("--only-backend-tests",)
     if backend == "tensorpipe":
         # torch's own TensorPipe init_rpc needs numpy; rpcx's tensorpipe backend must not.
         session.run("python", "-m", "pip", "uninstall", "-q", "-y", "numpy")

@@ -1,5 +1,5 @@
-"""Test configuration: the rpcx conformance fixtures (--rpcx-backend, rpc_world), and a
-loopback rendezvous URL of either network scheme."""
+"""Test configuration: the rpcx conformance fixtures (--rpcx-backend, rpc_world), a
+loopback rendezvous URL of either network scheme, and ``--only-backend-tests``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,24 @@ import pytest
 from rpcx.testing.world import free_port
 
 pytest_plugins = ["rpcx.testing.fixtures"]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--only-backend-tests", action="store_true",
+        help="run only the tests that depend on --rpcx-backend (they use the rpcx_backend "
+             "fixture); nox's loopback session runs the others, once, not once per backend",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--only-backend-tests"):
+        return
+    keep = [item for item in items if "rpcx_backend" in getattr(item, "fixturenames", ())]
+    dropped = [item for item in items if "rpcx_backend" not in getattr(item, "fixturenames", ())]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 @pytest.fixture(params=["tcp", "env"])
