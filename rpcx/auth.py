@@ -239,12 +239,14 @@ class FrameGuard:
     # --------------------------------------------------------------------------- send
 
     def seal(self, dst: int, frame: Frame) -> Frame:
-        """``frame`` as it goes to ``dst``: the same buffers, a sealed header."""
+        """Seal ``frame`` for ``dst`` (its header is replaced by the sealed one) and
+        return it. (In place: this runs on every send, and a frame is sent once.)"""
         with self._seq_lock:
             seq = self._next_seq[dst] = self._next_seq[dst] + 1
-        tag = self._tag(self._send_keys[dst], seq, frame.header, frame.buffers)
-        return Frame(_SEQ.pack(seq) + tag + frame.header, frame.buffers,
-                     request_id=frame.request_id, reply_to=frame.reply_to, owned=frame.owned)
+        header = frame.header
+        frame.header = _SEQ.pack(seq) + self._tag(self._send_keys[dst], seq, header,
+                                                  frame.buffers) + header
+        return frame
 
     # ------------------------------------------------------------------------ receive
 
@@ -261,7 +263,6 @@ class FrameGuard:
         def checked(src: int, frame: Frame) -> None:
             problem = self._problem(src, frame)
             if problem is None:
-                frame.header = frame.header[_SEALED_PREFIX:]
                 deliver(src, frame)
                 return
             first = self._count(src, problem)
@@ -273,7 +274,8 @@ class FrameGuard:
         return checked
 
     def _problem(self, src: int, frame: Frame) -> str | None:
-        """Why ``frame`` from ``src`` is refused, or ``None`` if it is genuine."""
+        """Why ``frame`` from ``src`` is refused, or ``None`` if it is genuine (then its
+        header is the codec's again: the seal is taken off)."""
         if src in self._refused_from:
             return "its connection already sent a frame that failed"
         header = frame.header
@@ -288,6 +290,7 @@ class FrameGuard:
         # Only after the MAC holds: a forged number must not move the window.
         if not self._windows[src].accept(seq):
             return f"sequence number {seq} replayed or out of range"
+        frame.header = body
         return None
 
     def _count(self, src: int, problem: str) -> bool:
@@ -310,6 +313,8 @@ class FrameGuard:
     # ---------------------------------------------------------------------------- MAC
 
     def _tag(self, key: bytes, seq: int, header: bytes, buffers: list[torch.Tensor]) -> bytes:
+        if not buffers and not self._payload:  # most calls: one C call, no list
+            return hmac.digest(key, _FRAME_HEAD.pack(seq, len(header), 0) + header, "sha256")
         sizes = [b.numel() * b.element_size() for b in buffers]
         head = _FRAME_HEAD.pack(seq, len(header), len(sizes))
         if sizes:
