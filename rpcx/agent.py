@@ -31,6 +31,7 @@ from rpcx._timer import DeadlineTimer
 from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
 from rpcx.errors import (
+    LostCause,
     PeerLostError,
     RemoteErrorInfo,
     RpcError,
@@ -176,6 +177,7 @@ class RpcAgent:
         self._pending = PendingCalls()
         self._lock = threading.Lock()  # guards _state and _lost_handled
         self._lost_handled: set[int] = set()  # lost peers whose on_peer_lost hooks ran
+        self._lost_causes: dict[int, LostCause] = {}  # why each lost peer is gone
         self._lost_cond = threading.Condition(self._lock)
         self._state = _RUNNING
         self.stopping = threading.Event()  # set when shutdown() starts
@@ -289,8 +291,9 @@ class RpcAgent:
             store=rendezvous.prefixed(self._store, "transport"),
             options=self.options,
             init_method=self.init_method,
-            deliver=(self._on_frame if self.guard is None
-                     else self.guard.guarding(self._on_frame, self._on_peer_lost)),
+            deliver=(self._on_frame if self.guard is None else self.guard.guarding(
+                self._on_frame,
+                lambda src, why: self._on_peer_lost(src, why, LostCause.PROTOCOL_ERROR))),
             peer_lost=self._on_peer_lost,
             receive_lane=self._new_lane,
             auth=self._connection_auth,
@@ -686,24 +689,27 @@ class RpcAgent:
         )
 
     def _lost_error(self, pending: PendingCall, reason: str) -> BaseException:
-        return PeerLostError(f"{pending.call} to worker {pending.dst.name!r} failed: {reason}")
+        return PeerLostError(f"{pending.call} to worker {pending.dst.name!r} failed: {reason}",
+                             cause=self._lost_causes.get(pending.dst.id))
 
-    def _on_peer_lost(self, rank: int, reason: str) -> None:
+    def _on_peer_lost(self, rank: int, reason: str,
+                      cause: LostCause = LostCause.CONNECTION_LOST) -> None:
         # Transports call this from their receiving threads, which must not send.
         was_delivering, _delivering.active = _delivering.active, True
         try:
-            self._peer_lost(rank, reason)
+            self._peer_lost(rank, reason, cause)
         finally:
             _delivering.active = was_delivering
 
-    def _peer_lost(self, rank: int, reason: str) -> None:
+    def _peer_lost(self, rank: int, reason: str, cause: LostCause) -> None:
         name = self.workers[rank].name
         text = f"worker {name!r} (rank {rank}) {reason}"
+        self._lost_causes.setdefault(rank, cause)  # (before the calls fail: they read it)
         victims = self._pending.lose(rank, text)
         if victims is None:
             return  # already known
         # A peer that leaves while we shut down is expected; one that dies never is.
-        expected = self._state != _RUNNING and "unreachable" not in reason
+        expected = self._state != _RUNNING and cause is LostCause.DEPARTED
         level = logging.DEBUG if expected else logging.WARNING
         log.log(level, "%s: %s; failing %d pending calls", self.name, text, len(victims))
         for rid in victims:
@@ -724,13 +730,19 @@ class RpcAgent:
     def lost_error(self, rank: int, call: str) -> PeerLostError:
         """The error of ``call`` to worker ``rank``, known gone: worded as every call's."""
         why = self._pending.lost_reason(rank) or f"worker {self.workers[rank].name!r} is gone"
-        return PeerLostError(f"{call} to worker {self.workers[rank].name!r} failed: {why}")
+        return PeerLostError(f"{call} to worker {self.workers[rank].name!r} failed: {why}",
+                             cause=self._lost_causes.get(rank))
 
     def wait_lost(self, rank: int, timeout: float | None) -> bool:
         """Wait until worker ``rank`` is known gone and this worker has reacted to it
         (its pending calls failed, the services' hooks run); False after ``timeout``."""
         with self._lock:
             return self._lost_cond.wait_for(lambda: rank in self._lost_handled, timeout)
+
+    def lost_causes(self) -> dict[str, LostCause]:
+        """Workers known to be gone, with the cause their transport reported, by name."""
+        return {self.workers[r].name: cause for r, cause in self._lost_causes.items()
+                if self._pending.lost_reason(r) is not None}
 
     def lost_peers(self) -> dict[str, str]:
         """Workers known to be gone, with the reason, by name."""

@@ -223,7 +223,8 @@ def debug_info() -> dict[str, Any]:
     """What this worker holds and waits for, to find leaks and stuck calls.
 
     Keys: ``worker``, ``rank``, ``backend``, ``pending_calls`` (calls this worker made
-    that have not completed), ``request_threads``, ``lost_peers`` (name: reason), and
+    that have not completed), ``request_threads``, ``lost_peers`` (name: reason),
+    ``lost_causes`` (name: the :class:`~rpcx.LostCause` value, e.g. ``"departed"``), and
     ``rrefs``: ``owned`` (entries in the owner table), ``owned_values`` (those whose value
     exists), ``references_to_owned`` (references registered for them, on any worker),
     ``user_rrefs`` / ``owner_rrefs`` (live RRef objects here for values elsewhere / here),
@@ -244,6 +245,7 @@ def debug_info() -> dict[str, Any]:
         "pending_calls": agent.pending_count,
         "request_threads": agent.request_threads,
         "lost_peers": agent.lost_peers(),
+        "lost_causes": {name: cause.value for name, cause in agent.lost_causes().items()},
         "rrefs": rref.service(agent).stats(),
         "autograd": autograd_service.service(agent).stats(),
         "authenticated": agent.guard is not None,

@@ -7,6 +7,7 @@ torch.distributed.rpc raises ``RuntimeError`` and programs written for it catch 
 from __future__ import annotations
 
 import contextlib
+import enum
 import pickle
 import re
 import sys
@@ -17,6 +18,7 @@ __all__ = [
     "AuthenticationError",
     "BackendNotFoundError",
     "InvalidWorkerNameError",
+    "LostCause",
     "PeerLostError",
     "ProtocolError",
     "RemoteException",
@@ -58,8 +60,24 @@ class InvalidWorkerNameError(RpcError, ValueError):
     """
 
 
+class LostCause(enum.Enum):
+    """Why a peer is gone, as its transport reports it (``TransportContext.peer_lost``)."""
+
+    DEPARTED = "departed"  # it said goodbye: it shut down on purpose
+    CONNECTION_LOST = "connection lost"  # the connection broke; its process probably died
+    UNRESPONSIVE = "unresponsive"  # silent past the heartbeat limit
+    PROTOCOL_ERROR = "protocol error"  # it sent what is no valid frame, or failed auth
+
+
 class PeerLostError(RpcError, ConnectionError):
-    """The destination worker died, left, or became unreachable."""
+    """The destination worker died, left, or became unreachable.
+
+    ``cause`` says which (a :class:`LostCause`), where rpcx knows it.
+    """
+
+    def __init__(self, *args: object, cause: LostCause | None = None) -> None:
+        super().__init__(*args)
+        self.cause = cause
 
 
 class ProtocolError(RpcError, ValueError):

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
+from rpcx.errors import LostCause
+
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
 
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from rpcx.devices import DeviceRoutes
     from rpcx.options import RpcBackendOptions
 
-__all__ = ["Capabilities", "Frame", "Transport", "TransportContext"]
+__all__ = ["Capabilities", "Frame", "LostCause", "PeerLost", "Transport", "TransportContext"]
 
 
 @dataclass(slots=True)
@@ -80,6 +82,18 @@ class Capabilities:
         return ", ".join(flags) if flags else "-"
 
 
+class PeerLost(Protocol):
+    """``peer_lost(rank, reason, cause)``: what a transport calls when a peer is gone.
+
+    ``reason`` completes "worker 'name' (rank N) ...", e.g. ``"has shut down"`` or
+    ``"is unreachable: connection reset"``. ``cause`` classifies it; rpcx decides from
+    it how loudly to log (a peer that departs during shutdown is expected).
+    """
+
+    def __call__(self, rank: int, reason: str,
+                 cause: LostCause = LostCause.CONNECTION_LOST) -> None: ...
+
+
 @dataclass
 class TransportContext:
     """Everything a transport gets when it starts.
@@ -91,7 +105,8 @@ class TransportContext:
         init_method: the rendezvous URL in use.
         deliver: call with ``(src_rank, frame)`` for every frame received. It may be called
             from any thread; frames from one source must be delivered in the order sent.
-        peer_lost: call with ``(rank, reason)`` when a peer dies or leaves, once per peer.
+        peer_lost: call with ``(rank, reason, cause)`` when a peer dies or leaves, once
+            per peer (see :class:`PeerLost`).
         routes: the world's device maps as they apply to this worker (checked at
             ``init_rpc``); a transport that moves device memory configures its routing
             from them. The codec already decided where each tensor lands.
@@ -121,7 +136,7 @@ class TransportContext:
     options: RpcBackendOptions
     init_method: str
     deliver: Callable[[int, Frame], None]
-    peer_lost: Callable[[int, str], None]
+    peer_lost: PeerLost
     routes: DeviceRoutes | None = None
     receive_lane: Callable[[str, Callable[[], None]], ReceiveLane] | None = None
     auth: ConnectionAuth | None = None

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rpcx.backends import gloo
+from rpcx.errors import LostCause
 from rpcx.transport import Frame
 
 TIMEOUT = 30.0
@@ -90,11 +91,13 @@ class End:
     def __init__(self, wire: Wire, rank: int) -> None:
         self.delivered: queue.Queue[tuple[int, Frame]] = queue.Queue()
         self.lost: queue.Queue[tuple[int, str]] = queue.Queue()
+        self.causes: list[LostCause] = []
         self.transport = gloo.GlooTransport()
         self.transport._ctx = SimpleNamespace(  # type: ignore[assignment]
             rank=rank, world_size=2, names=["w0", "w1"],
             deliver=lambda src, frame: self.delivered.put((src, frame)),
-            peer_lost=lambda peer, why: self.lost.put((peer, why)),
+            peer_lost=lambda peer, why, cause: (self.causes.append(cause),
+                                                self.lost.put((peer, why))),
         )
         self.transport._pg = FakeGroup(wire, rank)
         other = 1 - rank
@@ -240,6 +243,7 @@ def test_goodbye_ends_both_receivers_and_reports_the_peer_gone(
     wire, a, b = pair
     a.transport.close(TIMEOUT)
     assert b.lost.get(timeout=TIMEOUT) == (0, "has shut down")
+    assert b.causes == [LostCause.DEPARTED]
     assert a.lost.empty()  # the one that left expects the answer, it is not a loss
     last = {src: [d for tag, d in wire.sent(src) if tag == SLOT_TAG][-1] for src in (0, 1)}
     assert last[0][:16] == last[1][:16] == struct.pack("<BxxxIQ", BYE, 0, 0)
@@ -273,6 +277,7 @@ def test_bytes_that_are_no_frame_end_the_peer_with_a_protocol_error(
     peer, reason = b.lost.get(timeout=TIMEOUT)
     assert peer == 0 and reason.startswith("is unreachable: protocol error:"), reason
     assert why in reason, reason
+    assert b.causes == [LostCause.PROTOCOL_ERROR]
     assert b.transport._peers[0].ended.wait(TIMEOUT)
     with pytest.raises(gloo.PeerLostError):
         b.transport.send(0, Frame(b"to a peer that broke the protocol", []))

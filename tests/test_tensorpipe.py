@@ -15,6 +15,7 @@ import torch
 
 tensorpipe = pytest.importorskip("rpcx.backends.tensorpipe")
 
+from rpcx.errors import LostCause  # noqa: E402
 from rpcx.transport import Frame  # noqa: E402
 
 
@@ -138,7 +139,9 @@ def test_nothing_is_delivered_after_a_goodbye_or_a_loss() -> None:
     delivered: list[tuple[int, bytes]] = []
     lost: list[tuple[int, str]] = []
     transport = _transport(delivered)
-    transport._ctx.peer_lost = lambda rank, reason: lost.append((rank, reason))
+    causes: list[LostCause] = []
+    transport._ctx.peer_lost = lambda rank, reason, cause: (lost.append((rank, reason)),
+                                                             causes.append(cause))
     transport._watches = {}
     transport._send_seq[1] = iter(range(100))
     transport._arrive(1, 0, Frame(b"f0"))
@@ -146,5 +149,5 @@ def test_nothing_is_delivered_after_a_goodbye_or_a_loss() -> None:
     transport._arrive(1, 1, Frame(tensorpipe._GOODBYE.header))
     transport._arrive(1, 3, Frame(b"f3"))
     assert delivered == [(1, b"f0")]
-    assert lost == [(1, "has shut down")]
+    assert lost == [(1, "has shut down")] and causes == [LostCause.DEPARTED]
     assert not transport._inboxes[1].waiting and not transport._inboxes[1].delivering

@@ -42,7 +42,13 @@ import torch.distributed as dist
 
 from rpcx._lanes import ReceiveLane
 from rpcx._memory import empty_bytes
-from rpcx.errors import PeerLostError, ProtocolError, RpcTimeoutError, without_cpp_locations
+from rpcx.errors import (
+    LostCause,
+    PeerLostError,
+    ProtocolError,
+    RpcTimeoutError,
+    without_cpp_locations,
+)
 from rpcx.hookspecs import hookimpl
 from rpcx.hosts import address_towards
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES, TensorPipeRpcBackendOptions
@@ -378,7 +384,7 @@ class GlooTransport:
         if answer:  # the peer left on its own: let its receiving thread for us finish too
             self._send_bye(src, peer, _BYE_TIMEOUT)
         if not self._closing:
-            ctx.peer_lost(src, "has shut down")
+            ctx.peer_lost(src, "has shut down", LostCause.DEPARTED)
 
     def _on_broken(self, src: int, exc: BaseException, protocol: bool = False) -> None:
         ctx = self._ctx
@@ -391,7 +397,8 @@ class GlooTransport:
             reason = f"protocol error: {reason}"
         elif "closed by peer" in reason.lower() or "connection reset" in reason.lower():
             reason = "closed its connection (its process probably exited or crashed)"
-        ctx.peer_lost(src, f"is unreachable: {reason}")
+        ctx.peer_lost(src, f"is unreachable: {reason}",
+                      LostCause.PROTOCOL_ERROR if protocol else LostCause.CONNECTION_LOST)
 
     # ------------------------------------------------------------------------ close
 

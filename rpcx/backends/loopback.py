@@ -17,7 +17,7 @@ import uuid
 from typing import Any, ClassVar
 
 from rpcx._memory import copy_of
-from rpcx.errors import PeerLostError, ProtocolError
+from rpcx.errors import LostCause, PeerLostError, ProtocolError
 from rpcx.hookspecs import hookimpl
 from rpcx.transport import Capabilities, Frame, TransportContext
 
@@ -66,7 +66,7 @@ class LoopbackTransport:
             peer._deliver(ctx.rank, copy)
         except ProtocolError as exc:  # the peer refused the frame and ended the link
             log.debug("%s: %s", ctx.names[ctx.rank], exc)
-            self._peer_gone(dst, f"ended the connection: {exc}")
+            self._peer_gone(dst, f"ended the connection: {exc}", LostCause.PROTOCOL_ERROR)
 
     def close(self, timeout: float) -> None:
         """Leave the world; peers still running see this worker as gone."""
@@ -98,10 +98,11 @@ class LoopbackTransport:
             raise PeerLostError("has shut down")
         ctx.deliver(src, frame)
 
-    def _peer_gone(self, rank: int, reason: str = "has shut down") -> None:
+    def _peer_gone(self, rank: int, reason: str = "has shut down",
+                   cause: LostCause = LostCause.DEPARTED) -> None:
         if rank not in self._gone and self._ctx is not None:
             self._gone.add(rank)
-            self._ctx.peer_lost(rank, reason)
+            self._ctx.peer_lost(rank, reason, cause)
 
 
 @hookimpl

@@ -47,7 +47,13 @@ import torch.distributed.rpc as torch_rpc
 import torch.distributed.rpc.api
 
 from rpcx._memory import copy_of
-from rpcx.errors import PeerLostError, ProtocolError, RpcError, without_cpp_locations
+from rpcx.errors import (
+    LostCause,
+    PeerLostError,
+    ProtocolError,
+    RpcError,
+    without_cpp_locations,
+)
 from rpcx.hookspecs import hookimpl
 from rpcx.options import DEFAULT_NUM_WORKER_THREADS, TensorPipeRpcBackendOptions
 from rpcx.transport import Capabilities, Frame, TransportContext
@@ -402,12 +408,14 @@ class TensorPipeTransport:
                         return
                     inbox.next += 1
                 if ready.header == _GOODBYE.header:
-                    self._lose(src, "has shut down")  # ends the inbox: the loop stops
+                    # ends the inbox: the loop stops
+                    self._lose(src, "has shut down", LostCause.DEPARTED)
                     continue
                 try:
                     ctx.deliver(src, ready)
                 except ProtocolError as exc:  # refused (authentication): nothing more
-                    self._lose(src, f"protocol error: {exc}")
+                    self._lose(src, f"is unreachable: protocol error: {exc}",
+                               LostCause.PROTOCOL_ERROR)
                 except Exception:
                     log.exception("%s: delivering a frame from rank %d failed",
                                   ctx.names[ctx.rank], src)
@@ -416,7 +424,8 @@ class TensorPipeTransport:
                 inbox.delivering = False
             raise
 
-    def _lose(self, rank: int, reason: str) -> None:
+    def _lose(self, rank: int, reason: str,
+              cause: LostCause = LostCause.CONNECTION_LOST) -> None:
         """``rank`` left or died: nothing more comes from it, answer what it waits for."""
         ctx = self._ctx
         inbox = self._inboxes.get(rank)
@@ -435,7 +444,7 @@ class TensorPipeTransport:
             if not future.done():
                 future.set_result(None)
         self._say_goodbye(rank)  # a peer that leaves alone gets an answer at once
-        ctx.peer_lost(rank, reason)
+        ctx.peer_lost(rank, reason, cause)
 
 
 @torch_rpc.functions.async_execution  # type: ignore[untyped-decorator]

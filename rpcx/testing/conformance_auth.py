@@ -274,6 +274,8 @@ class TestAuthentication:
             lost = rpcx.rpc_sync(victim, remote.wait_until_lost, args=(sender, BOUND))
             assert sender in lost, (victim, lost)
             assert "failed authentication" in lost[sender] and problem in lost[sender], lost
+            causes = rpcx.rpc_sync(victim, rpcx.debug_info)["lost_causes"]
+            assert causes[sender] == "protocol error", causes
         assert rpcx.rpc_sync("worker1", rpcx.debug_info)["refused_frames"] == 2
         assert rpcx.rpc_sync("worker2", rpcx.debug_info)["refused_frames"] == 1
         assert rpcx.debug_info()["authenticated"] is True

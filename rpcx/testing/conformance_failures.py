@@ -64,8 +64,9 @@ class TestPeerDeath:
             y = rpcx.rpc_sync(W1, training.square_then_call, args=(x, [W2]))
             blocked = rpcx.rpc_async(W1, remote.wait_for_release, args=(gate, BOUND))
             rpcx.rpc_async(W1, remote.crash_process)
-            with pytest.raises(rpcx.PeerLostError, match=r"worker 'worker1'"):
+            with pytest.raises(rpcx.PeerLostError, match=r"worker 'worker1'") as lost:
                 blocked.wait()
+            assert lost.value.cause is rpcx.LostCause.CONNECTION_LOST
             started = time.monotonic()
             with pytest.raises(rpcx.PeerLostError, match=r"worker 'worker1'"):
                 dist_autograd.backward(context_id, [y.sum()])
@@ -76,6 +77,8 @@ class TestPeerDeath:
         assert list(lost_here) == [W1] and "worker1" in lost_here[W1], lost_here
         lost_there = rpcx.rpc_sync(W2, remote.wait_until_lost, args=(W1, BOUND))
         assert list(lost_there) == [W1], lost_there
+        assert rpcx.debug_info()["lost_causes"] == {W1: "connection lost"}
+        assert rpcx.rpc_sync(W2, rpcx.debug_info)["lost_causes"] == {W1: "connection lost"}
 
         # The owner dropped the dead worker's reference: the value is freed.
         rpcx.rpc_sync(W2, remote.rref_settle)

@@ -24,7 +24,7 @@ from rpcx_shm.transport import _connect_mesh
 import rpcx
 from rpcx._context import current_agent
 from rpcx._lanes import ReceiveLane
-from rpcx.errors import ProtocolError
+from rpcx.errors import LostCause, ProtocolError
 from rpcx.registry import available_backends
 from rpcx.testing.world import world
 from rpcx.transport import Frame, TransportContext
@@ -165,7 +165,7 @@ def _context(rank: int, store: Any) -> TransportContext:
     return TransportContext(
         rank=rank, world_size=2, names=["alpha", "beta"], store=store,
         options=ShmRpcBackendOptions(rpc_timeout=TIMEOUT), init_method="file://unused",
-        deliver=lambda src, frame: None, peer_lost=lambda rank, reason: None,
+        deliver=lambda src, frame: None, peer_lost=lambda rank, reason, cause: None,
     )
 
 
@@ -279,9 +279,9 @@ class _Pair:
         self.a, self.b = ShmTransport(), ShmTransport()
         contexts = [
             dataclasses.replace(_context(0, store), deliver=on_reply,
-                                peer_lost=lambda rank, reason: self.lost[0].set()),
+                                peer_lost=lambda rank, reason, cause: self.lost[0].set()),
             dataclasses.replace(_context(1, store), receive_lane=new_lane,
-                                peer_lost=lambda rank, reason: self.lost[1].set(),
+                                peer_lost=lambda rank, reason, cause: self.lost[1].set(),
                                 deliver=lambda src, frame: self.lanes[0].serve(serve, frame,
                                                                       self.lanes[0])),
         ]
@@ -387,16 +387,18 @@ def test_bytes_that_are_no_frame_end_the_connection_on_both_sides(
 ) -> None:
     # Refused before anything is allocated for them; both workers report the other lost.
     reasons: list[str] = []
+    causes: list[LostCause] = []
     pair = _Pair(lambda frame, lane: None)
     pair.b._max_frame = 16 << 20  # what start() reads from options.max_frame_bytes
     pair.b._ctx = dataclasses.replace(  # type: ignore[arg-type]
-        pair.b._ctx, peer_lost=lambda rank, reason: (reasons.append(reason),
-                                                     pair.lost[1].set()))
+        pair.b._ctx, peer_lost=lambda rank, reason, cause: (
+            reasons.append(reason), causes.append(cause), pair.lost[1].set()))
     try:
         with pair.a._peers[1].lock:
             pair.a._peers[1].sock.sendall(head)
         assert pair.lost[1].wait(TIMEOUT) and pair.lost[0].wait(TIMEOUT)
         assert reasons and "protocol error" in reasons[0] and why in reasons[0], reasons
+        assert causes == [LostCause.PROTOCOL_ERROR], causes
     finally:
         pair.close()
 

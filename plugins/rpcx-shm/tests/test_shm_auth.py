@@ -30,7 +30,7 @@ def _ctx(rank: int, key: bytes | None = KEY, nonces: list[bytes] = NONCES) -> Tr
     return TransportContext(
         rank=rank, world_size=3, names=["w0", "w1", "w2"], store=dist.HashStore(),
         options=rpcx.RpcBackendOptions(), init_method="file:///unused",
-        deliver=lambda src, frame: None, peer_lost=lambda rank, why: None,
+        deliver=lambda src, frame: None, peer_lost=lambda rank, why, cause: None,
         auth=None if key is None else auth.ConnectionAuth(key, nonces),
     )
 

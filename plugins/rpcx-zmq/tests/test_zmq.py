@@ -28,7 +28,7 @@ import torch
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rpcx.errors import PeerLostError, ProtocolError
+from rpcx.errors import LostCause, PeerLostError, ProtocolError
 from rpcx.registry import available_backends
 from rpcx.transport import Frame, TransportContext
 from torch.distributed import FileStore, HashStore
@@ -46,6 +46,7 @@ class Inbox:
     def __init__(self) -> None:
         self.frames: queue.SimpleQueue[tuple[int, Frame]] = queue.SimpleQueue()
         self.lost: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+        self.causes: list[LostCause] = []
         self.block: threading.Event | None = None  # set: deliver waits on it
 
     def deliver(self, src: int, frame: Frame) -> None:
@@ -53,8 +54,9 @@ class Inbox:
             self.block.wait(30)
         self.frames.put((src, frame))
 
-    def peer_lost(self, rank: int, reason: str) -> None:
+    def peer_lost(self, rank: int, reason: str, cause: LostCause) -> None:
         self.lost.put((rank, reason))
+        self.causes.append(cause)
 
     def next(self, timeout: float = 10.0) -> tuple[int, Frame]:
         return self.frames.get(timeout=timeout)
@@ -361,6 +363,7 @@ def test_a_peer_that_leaves_is_reported_once_and_sends_fail() -> None:
         for survivor in (0, 1):
             rank, reason = inboxes[survivor].lost.get(timeout=10)
             assert (rank, reason) == (2, "has shut down")
+            assert inboxes[survivor].causes == [LostCause.DEPARTED]
             with pytest.raises(PeerLostError, match="shut down"):
                 started[survivor].send(2, Frame(b"too late"))
         started[0].send(1, Frame(b"others still talk"))
@@ -389,6 +392,7 @@ def test_heads_that_are_no_frame_end_the_peer_with_a_protocol_error(
             peer.tx.send_multipart(parts)
         rank, reason = inboxes[0].lost.get(timeout=10)
         assert rank == 1 and "protocol error" in reason and why in reason, reason
+        assert inboxes[0].causes == [LostCause.PROTOCOL_ERROR]
         assert inboxes[0].frames.empty()
         started[2].send(0, Frame(b"the others still talk"))  # worker 0 serves on
         assert inboxes[0].next()[1].header == b"the others still talk"

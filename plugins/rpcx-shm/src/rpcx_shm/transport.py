@@ -56,7 +56,13 @@ from typing import Any, ClassVar
 import torch
 
 from rpcx import auth
-from rpcx.errors import AuthenticationError, PeerLostError, ProtocolError, RpcTimeoutError
+from rpcx.errors import (
+    AuthenticationError,
+    LostCause,
+    PeerLostError,
+    ProtocolError,
+    RpcTimeoutError,
+)
 from rpcx.hosts import host_identity
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES
 from rpcx.transport import Capabilities, Frame, TransportContext
@@ -481,7 +487,7 @@ class ShmTransport:
         if answer:  # the peer left on its own: let its receive loop for us end too
             self._send_bye(peer, _BYE_TIMEOUT_S)
         if not self._closing:
-            ctx.peer_lost(src, "has shut down")
+            ctx.peer_lost(src, "has shut down", LostCause.DEPARTED)
 
     def _on_broken(self, src: int, exc: BaseException) -> None:
         ctx = self._ctx
@@ -491,6 +497,7 @@ class ShmTransport:
             peer.gone = True
         if self._closing:
             return  # close() shut the socket down after waiting for a goodbye
+        cause = LostCause.CONNECTION_LOST
         if isinstance(exc, EOFError | ConnectionResetError):
             reason = "closed its connection (its process probably exited or crashed)"
         elif isinstance(exc, OSError):
@@ -498,10 +505,11 @@ class ShmTransport:
         else:
             detail = exc if isinstance(exc, ProtocolError) else f"{type(exc).__name__}: {exc}"
             reason = f"protocol error: {detail}"
+            cause = LostCause.PROTOCOL_ERROR
             # This end reads no more: let the peer see the connection end too.
             with contextlib.suppress(OSError):
                 peer.sock.shutdown(socket.SHUT_RDWR)
-        ctx.peer_lost(src, f"is unreachable: {reason}")
+        ctx.peer_lost(src, f"is unreachable: {reason}", cause)
 
     # ------------------------------------------------------------------------ close
 

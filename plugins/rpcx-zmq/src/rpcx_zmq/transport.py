@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import zmq
-from rpcx.errors import PeerLostError, ProtocolError, RpcTimeoutError
+from rpcx.errors import LostCause, PeerLostError, ProtocolError, RpcTimeoutError
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES
 from rpcx.transport import Capabilities, Frame, TransportContext
 from zmq.auth.thread import ThreadAuthenticator
@@ -118,7 +118,7 @@ class _Peer:
     """Everything about one peer: its sockets, locks, goodbye flags and receive lane."""
 
     __slots__ = (
-        "bye_received", "bye_sent", "connected", "ctl", "ctl_lock", "draining", "ended",
+        "bye_received", "bye_sent", "cause", "connected", "ctl", "ctl_lock", "draining", "ended",
         "endpoint", "gone", "lane", "lock", "name", "rank", "reader", "reported", "rx",
         "started", "stash", "tx", "tx_lock", "tx_monitor",
     )
@@ -139,6 +139,7 @@ class _Peer:
         self.bye_sent = False
         self.bye_received = False
         self.gone: str | None = None  # why sends to the peer fail, once it is gone
+        self.cause = LostCause.CONNECTION_LOST  # what kind of "gone" that is
         self.reported = False  # peer_lost called (or not to be called)
         self.draining = False  # LOST seen: deliver what is left, then end
         self.started = False  # the receive loop was started
@@ -490,7 +491,7 @@ class ZmqTransport:
                 deliver(src, frame)
             except ProtocolError as exc:  # refused above the transport: stop reading it
                 reason = f"is unreachable: protocol error: {exc}"
-                self._mark_lost(peer, reason)
+                self._mark_lost(peer, reason, LostCause.PROTOCOL_ERROR)
                 with peer.reader:
                     self._end_receiving(peer)
                 self._report(peer, peer.gone or reason)
@@ -530,7 +531,7 @@ class ZmqTransport:
                 except ProtocolError as exc:  # not a frame this format writes: stop
                     reason = f"is unreachable: protocol error: {exc}"
                     log.warning("%s: %s %s", ctx.names[ctx.rank], peer.name, reason)
-                    self._mark_lost(peer, reason)
+                    self._mark_lost(peer, reason, LostCause.PROTOCOL_ERROR)
                     return None, peer.gone or reason
             if kind == _BYE:
                 self._on_bye(peer)
@@ -593,6 +594,7 @@ class ZmqTransport:
             peer.bye_received = True
             if peer.gone is None:
                 peer.gone = "has shut down"
+                peer.cause = LostCause.DEPARTED
             answer = not peer.bye_sent
         if answer:  # the peer left on its own: let its receive loop for us end too
             try:
@@ -600,12 +602,14 @@ class ZmqTransport:
             except PeerLostError as exc:
                 log.debug("goodbye to %s not sent: %s", peer.name, exc)
 
-    def _mark_lost(self, peer: _Peer, reason: str) -> None:
+    def _mark_lost(self, peer: _Peer, reason: str,
+                   cause: LostCause = LostCause.CONNECTION_LOST) -> None:
         """The peer is gone: sends fail from now on; its receive loop reports it."""
         with peer.lock:
             if peer.gone is not None:
                 return
             peer.gone = reason
+            peer.cause = cause
         if peer.ended.is_set() or not peer.started:
             self._report(peer, reason)
         else:
@@ -619,7 +623,7 @@ class ZmqTransport:
                 return
             peer.reported = True
         if not self._closing:
-            ctx.peer_lost(peer.rank, reason)
+            ctx.peer_lost(peer.rank, reason, peer.cause)
 
     def _post_control(self, peer: _Peer, message: list[bytes]) -> None:
         with peer.ctl_lock:
