@@ -1,13 +1,15 @@
 """The test matrix: ``nox -s tests`` runs the suite once per backend, built-in or plugin.
 
-Sessions: tests(backend), examples(backend), demo, lint, typecheck, bench, and
-torch_suite(backend) (torch's own RPC tests run against rpcx; long, so not a default).
+Sessions: tests (every backend, or ``-- --backends=...``), examples(backend), demo, lint,
+typecheck, bench, and torch_suite(backend) (torch's own RPC tests run against rpcx;
+long, so not a default).
 Every session installs through constraints.txt, which pins torch==2.13.0.
 """
 
 from __future__ import annotations
 
 import nox
+import nox.command
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.error_on_missing_interpreters = True
@@ -26,20 +28,47 @@ def _install(session: nox.Session, extras: str = "") -> None:
 
 
 @nox.session(python=PYTHON)
-@nox.parametrize("backend", BACKENDS)
-def tests(session: nox.Session, backend: str) -> None:
-    """Unit tests plus the conformance kit, lifecycle tests and examples on ``backend``.
+def tests(session: nox.Session) -> None:
+    """Unit tests plus the conformance kit, lifecycle tests and examples, on every backend
+    one after another, in one environment (installing torch is most of an environment's
+    set-up, ~30 s each).
 
-    A plugin's backend runs the plugin's own tests instead (the kit and its own checks),
-    with the plugin installed as a user would install it.
+    ``nox -s tests -- --backends=gloo,shm`` runs some backends; other arguments after
+    ``--`` go to pytest (``nox -s tests -- --backends=loopback -k rref``). A plugin's
+    backend runs the plugin's own tests (the kit and its own checks), with the plugin
+    installed as a user would install it, and uninstalled after. Every backend runs even
+    when one fails; the session fails naming them.
     """
+    backends, pytest_args = BACKENDS, list(session.posargs)
+    for arg in list(pytest_args):
+        if arg.startswith("--backends="):
+            backends = [b for b in arg.split("=", 1)[1].split(",") if b]
+            pytest_args.remove(arg)
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        session.error(f"unknown backends {unknown}; known: {', '.join(BACKENDS)}")
     _install(session, "test")
+    failed = []
+    for backend in backends:
+        session.log(f"===== tests on backend {backend!r}")
+        try:
+            _test_backend(session, backend, pytest_args)
+        except nox.command.CommandFailed:
+            failed.append(backend)
+    if failed:
+        session.error(f"tests failed on: {', '.join(failed)}")
+
+
+def _test_backend(session: nox.Session, backend: str, pytest_args: list[str]) -> None:
     # loadscope: one group per test class (each has its own world) or module.
     pytest = ("pytest", "-n", "2", "--dist", "loadscope", f"--rpcx-backend={backend}")
     if backend in PLUGINS:
         session.install(*CONSTRAINTS, "-e", PLUGINS[backend])
-        session.chdir(PLUGINS[backend])
-        session.run(*pytest, "tests", *session.posargs)
+        try:
+            with session.chdir(PLUGINS[backend]):
+                session.run(*pytest, "tests", *pytest_args)
+        finally:
+            session.run("python", "-m", "pip", "uninstall", "-q", "-y", f"rpcx-{backend}")
         return
     if backend != "loopback":
         # Tests that do not depend on the backend ran in the loopback session already.
@@ -47,12 +76,14 @@ def tests(session: nox.Session, backend: str) -> None:
     if backend == "tensorpipe":
         # torch's own TensorPipe init_rpc needs numpy; rpcx's tensorpipe backend must not.
         session.run("python", "-m", "pip", "uninstall", "-q", "-y", "numpy")
-        session.run(*pytest, *session.posargs)
+        try:
+            session.run(*pytest, *pytest_args)
+        finally:
+            session.install(*CONSTRAINTS, "numpy")
         # The seed programs import numpy themselves (they skip above): run them with it.
-        session.install(*CONSTRAINTS, "numpy")
         session.run(*pytest, "tests/test_seed_programs.py")
         return
-    session.run(*pytest, *session.posargs)
+    session.run(*pytest, *pytest_args)
 
 
 # loopback cannot run torch's suite: its tests are processes (see torch_suite/README.md).

@@ -18,6 +18,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# Modules whose tests each start workers of their own and share no world: xdist may send
+# each test to either worker. (loadscope, which the shared-world modules need, would run
+# a whole module on one worker: test_seed_programs alone is ~170 s of gloo's session.)
+_INDEPENDENT_TESTS = ("tests/test_seed_programs.py", "tests/test_examples.py",
+                      "tests/test_lifecycle.py", "tests/test_launch.py")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    if config.getoption("dist", None) != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class _Scheduler(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(_INDEPENDENT_TESTS):
+                return nodeid
+            return str(super()._split_scope(nodeid))
+
+    return _Scheduler(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.getoption("--only-backend-tests"):
         return
