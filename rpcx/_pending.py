@@ -66,6 +66,7 @@ class PendingCalls:
     def __init__(self) -> None:
         self._calls: dict[int, PendingCall] = {}
         self._lost: dict[int, str] = {}  # rank -> why it is gone
+        self._silent: dict[int, str] = {}  # rank -> why it is unresponsive (may come back)
         self._closed = False
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when the table empties
@@ -82,10 +83,10 @@ class PendingCalls:
         with self._lock:
             if self._closed:
                 return CLOSED
-            lost = self._lost.get(call.dst.id)
-            if lost is None:
+            refused = self._lost.get(call.dst.id) or self._silent.get(call.dst.id)
+            if refused is None:
                 self._calls[rid] = call
-            return lost
+            return refused
 
     def get(self, rid: int) -> PendingCall | None:
         """The call waiting for reply ``rid``, still registered."""
@@ -106,6 +107,24 @@ class PendingCalls:
                 return None
             self._lost[rank] = reason
             return [rid for rid, call in self._calls.items() if call.dst.id == rank]
+
+    def silence(self, rank: int, reason: str) -> list[int] | None:
+        """Mark ``rank`` unresponsive: new calls to it are refused with ``reason`` until
+        :meth:`hear`; the calls waiting on it (``None`` if it is lost or silent)."""
+        with self._lock:
+            if rank in self._lost or rank in self._silent:
+                return None
+            self._silent[rank] = reason
+            return [rid for rid, call in self._calls.items() if call.dst.id == rank]
+
+    def hear(self, rank: int) -> bool:
+        """``rank`` answers again: calls to it are accepted. True if it was silent."""
+        with self._lock:
+            return self._silent.pop(rank, None) is not None
+
+    def is_silent(self, rank: int) -> bool:
+        """Whether ``rank`` is unresponsive right now."""
+        return rank in self._silent
 
     def lost_reason(self, rank: int) -> str | None:
         """Why ``rank`` is gone, or ``None`` while it is not."""

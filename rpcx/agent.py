@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from rpcx import _context, rendezvous
+from rpcx._heartbeat import Heartbeat
 from rpcx._lanes import LaneWatch, ReceiveLane, current_lane
 from rpcx._memory import copy_of
 from rpcx._pending import CLOSED, PendingCall, PendingCalls, describe_callable
@@ -41,7 +42,7 @@ from rpcx.errors import (
     UnknownWorkerError,
 )
 from rpcx.futures import RpcFuture, settle_inline
-from rpcx.messages import MessageKind
+from rpcx.messages import PING, PONG, MessageKind
 from rpcx.options import RpcBackendOptions
 from rpcx.serialization import (
     DecodeContext,
@@ -81,7 +82,10 @@ class _Delivering(threading.local):
 _delivering = _Delivering()
 _PROGRESS_EVERY = 30.0  # seconds between "still waiting" log lines during long waits
 _CLOSE_TIMEOUT = 10.0  # bound on each teardown step when shutdown() has no timeout
-_GOODBYE_MIN = 2.0  # the goodbye exchange gets at least this long, deadline or not
+# The goodbye exchange gets at least this long, deadline or not (a live peer answers in
+# milliseconds; a gloo process that exits with a receive pending aborts). It is what
+# shutdown(timeout=t) may take past t, with the rest of the teardown: within t + 2 s.
+_GOODBYE_MIN = 1.5
 _DRAIN_ROUNDS = 8
 _COMPLETION_THREADS = 16  # plus one per thread blocked in a callback (the pool grows)
 # Followers: one per lane receiving plus one per request blocked on a lane; no real bound.
@@ -166,8 +170,10 @@ class RpcAgent:
         # Graceful shutdown, once every worker has stopped calling: each hook sends what
         # it still owes its peers, waits for the acknowledgements, returns how many
         # messages that took. Repeated, world-wide, until nobody sends anything.
-        self.on_drain: list[Callable[[], int]] = []
-        self.on_close: list[Callable[[], None]] = []  # the transport has closed
+        # Both get the seconds left of shutdown's budget (``None``: no bound) and must
+        # return within them.
+        self.on_drain: list[Callable[[float | None], int]] = []
+        self.on_close: list[Callable[[float | None], None]] = []  # the transport closed
         self.on_peer_lost: list[Callable[[int], None]] = []  # a peer died or left
         # One-way messages owed to a peer that may ride in the next frame to it (RRef
         # deletions): ``notes_for(dst)`` hands them over, ``notes_not_sent(dst, notes)``
@@ -196,6 +202,13 @@ class RpcAgent:
         # received them; these threads take over receiving when such a request blocks.
         self._followers = WorkerPool(_FOLLOWERS, f"rpcx-{self.name}-recv", self._bind_thread)
         self._lane_watch = LaneWatch(f"rpcx-{self.name}")
+        # Heartbeats (rpcx._heartbeat), on multi-process backends: ``_heard`` counts the
+        # frames from each peer; the watch reads it. A list either way: _on_frame bumps it.
+        self._heartbeat: Heartbeat | None = None
+        self._heard = [0] * len(workers)
+        self._pinging: set[int] = set()  # peers with a ping on its way
+        self._heard_again = threading.Condition(self._lock)
+        self.register_handler(MessageKind.HEARTBEAT, self._on_heartbeat, in_order=True)
 
     # ----------------------------------------------------------------- identity & state
 
@@ -299,6 +312,74 @@ class RpcAgent:
             auth=self._connection_auth,
         )
         self._transport.start(ctx)
+        self._start_heartbeat()
+
+    def _start_heartbeat(self) -> None:
+        interval = float(getattr(self.options, "heartbeat_interval", 0.0))
+        timeout = float(getattr(self.options, "heartbeat_timeout", 0.0))
+        capabilities = self._transport.capabilities
+        if interval <= 0 or timeout <= 0 or capabilities.in_process:
+            return  # (threads of one process cannot hang apart)
+        self._heartbeat = Heartbeat(
+            self.name, [w.id for w in self.workers if w.id != self.rank], self.world_size,
+            interval=interval, timeout=timeout, ping=self._ping,
+            on_silent=self._on_silent, on_heard=self._on_heard_again,
+        )
+        self._heard = self._heartbeat.heard
+        self._heartbeat.start()
+
+    def _ping(self, rank: int) -> None:
+        """Ping ``rank`` from the pool (a send may wait); one ping in flight per peer."""
+        with self._lock:
+            if rank in self._pinging or self._state != _RUNNING:
+                return
+            self._pinging.add(rank)
+
+        def send() -> None:
+            try:
+                self.notify(self.workers[rank], MessageKind.HEARTBEAT, PING)
+            finally:
+                with self._lock:
+                    self._pinging.discard(rank)
+
+        try:
+            self._pool.submit(send)
+        except RpcShutdownError:
+            with self._lock:
+                self._pinging.discard(rank)
+
+    def _on_heartbeat(self, caller: WorkerInfo, payload: Any) -> None:
+        if payload == PING:  # (any frame counts as heard: a pong needs no handling)
+            self.notify(caller, MessageKind.HEARTBEAT, PONG)
+
+    def _on_silent(self, rank: int, quiet: float) -> None:
+        timeout = float(getattr(self.options, "heartbeat_timeout", 0.0))
+        text = (f"worker {self.workers[rank].name!r} (rank {rank}) is unresponsive: silent "
+                f"for {quiet:.1f} s (heartbeat_timeout {timeout:g} s)")
+        victims = self._pending.silence(rank, text)
+        if victims is None:
+            return
+        log.warning("%s: %s; failing %d pending calls; calls to it fail until it answers",
+                    self.name, text, len(victims))
+        for rid in victims:
+            self._complete(rid, exception=lambda p: self._lost_error(p, text))
+
+    def _on_heard_again(self, rank: int, quiet: float) -> None:
+        if self._pending.hear(rank):
+            log.warning("%s: worker %r (rank %d) answers again after %.1f s of silence",
+                        self.name, self.workers[rank].name, rank, quiet)
+        with self._lock:
+            self._heard_again.notify_all()
+
+    def wait_responsive(self, rank: int, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until worker ``rank`` is not marked unresponsive."""
+        with self._lock:
+            return self._heard_again.wait_for(lambda: not self._pending.is_silent(rank),
+                                              timeout)
+
+    def is_unresponsive(self, rank: int) -> bool:
+        """Whether worker ``rank`` is silent past ``heartbeat_timeout`` right now."""
+        return self._pending.is_silent(rank)
 
     def _new_lane(self, name: str, resume: Callable[[], None]) -> ReceiveLane:
         lane = ReceiveLane(name, resume, self._start_follower, owner=self)
@@ -451,6 +532,7 @@ class RpcAgent:
     # ---------------------------------------------------------------------- incoming
 
     def _on_frame(self, src: int, frame: Frame) -> None:
+        self._heard[src] += 1  # (a lost increment between threads still counts as heard)
         kind, rid = decode_envelope(frame)
         if kind not in self._handlers and kind != MessageKind.RESULT and kind != MessageKind.ERROR:
             # Checked before anything in the frame is decoded: not even its notes.
@@ -689,8 +771,11 @@ class RpcAgent:
         )
 
     def _lost_error(self, pending: PendingCall, reason: str) -> BaseException:
+        rank = pending.dst.id
+        cause = self._lost_causes.get(rank) or (
+            LostCause.UNRESPONSIVE if self._pending.is_silent(rank) else None)
         return PeerLostError(f"{pending.call} to worker {pending.dst.name!r} failed: {reason}",
-                             cause=self._lost_causes.get(pending.dst.id))
+                             cause=cause)
 
     def _on_peer_lost(self, rank: int, reason: str,
                       cause: LostCause = LostCause.CONNECTION_LOST) -> None:
@@ -705,6 +790,8 @@ class RpcAgent:
         name = self.workers[rank].name
         text = f"worker {name!r} (rank {rank}) {reason}"
         self._lost_causes.setdefault(rank, cause)  # (before the calls fail: they read it)
+        if self._heartbeat is not None:
+            self._heartbeat.forget(rank)
         victims = self._pending.lose(rank, text)
         if victims is None:
             return  # already known
@@ -764,6 +851,8 @@ class RpcAgent:
                 return False  # another thread is shutting this worker down
             self._state = _STOPPING
         self.stopping.set()
+        if self._heartbeat is not None:  # peers leave now: silence is no news
+            self._heartbeat.close()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             if graceful:
@@ -786,7 +875,7 @@ class RpcAgent:
         for round_ in range(_DRAIN_ROUNDS):
             sent = 0
             for hook in self.on_drain:
-                sent += hook()
+                sent += hook(_remaining(deadline))
             self._wait_until_idle(deadline)
             tag = f"drained/{round_}"
             self._store.set(f"{tag}/sent/{self.rank}", str(sent))
@@ -839,10 +928,10 @@ class RpcAgent:
         self._pool.shutdown(budget(_CLOSE_TIMEOUT))
         self._followers.shutdown(budget(_CLOSE_TIMEOUT))
         self._completions.shutdown(budget(_CLOSE_TIMEOUT))
-        self._timer.close()
+        self._timer.close(budget(_CLOSE_TIMEOUT))
         for hook in self.on_close:
             try:
-                hook()
+                hook(_remaining(deadline))
             except Exception:
                 log.exception("%s: close hook failed", self.name)
         rendezvous.leave(

@@ -224,7 +224,8 @@ def debug_info() -> dict[str, Any]:
 
     Keys: ``worker``, ``rank``, ``backend``, ``pending_calls`` (calls this worker made
     that have not completed), ``request_threads``, ``lost_peers`` (name: reason),
-    ``lost_causes`` (name: the :class:`~rpcx.LostCause` value, e.g. ``"departed"``), and
+    ``lost_causes`` (name: the :class:`~rpcx.LostCause` value, e.g. ``"departed"``),
+    ``unresponsive_peers`` (names of peers silent past ``heartbeat_timeout`` now), and
     ``rrefs``: ``owned`` (entries in the owner table), ``owned_values`` (those whose value
     exists), ``references_to_owned`` (references registered for them, on any worker),
     ``user_rrefs`` / ``owner_rrefs`` (live RRef objects here for values elsewhere / here),
@@ -246,6 +247,7 @@ def debug_info() -> dict[str, Any]:
         "request_threads": agent.request_threads,
         "lost_peers": agent.lost_peers(),
         "lost_causes": {name: cause.value for name, cause in agent.lost_causes().items()},
+        "unresponsive_peers": [w.name for w in agent.workers if agent.is_unresponsive(w.id)],
         "rrefs": rref.service(agent).stats(),
         "autograd": autograd_service.service(agent).stats(),
         "authenticated": agent.guard is not None,

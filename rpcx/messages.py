@@ -28,6 +28,7 @@ class MessageKind(enum.IntEnum):
     AUTOGRAD_RUN = 11  # payload: (context_id, chain or None); run a round of a backward
     AUTOGRAD_CHAIN = 12  # one-way, payload: (context_id, [(tag, index, grad)], chain)
     AUTOGRAD_CHAIN_END = 13  # one-way, payload: (token, next round's ranks, error info)
+    HEARTBEAT = 14  # one-way, payload: PING (answered with a PONG) or PONG
 
 
 
@@ -37,4 +38,6 @@ CONTROL_KINDS = frozenset({
     MessageKind.RREF_FETCH, MessageKind.RREF_FORKS, MessageKind.RREF_DELETE,
     MessageKind.RREF_CONFIRM, MessageKind.AUTOGRAD_BACKWARD, MessageKind.AUTOGRAD_RELEASE,
     MessageKind.AUTOGRAD_RUN, MessageKind.AUTOGRAD_CHAIN, MessageKind.AUTOGRAD_CHAIN_END,
+    MessageKind.HEARTBEAT,
 })
+PING, PONG = 0, 1  # HEARTBEAT payloads

@@ -31,6 +31,11 @@ DEFAULT_NUM_WORKER_THREADS = 16
 # Largest message (header and tensors) a worker accepts: a peer announcing more is
 # broken or hostile, and is dropped before anything is allocated for it.
 DEFAULT_MAX_FRAME_BYTES = 64 << 30
+# A peer not heard from for the interval is pinged; one silent for the timeout is
+# reported unresponsive (rpcx._heartbeat). Generous: a live worker answers within
+# milliseconds unless something holds its GIL for seconds.
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
 DeviceLike = Union[int, str, torch.device]  # noqa: UP007  (an alias, evaluated on 3.10)
 DeviceMap = dict[torch.device, torch.device]
@@ -53,6 +58,11 @@ class RpcBackendOptions:
             or send this worker a frame (docs/security.md). Never printed, never sent.
         auth_payload: with a key, also authenticate every tensor's bytes, not only
             headers and sizes (costs a SHA-256 pass over each tensor at both ends).
+        heartbeat_interval: seconds of quiet after which a peer is pinged (multi-process
+            backends); ``0`` turns heartbeats off.
+        heartbeat_timeout: seconds of silence after which a peer is reported
+            unresponsive: calls waiting on it fail, naming it and how long it has been
+            silent, and new ones fail at once until it is heard again.
     """
 
     def __init__(
@@ -64,7 +74,11 @@ class RpcBackendOptions:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         auth_key: str | bytes | None = None,
         auth_payload: bool = False,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
     ) -> None:
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.heartbeat_timeout = float(heartbeat_timeout)
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
         self.num_worker_threads = int(num_worker_threads)
@@ -89,6 +103,12 @@ class RpcBackendOptions:
             raise ValueError(f"rpc_timeout must be >= 0 seconds, got {self.rpc_timeout}")
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        if self.heartbeat_interval < 0 or self.heartbeat_timeout < 0:
+            raise ValueError("heartbeat_interval and heartbeat_timeout must be >= 0 seconds")
+        if 0 < self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout:g} s) must be longer than "
+                f"heartbeat_interval ({self.heartbeat_interval:g} s)")
         if self.max_frame_bytes < 1 << 20:
             raise ValueError(f"max_frame_bytes must be at least 1 MiB, got {self.max_frame_bytes}")
         if not isinstance(self.init_method, str) or "://" not in self.init_method:
@@ -125,10 +145,13 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         auth_key: str | bytes | None = None,
         auth_payload: bool = False,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
     ) -> None:
         super().__init__(rpc_timeout, init_method, num_worker_threads,
                          max_frame_bytes=max_frame_bytes, auth_key=auth_key,
-                         auth_payload=auth_payload)
+                         auth_payload=auth_payload, heartbeat_interval=heartbeat_interval,
+                         heartbeat_timeout=heartbeat_timeout)
         self.device_maps: dict[str, DeviceMap] = {}
         self.devices: list[torch.device] = []
         # TensorPipe's transports and channels: the tensorpipe backend hands them to

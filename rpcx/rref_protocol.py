@@ -411,11 +411,13 @@ class RRefService:
         except Exception as exc:
             log.warning("%s: RRef bookkeeping message failed: %s", self.agent.name, exc)
 
-    def flush(self, timeout: float = _FLUSH_TIMEOUT) -> int:
-        """Collect garbage, send every queued deletion, wait for all bookkeeping.
+    def flush(self, left: float | None = None) -> int:
+        """Collect garbage, send every queued deletion, wait for all bookkeeping, for at
+        most ``left`` seconds (and ``_FLUSH_TIMEOUT``).
 
         Returns how many messages this had to send or wait for.
         """
+        timeout = _FLUSH_TIMEOUT if left is None else max(0.0, min(_FLUSH_TIMEOUT, left))
         gc.collect()
         with self._send_lock:
             taken = self._take_all()
@@ -455,13 +457,14 @@ class RRefService:
                 "parked_confirmations": len(self._confirmed_early),
             }
 
-    def close(self) -> None:
-        """The worker has shut down: stop the deleter and release every owned value."""
+    def close(self, left: float | None = None) -> None:
+        """The worker has shut down: stop the deleter (waiting at most ``left`` seconds,
+        and 5) and release every owned value."""
         self._closed = True
         self._wake.put(False)
         self._wake_unconfirmed(lambda rref: True)
         if self._deleter is not threading.current_thread():
-            self._deleter.join(5.0)
+            self._deleter.join(5.0 if left is None else max(0.0, min(5.0, left)))
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()

@@ -17,6 +17,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -248,15 +249,17 @@ class AutogradService:
             self._releasing.extend(futures)
 
     def wait_released(self, timeout: float | None = None) -> int:
-        """Wait until every release this worker started has reached every peer.
+        """Wait until every release this worker started has reached every peer, for at
+        most ``timeout`` seconds in all.
 
         Returns how many were outstanding. Failures (a peer gone) are logged, not raised.
         """
         with self._lock:
             waiting, self._releasing = self._releasing, []
+        deadline = time.monotonic() + (_RELEASE_WAIT if timeout is None else timeout)
         for future in waiting:
             try:
-                _wait(future, _RELEASE_WAIT if timeout is None else timeout)
+                _wait(future, max(0.0, deadline - time.monotonic()))
             except Exception as exc:
                 log.debug("%s: a context release failed: %s", self.agent.name, exc)
         return len(waiting)
@@ -630,9 +633,13 @@ class AutogradService:
             return None
         return Deferred(all_done(futures))
 
-    def drain(self) -> int:
-        """Shutdown: let context releases this worker started finish (sends nothing)."""
-        self.wait_released(timeout=self.agent.timeout_for(None))
+    def drain(self, left: float | None = None) -> int:
+        """Shutdown: let context releases this worker started finish (sends nothing),
+        for at most ``left`` seconds (and ``rpc_timeout``)."""
+        limit = self.agent.timeout_for(None)
+        if left is not None:
+            limit = left if limit is None else min(limit, left)
+        self.wait_released(timeout=limit)
         return 0
 
 

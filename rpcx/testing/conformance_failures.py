@@ -9,6 +9,8 @@ dead worker fails instead of hanging; shutdown skips it.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,11 +20,12 @@ import torch
 
 import rpcx
 import rpcx.autograd as dist_autograd
+from rpcx import _context
 from rpcx.testing import remote, training
 from rpcx.testing.fixtures import WorldKeeper
 from rpcx.testing.world import World, world
 
-__all__ = ["TestPeerDeath"]
+__all__ = ["TestHungPeer", "TestPeerDeath"]
 
 W0, W1, W2 = "worker0", "worker1", "worker2"
 BOUND = 60.0
@@ -136,3 +139,69 @@ class TestPeerDeath:
         assert list(rpcx.rpc_sync(W2, remote.wait_until_lost, args=(W1, BOUND))) == [W1]
         stats = rpcx.rpc_sync(W2, training.autograd_stats)
         assert stats["contexts"] == before, stats
+
+
+HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT = 0.2, 1.5
+SHUTDOWN_TIMEOUT = 3.0
+
+
+@pytest.mark.rpcx_requires(
+    "multi_process", reason="a worker that is a thread of this process cannot be stopped alone")
+class TestHungPeer:
+    """A worker process is stopped (``SIGSTOP``): alive as far as its connections know,
+    silent. Heartbeats find it; calls to it fail naming it; it is heard again after
+    ``SIGCONT``, and calls work again."""
+
+    @pytest.fixture
+    def hang_world(
+        self, rpcx_backend: str, rpc_world_keeper: WorldKeeper
+    ) -> Iterator[World]:
+        """A fresh 3-worker world with fast heartbeats."""
+        rpc_world_keeper.close()
+        with world(rpcx_backend, size=3, rpc_timeout=BOUND,
+                   heartbeat_interval=HEARTBEAT_INTERVAL,
+                   heartbeat_timeout=HEARTBEAT_TIMEOUT) as started:
+            yield started
+
+    def test_a_stopped_worker_is_reported_and_comes_back(self, hang_world: World) -> None:
+        pid = rpcx.rpc_sync(W1, remote.process_id)
+        agent = _context.current_agent()
+        waiting = rpcx.rpc_async(W1, remote.wait_for_event, args=(uuid.uuid4().hex, BOUND),
+                                 timeout=0)  # no timeout: only the heartbeat can end it
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(rpcx.PeerLostError, match="is unresponsive: silent for") as err:
+                waiting.wait()
+            detected = time.monotonic() - started
+            assert err.value.cause is rpcx.LostCause.UNRESPONSIVE
+            assert "worker 'worker1'" in str(err.value)
+            # within the limit, give or take one look and the scheduling of a loaded host
+            assert detected < HEARTBEAT_TIMEOUT + 2.0, detected
+            with pytest.raises(rpcx.PeerLostError, match="unresponsive"):
+                rpcx.rpc_sync(W1, remote.add, args=(1, 1))  # fails at once meanwhile
+            assert rpcx.rpc_sync(W2, remote.add, args=(2, 2)) == 4  # others unaffected
+            assert rpcx.debug_info()["unresponsive_peers"] == [W1]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert agent.wait_responsive(1, BOUND)
+        assert rpcx.rpc_sync(W1, remote.add, args=(3, 3), timeout=BOUND) == 6
+        assert rpcx.debug_info()["lost_peers"] == {}
+
+    def test_a_busy_worker_is_not_unresponsive(self, hang_world: World) -> None:
+        # A handler that computes for longer than the heartbeat timeout: the worker still
+        # answers pings (requests never stop it reading frames), so its call completes.
+        spun = rpcx.rpc_sync(W1, remote.spin, args=(HEARTBEAT_TIMEOUT * 2,), timeout=BOUND)
+        assert spun >= HEARTBEAT_TIMEOUT * 2
+        assert not _context.current_agent().is_unresponsive(1)
+
+    def test_shutdown_is_bounded_with_a_stopped_worker(self, hang_world: World) -> None:
+        pid = rpcx.rpc_sync(W1, remote.process_id)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            rpcx.shutdown(graceful=True, timeout=SHUTDOWN_TIMEOUT)
+            took = time.monotonic() - started
+            assert took < SHUTDOWN_TIMEOUT + 2.0, took
+        finally:
+            os.kill(pid, signal.SIGCONT)

@@ -148,7 +148,7 @@ def test_options_defaults_and_torch_fields() -> None:
         ({"hostname": "127.0.0.1", "interface": "lo"}, "not both"),
         ({"hostname": ""}, "non-empty"),
         ({"heartbeat_interval": -1.0}, "heartbeat_interval"),
-        ({"heartbeat_interval": 5.0, "heartbeat_timeout": 5.0}, "must exceed"),
+        ({"heartbeat_interval": 5.0, "heartbeat_timeout": 5.0}, "must be longer than"),
     ],
 )
 def test_options_validate(fields: dict[str, Any], message: str) -> None:

@@ -57,13 +57,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import zmq
 from rpcx.errors import LostCause, PeerLostError, ProtocolError, RpcTimeoutError
-from rpcx.options import DEFAULT_MAX_FRAME_BYTES
+from rpcx.options import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    DEFAULT_MAX_FRAME_BYTES,
+)
 from rpcx.transport import Capabilities, Frame, TransportContext
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from rpcx_zmq.addresses import host_identity, listen_host
-from rpcx_zmq.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT
+from rpcx_zmq.options import CONNECTION_TIMEOUT_FACTOR
 
 if TYPE_CHECKING:
     from rpcx._lanes import ReceiveLane
@@ -305,7 +309,8 @@ class ZmqTransport:
         assert ctx is not None
         sock.linger = 0
         interval = float(getattr(ctx.options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL))
-        timeout = float(getattr(ctx.options, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT))
+        timeout = CONNECTION_TIMEOUT_FACTOR * float(
+            getattr(ctx.options, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT))
         if interval > 0:
             sock.setsockopt(zmq.HEARTBEAT_IVL, int(interval * 1000))
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout * 1000))

@@ -1,0 +1,113 @@
+"""Heartbeats: find peers that hang without dying.
+
+A dead process closes its connections and its transport reports it at once; a process
+that is stopped (``SIGSTOP``), stuck holding the GIL, or on a host that vanished says
+nothing. So each worker counts the frames it receives from every peer; a peer it has not
+heard from for ``interval`` seconds gets a ping (which it answers), and one silent for
+``timeout`` seconds is reported *silent*: the agent fails the calls waiting on it and
+refuses new ones, until a frame from it arrives again.
+
+Only a count per peer is touched on the receive path (the agent bumps ``heard[src]``);
+everything else runs on this module's one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["Heartbeat"]
+
+log = logging.getLogger("rpcx.heartbeat")
+
+_JOIN_TIMEOUT = 2.0  # close() waits this long at most for the thread
+
+
+class Heartbeat:
+    """Watches ``peers``: pings the quiet ones, reports the silent ones.
+
+    Args:
+        name: the worker's name, for the thread.
+        peers: the ranks to watch.
+        world_size: the size of ``heard``.
+        interval: seconds of quiet after which a peer is pinged (again each interval).
+        timeout: seconds of quiet after which ``on_silent(rank, seconds)`` is called,
+            once; ``on_heard(rank, seconds)`` follows when a frame arrives again.
+        ping: sends a ping to a rank; must not block (the agent hands it to its pool).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        peers: list[int],
+        world_size: int,
+        *,
+        interval: float,
+        timeout: float,
+        ping: Callable[[int], None],
+        on_silent: Callable[[int, float], None],
+        on_heard: Callable[[int, float], None],
+    ) -> None:
+        self.heard = [0] * world_size  # bumped by the agent per frame received
+        self._peers = list(peers)
+        self._interval = interval
+        self._timeout = timeout
+        self._ping = ping
+        self._on_silent = on_silent
+        self._on_heard = on_heard
+        self._stop = threading.Event()
+        # Look often enough that a silent peer is reported within a quarter of the
+        # timeout after it is due.
+        self._tick = min(interval, timeout / 4)
+        self._thread = threading.Thread(target=self._run, name=f"rpcx-{name}-heartbeat",
+                                        daemon=True)
+        self._forgotten: set[int] = set()
+
+    def start(self) -> None:
+        """Start watching."""
+        self._thread.start()
+
+    def forget(self, rank: int) -> None:
+        """Stop watching ``rank`` (it is lost for good)."""
+        self._forgotten.add(rank)
+
+    def close(self) -> None:
+        """Stop watching; waits (bounded) for the thread."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(_JOIN_TIMEOUT)
+
+    def _run(self) -> None:
+        now = time.monotonic()
+        counts = {rank: self.heard[rank] for rank in self._peers}
+        heard_at = {rank: now for rank in self._peers}
+        last_ping = {rank: now for rank in self._peers}
+        silent: set[int] = set()
+        while not self._stop.wait(self._tick):
+            now = time.monotonic()
+            for rank in self._peers:
+                if rank in self._forgotten:
+                    continue
+                count = self.heard[rank]
+                if count != counts[rank]:
+                    counts[rank] = count
+                    if rank in silent:
+                        silent.discard(rank)
+                        self._report(self._on_heard, rank, now - heard_at[rank])
+                    heard_at[rank] = now
+                quiet = now - heard_at[rank]
+                if quiet >= self._interval and now - last_ping[rank] >= self._interval:
+                    last_ping[rank] = now
+                    self._report(self._ping, rank)
+                if quiet >= self._timeout and rank not in silent:
+                    silent.add(rank)
+                    self._report(self._on_silent, rank, quiet)
+
+    @staticmethod
+    def _report(callback: Callable[..., None], *args: object) -> None:
+        try:
+            callback(*args)
+        except Exception:  # the watch must go on
+            log.exception("heartbeat callback %r failed", callback)

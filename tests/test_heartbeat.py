@@ -1,0 +1,81 @@
+"""rpcx._heartbeat on its own: pings for quiet peers, one report per silence, recovery.
+
+Real time with short intervals; every wait is on an event the callbacks set, bounded.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from rpcx._heartbeat import Heartbeat
+
+BOUND = 10.0
+INTERVAL, TIMEOUT = 0.05, 0.25
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.pinged: list[int] = []
+        self.silent: list[tuple[int, float]] = []
+        self.heard: list[tuple[int, float]] = []
+        self.went_silent = threading.Event()
+        self.came_back = threading.Event()
+
+    def watch(self, peers: list[int]) -> Heartbeat:
+        return Heartbeat("test", peers, 3, interval=INTERVAL, timeout=TIMEOUT,
+                         ping=self.pinged.append, on_silent=self._silent,
+                         on_heard=self._heard)
+
+    def _silent(self, rank: int, quiet: float) -> None:
+        self.silent.append((rank, quiet))
+        self.went_silent.set()
+
+    def _heard(self, rank: int, quiet: float) -> None:
+        self.heard.append((rank, quiet))
+        self.came_back.set()
+
+
+def test_a_quiet_peer_is_pinged_then_reported_once_then_heard_again() -> None:
+    seen = Recorder()
+    watch = seen.watch([1, 2])
+    keep_talking = threading.Event()
+
+    def peer_two_talks() -> None:  # rank 2 sends a frame every 10 ms
+        while not keep_talking.wait(0.01):
+            watch.heard[2] += 1
+
+    talker = threading.Thread(target=peer_two_talks, daemon=True)
+    talker.start()
+    watch.start()
+    try:
+        assert seen.went_silent.wait(BOUND)
+        ((rank, quiet),) = seen.silent
+        assert rank == 1 and TIMEOUT <= quiet < TIMEOUT + 1.0
+        assert 1 in seen.pinged and 2 not in seen.pinged
+        watch.heard[1] += 1  # a frame from rank 1 at last
+        assert seen.came_back.wait(BOUND)
+        assert seen.heard[0][0] == 1 and seen.heard[0][1] >= TIMEOUT
+        assert [r for r, _ in seen.silent] == [1]  # reported once, rank 2 never
+    finally:
+        keep_talking.set()
+        talker.join(BOUND)
+        watch.close()
+
+
+def test_a_forgotten_peer_is_neither_pinged_nor_reported() -> None:
+    seen = Recorder()
+    watch = seen.watch([1, 2])
+    watch.forget(1)
+    watch.start()
+    try:
+        assert seen.went_silent.wait(BOUND)
+        assert [r for r, _ in seen.silent] == [2] and 1 not in seen.pinged
+    finally:
+        watch.close()
+
+
+def test_close_ends_the_thread() -> None:
+    watch = Recorder().watch([1])
+    watch.start()
+    watch.close()
+    assert not watch._thread.is_alive()
