@@ -17,7 +17,8 @@ import sys
 KIT = ("-p", "rpcx.testing.fixtures", "--pyargs", "rpcx.testing")
 TIMEOUT = 180
 GROUPS = ("TestCalls", "TestRRef", "TestDistAutograd", "TestDDPHybrid", "TestAutogradParity",
-          "TestPeerDeath", "TestCudaDeviceMaps", "TestHostilePeers", "TestAuthentication", "TestHungPeer")
+          "TestPeerDeath", "TestCudaDeviceMaps", "TestHostilePeers", "TestAuthentication",
+          "TestHungPeer")
 
 
 def _pytest(cwd: pathlib.Path, *args: str) -> subprocess.CompletedProcess[str]:
