@@ -214,6 +214,8 @@ def resolve_backend(backend: object = None, spawned: str | None = None) -> Backe
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a name such as 'gloo', got {type(backend).__name__}")
     specs = _load()
+    if backend.lower().startswith("faulty:"):
+        return _faulty(resolve_backend(backend[len("faulty:"):]))
     spec = specs.get(backend.lower())
     if spec is None:
         installed = ", ".join(sorted(specs)) or "none"
@@ -221,3 +223,17 @@ def resolve_backend(backend: object = None, spawned: str | None = None) -> Backe
             f"unknown rpcx backend {backend!r}; installed backends: {installed}"
         )
     return spec
+
+
+def _faulty(inner: BackendSpec) -> BackendSpec:
+    """``faulty:<inner>``: ``inner`` with injected faults (see :mod:`rpcx.faulty`)."""
+    from rpcx import faulty  # (imports the codec: only when asked for)
+
+    return BackendSpec(
+        name=faulty.PREFIX + inner.name,
+        factory=faulty.faulty_class(inner.name, inner.factory, inner.capabilities),
+        capabilities=inner.capabilities,
+        description=f"{inner.name}, with frames dropped, duplicated or delayed on demand",
+        options_type=inner.options_type,
+        plugin="rpcx.faulty",
+    )

@@ -765,3 +765,20 @@ def send_unauthenticated_call(to_rank: int, how: str, marker: str) -> None:
 def process_id() -> int:
     """This worker's process id."""
     return os.getpid()
+
+
+_tallies: dict[str, int] = {}
+_tallies_lock = threading.Lock()
+
+
+def tally(key: str) -> int:
+    """Add one to this process's tally ``key`` (thread-safe); return it."""
+    with _tallies_lock:
+        _tallies[key] = _tallies.get(key, 0) + 1
+        return _tallies[key]
+
+
+def tally_of(key: str) -> int:
+    """This process's tally ``key``."""
+    with _tallies_lock:
+        return _tallies.get(key, 0)

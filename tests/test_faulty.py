@@ -1,0 +1,114 @@
+"""The fault injector itself: ``backend="faulty:<name>"`` drops, duplicates and delays the
+frames it is told to, and nothing else.
+
+(What rpcx's services do under such faults is issue 14's next step.)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+import rpcx
+from rpcx import _context
+from rpcx.errors import BackendNotFoundError
+from rpcx.faulty import FAULTS_ENV, Faults
+from rpcx.registry import resolve_backend
+from rpcx.testing import remote
+from rpcx.testing.world import world
+
+BOUND = 30.0
+
+
+def _faults(monkeypatch: pytest.MonkeyPatch, **fields: object) -> None:
+    monkeypatch.setenv(FAULTS_ENV, json.dumps(fields))
+
+
+def _injected() -> dict[tuple[str, str], int]:
+    return dict(_context.current_agent()._transport.injected)  # type: ignore[attr-defined]
+
+
+def test_faulty_names_wrap_any_backend() -> None:
+    spec = resolve_backend("faulty:loopback")
+    inner = resolve_backend("loopback")
+    assert spec.name == "faulty:loopback" and spec.capabilities == inner.capabilities
+    assert spec.options_type is inner.options_type
+    with pytest.raises(BackendNotFoundError, match="no-such"):
+        resolve_backend("faulty:no-such")
+
+
+@pytest.mark.parametrize(("faults", "message"), [
+    (Faults(drop={"NOT_A_KIND": 1.0}), "unknown message kind 'NOT_A_KIND'"),
+    (Faults(duplicate={"CALL": 1.5}), "no probability"),
+    (Faults(delay_seconds=-1), "delay_seconds"),
+])
+def test_faults_are_validated(faults: Faults, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        faults.validate()
+
+
+def test_a_malformed_environment_variable_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAULTS_ENV, '{"dorp": {}}')
+    with pytest.raises(ValueError, match="RPCX_FAULTS is not a Faults description"):
+        Faults.from_environment()
+
+
+def test_dropped_calls_time_out_and_other_kinds_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    _faults(monkeypatch, drop={"CALL": 1.0})
+    with world("faulty:loopback", size=2):
+        with pytest.raises(rpcx.RpcTimeoutError):
+            rpcx.rpc_sync("worker1", remote.add, args=(1, 2), timeout=0.5)
+        rref = rpcx.remote("worker1", remote.Counter, args=(5,))  # REMOTE_CALL: not dropped
+        assert rref.to_here(timeout=BOUND).count == 5
+        assert _injected() == {("drop", "CALL"): 1}
+
+
+def test_duplicated_frames_arrive_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (Today a duplicated call is served twice: making calls idempotent is the next step.)
+    _faults(monkeypatch, duplicate={"CALL": 1.0})
+    key = uuid.uuid4().hex
+    # gloo: worker1 serves worker0's requests in the order they arrive (on the receiving
+    # thread), so the second copy has run before the remote() that reads the tally.
+    with world("faulty:gloo", size=2, rpc_timeout=BOUND):
+        rpcx.rpc_sync("worker1", remote.tally, args=(key,), timeout=BOUND)
+        tallied = rpcx.remote("worker1", remote.tally_of, args=(key,))  # not duplicated
+        assert tallied.to_here(timeout=BOUND) == 2
+        assert _injected() == {("duplicate", "CALL"): 1}
+
+
+def test_delayed_frames_arrive_late_and_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    _faults(monkeypatch, delay={"CALL": 1.0}, delay_seconds=0.3)
+    with world("faulty:loopback", size=2):
+        started = time.monotonic()
+        calls = [rpcx.rpc_async("worker1", remote.echo, args=(i,)) for i in range(3)]
+        assert [c.wait() for c in calls] == [0, 1, 2]
+        assert time.monotonic() - started >= 0.9  # three delays, one after another
+
+
+def test_drops_across_processes_are_reproducible(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every worker reads $RPCX_FAULTS; with a seed, which frames go repeats run to run.
+    _faults(monkeypatch, drop={"CALL": 0.5}, seed=7)
+    outcomes = []
+    for _ in range(2):
+        with world("faulty:gloo", size=2, rpc_timeout=BOUND):
+            results = []
+            for i in range(12):
+                try:
+                    results.append(rpcx.rpc_sync("worker1", remote.echo, args=(i,),
+                                                 timeout=0.3))
+                except rpcx.RpcTimeoutError:
+                    results.append(None)
+            outcomes.append(results)
+    assert outcomes[0] == outcomes[1]
+    assert None in outcomes[0] and any(r is not None for r in outcomes[0])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_the_injector_refuses_sealed_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RPCX_AUTH_KEY", "faulty-test-key-0123456789abcdef")
+    with pytest.raises(ValueError, match="without RPCX_AUTH_KEY"), world("faulty:loopback",
+                                                                         size=2):
+        pass
