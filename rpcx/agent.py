@@ -28,6 +28,7 @@ from rpcx._lanes import LaneWatch, ReceiveLane, current_lane
 from rpcx._memory import copy_of
 from rpcx._pending import CLOSED, PendingCall, PendingCalls, describe_callable
 from rpcx._pool import WorkerPool, current_pool
+from rpcx._recent import RecentIds
 from rpcx._timer import DeadlineTimer
 from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
@@ -206,6 +207,10 @@ class RpcAgent:
         # frames from each peer; the watch reads it. A list either way: _on_frame bumps it.
         self._heartbeat: Heartbeat | None = None
         self._heard = [0] * len(workers)
+        # Duplicated frames are dropped unread (rpcx._recent): requests by (caller, id),
+        # replies by the id of the call they answered.
+        self._served = [RecentIds() for _ in workers]
+        self._answered = RecentIds(floor=False)  # answers come in any order
         self._pinging: set[int] = set()  # peers with a ping on its way
         self._heard_again = threading.Condition(self._lock)
         self.register_handler(MessageKind.HEARTBEAT, self._on_heartbeat, in_order=True)
@@ -534,6 +539,10 @@ class RpcAgent:
     def _on_frame(self, src: int, frame: Frame) -> None:
         self._heard[src] += 1  # (a lost increment between threads still counts as heard)
         kind, rid = decode_envelope(frame)
+        if (rid and kind != MessageKind.RESULT and kind != MessageKind.ERROR
+                and not self._served[src].add(rid)):
+            log.debug("%s: dropped a duplicate of request %d from rank %d", self.name, rid, src)
+            return
         if kind not in self._handlers and kind != MessageKind.RESULT and kind != MessageKind.ERROR:
             # Checked before anything in the frame is decoded: not even its notes.
             log.warning("%s: dropped a frame of unknown kind %d from %s", self.name, kind,
@@ -604,6 +613,9 @@ class RpcAgent:
                         pending.dst.name)
             return
         if pending is None:
+            if not self._answered.add(rid):  # a duplicate: its RRefs were taken already
+                log.debug("%s: dropped a duplicate reply %d from rank %d", self.name, rid, src)
+                return
             log.debug("%s: response %d from rank %d arrived after its call ended",
                       self.name, rid, src)
             # Decode and drop it anyway: RRefs in it were registered for us and must be
@@ -611,6 +623,7 @@ class RpcAgent:
             with contextlib.suppress(RpcShutdownError):
                 self._completions.submit(self._discard, src, frame)
             return
+        self._answered.add(rid)
         scope, tag = decode_scope(frame)
         try:
             payload = decode_payload(frame, DecodeContext(src, self, scope=scope, scope_tag=tag))

@@ -1,7 +1,8 @@
-"""The fault injector itself: ``backend="faulty:<name>"`` drops, duplicates and delays the
-frames it is told to, and nothing else.
+"""The fault injector, ``backend="faulty:<name>"``: it drops, duplicates and delays the
+frames it is told to; and rpcx under it: a duplicated request runs once, a duplicated
+reply is taken once (RRefs in it neither leak nor are freed early).
 
-(What rpcx's services do under such faults is issue 14's next step.)
+(Drops, and one-way messages, under faults are the next step of issue 14.)
 """
 
 from __future__ import annotations
@@ -66,17 +67,43 @@ def test_dropped_calls_time_out_and_other_kinds_pass(monkeypatch: pytest.MonkeyP
         assert _injected() == {("drop", "CALL"): 1}
 
 
-def test_duplicated_frames_arrive_twice(monkeypatch: pytest.MonkeyPatch) -> None:
-    # (Today a duplicated call is served twice: making calls idempotent is the next step.)
+def test_duplicated_requests_run_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A duplicated request frame is dropped unread by its (caller, request id).
     _faults(monkeypatch, duplicate={"CALL": 1.0})
     key = uuid.uuid4().hex
     # gloo: worker1 serves worker0's requests in the order they arrive (on the receiving
-    # thread), so the second copy has run before the remote() that reads the tally.
+    # thread), so the second copy has been handled before the remote() that reads the tally.
     with world("faulty:gloo", size=2, rpc_timeout=BOUND):
-        rpcx.rpc_sync("worker1", remote.tally, args=(key,), timeout=BOUND)
+        assert rpcx.rpc_sync("worker1", remote.tally, args=(key,), timeout=BOUND) == 1
         tallied = rpcx.remote("worker1", remote.tally_of, args=(key,))  # not duplicated
-        assert tallied.to_here(timeout=BOUND) == 2
+        assert tallied.to_here(timeout=BOUND) == 1
         assert _injected() == {("duplicate", "CALL"): 1}
+
+
+def test_duplicated_rref_traffic_neither_leaks_nor_frees_early(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every request and reply of an RRef's life sent twice: values are created once,
+    # replies carrying RRefs are taken once, and the owner frees the value exactly when
+    # the last reference goes.
+    kinds = ("CALL", "REMOTE_CALL", "RESULT", "RREF_FETCH", "RREF_FORKS", "RREF_DELETE")
+    _faults(monkeypatch, duplicate=dict.fromkeys(kinds, 1.0))
+    with world("faulty:gloo", size=3, rpc_timeout=BOUND):
+        baseline = rpcx.rpc_sync("worker1", remote.tracked_live)
+        held = rpcx.remote("worker1", remote.Tracked, args=("held",))
+        assert held.to_here(timeout=BOUND).get() == "held"
+        assert rpcx.rpc_sync("worker1", remote.tracked_live) == baseline + 1
+        passed = rpcx.rpc_sync("worker2", remote.wrap_in_rref, args=(7,))  # an RRef back
+        assert passed.to_here(timeout=BOUND) == 7
+        assert rpcx.rpc_sync("worker2", remote.rref_to_here, args=(held,)).get() == "held"
+        del held
+        remote.rref_settle()
+        rpcx.rpc_sync("worker2", remote.rref_settle)
+        assert rpcx.rpc_sync("worker1", remote.tracked_live) == baseline
+        assert passed.to_here(timeout=BOUND) == 7  # still alive: not freed early
+        injected = _injected()
+        assert injected[("duplicate", "REMOTE_CALL")] >= 1
+        assert injected[("duplicate", "CALL")] >= 3
 
 
 def test_delayed_frames_arrive_late_and_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
