@@ -2,7 +2,8 @@
 
 The agent uses it to drop duplicated frames (a transport that delivers a frame twice, the
 fault injector's ``duplicate``) before anything in them runs: a request whose (caller,
-request id) was already served, a reply to a call already answered.
+request id) was already served, a reply to a call already answered; and
+:class:`rpcx.auth.FrameGuard` to refuse replayed sequence numbers.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from rpcx._recent import RecentIds
 from rpcx.errors import ProtocolError
 from rpcx.transport import Frame
 
@@ -157,41 +158,6 @@ class ConnectionAuth:
         return hmac.compare_digest(self.proof(purpose, src, dst, challenge), proof)
 
 
-class _ReplayWindow:
-    """The sequence numbers already accepted from one source.
-
-    Senders number frames before handing them to the transport, so two threads sending
-    at once may put them on the wire in the other order: a number below the highest seen
-    is accepted once if it was skipped. Skips only come from such races, so the set of
-    skipped numbers stays small; past ``_MAX_SKIPPED`` the oldest are forgotten (a frame
-    held back that long is refused).
-    """
-
-    _MAX_SKIPPED = 4096
-    _MAX_JUMP = 1 << 16  # a sender never has that many frames in flight at once
-
-    __slots__ = ("highest", "skipped")
-
-    def __init__(self) -> None:
-        self.highest = 0
-        self.skipped: dict[int, None] = {}  # insertion-ordered: the oldest first
-
-    def accept(self, seq: int) -> bool:
-        if seq == self.highest + 1:  # the common case: in order
-            self.highest = seq
-            return True
-        if seq > self.highest:
-            if seq - self.highest > self._MAX_JUMP:
-                return False
-            for missing in range(self.highest + 1, seq):
-                self.skipped[missing] = None
-            while len(self.skipped) > self._MAX_SKIPPED:
-                del self.skipped[next(iter(self.skipped))]
-            self.highest = seq
-            return True
-        return self.skipped.pop(seq, 0) is None  # ``0`` when absent: a replay
-
-
 class FrameGuard:
     """Seals every frame a worker sends and checks every frame it receives.
 
@@ -225,7 +191,10 @@ class FrameGuard:
         self._receive_keys = [pair_key(src, rank) for src in range(world)]
         self._next_seq = [0] * world
         self._seq_lock = threading.Lock()
-        self._windows = [_ReplayWindow() for _ in range(world)]
+        # Sequence numbers seen, per source. Senders number frames before the transport
+        # has them, so two sending threads may put them on the wire swapped: any order is
+        # accepted, each number once.
+        self._windows = [RecentIds() for _ in range(world)]
         self._refused_from: set[int] = set()  # sources whose connection is condemned
         self._refused = [0] * world
         self._last_logged = [0.0] * world
@@ -288,7 +257,7 @@ class FrameGuard:
                                                   frame.buffers)):
             return "bad or missing MAC"
         # Only after the MAC holds: a forged number must not move the window.
-        if not self._windows[src].accept(seq):
+        if not self._windows[src].add(seq):
             return f"sequence number {seq} replayed or out of range"
         frame.header = body
         return None
