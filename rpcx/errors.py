@@ -153,23 +153,20 @@ class RemoteErrorInfo:
     @classmethod
     def capture(cls, exc: BaseException, worker: str) -> RemoteErrorInfo:
         """Describe ``exc``, raised on ``worker``, for the trip back to the caller."""
+        from rpcx import serialization  # (only the codec pickles; it imports this module)
+
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        try:
-            pickled: bytes | None = pickle.dumps(exc, protocol=5)
-        except Exception:  # an exception carrying unpicklable state still gets reported
-            pickled = None
-        return cls(_qualified_name(type(exc)), str(exc), tb, worker, pickled)
+        return cls(_qualified_name(type(exc)), str(exc), tb, worker,
+                   serialization.pickle_exception(exc))
 
     def rebuild(self, call: str) -> BaseException:
         """The exception to raise at the caller: the original type if it can be rebuilt."""
+        from rpcx import serialization
+
         exc: BaseException | None = None
-        if self.pickled is not None:
-            try:
-                candidate = pickle.loads(self.pickled)
-            except Exception:  # class missing here, or an __init__ pickle cannot call
-                candidate = None
-            if isinstance(candidate, BaseException) and str(candidate) == self.message:
-                exc = candidate
+        candidate = serialization.unpickle_exception(self.pickled)
+        if candidate is not None and str(candidate) == self.message:
+            exc = candidate
         if exc is None:
             exc = RemoteException(self.exc_type, self.message, self.worker, self.traceback)
         exc.__cause__ = RemoteTraceback(self.traceback)

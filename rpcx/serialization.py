@@ -637,6 +637,31 @@ class _LenientUnpickler(pickle.Unpickler):
         return _Tolerant(found)
 
 
+def pickle_exception(exc: BaseException) -> bytes | None:
+    """``exc`` pickled on its own (see :class:`rpcx.errors.RemoteErrorInfo`), or ``None``
+    if it carries state pickle cannot take: the error is still reported, by description."""
+    try:
+        return pickle.dumps(exc, protocol=_PROTOCOL)
+    except Exception:
+        return None
+
+
+def unpickle_exception(data: bytes | None) -> BaseException | None:
+    """The exception :func:`pickle_exception` made, or ``None`` if it cannot be rebuilt
+    here (its class is missing, its ``__init__`` takes other arguments, ...).
+
+    The bytes came inside a frame (checked with the world key before the codec read it,
+    when there is one), from a worker of the world.
+    """
+    if data is None:
+        return None
+    try:
+        candidate = pickle.loads(data)
+    except Exception:
+        return None
+    return candidate if isinstance(candidate, BaseException) else None
+
+
 class _ControlUnpickler(pickle.Unpickler):
     """Reads the payload of an RRef or autograd bookkeeping message: plain data, tensors
     (rebuilt by the codec's own functions from plain arguments) and rpcx's record of a
