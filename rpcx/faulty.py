@@ -124,9 +124,10 @@ class FaultyTransport:
             for fault, done in (("drop", drop), ("duplicate", duplicate), ("delay", delay)):
                 if done:
                     self.injected[(fault, kind)] += 1
+            turn = self._turns[dst]  # (made under the lock: one per peer, never two)
         if drop:
             return
-        with self._turns[dst]:
+        with turn:
             if delay:
                 time.sleep(faults.delay_seconds)  # the injected fault itself
             self.inner.send(dst, frame)

@@ -250,7 +250,7 @@ class TestAuthentication:
             assert rpcx.rpc_sync("worker1", remote.add, args=(2, 3), timeout=BOUND) == 5
             assert rpcx.rpc_sync("worker2", remote.call_and_wait, args=(
                 rpcx.rpc_async, "worker1", remote.add, (4, 4))) == 8
-            assert rpcx.rpc_sync("worker1", remote.environment_value, args=(marker,)) is None
+            assert rpcx.rpc_sync("worker1", remote.environment_has, args=(marker,)) is False
             assert rpcx.rpc_sync("worker1", rpcx.debug_info)["lost_peers"] == {}
             grown = worker1.memory_info().rss - rss_before
             assert grown < FUZZ_MEMORY_BOUND, f"worker1 grew by {grown >> 20} MiB"
@@ -279,11 +279,10 @@ class TestAuthentication:
         assert rpcx.rpc_sync("worker1", rpcx.debug_info)["refused_frames"] == 2
         assert rpcx.rpc_sync("worker2", rpcx.debug_info)["refused_frames"] == 1
         assert rpcx.debug_info()["authenticated"] is True
-        assert rpcx.rpc_sync("worker1", remote.environment_value, args=(markers["bad"],)) is None
-        assert rpcx.rpc_sync("worker1", remote.environment_value,
-                             args=(markers["missing"],)) is None
-        assert rpcx.rpc_sync("worker2", remote.environment_value,
-                             args=(markers["replayed"],)) == "1"  # the genuine one, once
+        assert rpcx.rpc_sync("worker1", remote.tally_of, args=(markers["bad"],)) == 0
+        assert rpcx.rpc_sync("worker1", remote.tally_of, args=(markers["missing"],)) == 0
+        assert rpcx.rpc_sync("worker2", remote.tally_of,
+                             args=(markers["replayed"],)) == 1  # the genuine one, once
         for name in started.names[1:]:
             assert rpcx.rpc_sync(name, remote.add, args=(2, 3), timeout=BOUND) == 5
         assert rpcx.rpc_sync("worker2", remote.call_and_wait, args=(

@@ -720,21 +720,9 @@ def environment_has(name: str) -> bool:
     return name in os.environ
 
 
-def count_in_environment(name: str) -> int:
-    """Add one to the counter in the environment variable ``name``; return the count."""
-    count = int(os.environ.get(name, "0")) + 1
-    os.environ[name] = str(count)
-    return count
-
-
-def environment_value(name: str) -> str | None:
-    """The environment variable ``name`` of this worker's process, or ``None``."""
-    return os.environ.get(name)
-
-
 def send_unauthenticated_call(to_rank: int, how: str, marker: str) -> None:
     """Send ``to_rank``, straight through the transport, a call of
-    :func:`count_in_environment` (``marker``) whose MAC is ``"bad"`` (one bit flipped),
+    :func:`tally` (``marker``) whose MAC is ``"bad"`` (one bit flipped),
     ``"missing"`` (an unsealed frame, as a stray socket would send), or ``"replayed"``
     (a genuine frame, sent twice)."""
     from rpcx import serialization as codec
@@ -745,7 +733,7 @@ def send_unauthenticated_call(to_rank: int, how: str, marker: str) -> None:
     guard = agent.guard
     assert guard is not None, "this world runs without a key"
     ctx = codec.EncodeContext(to_rank, agent=agent, routes=agent.routes)
-    frame = codec.encode(MessageKind.CALL, 0, (count_in_environment, (marker,), {}), ctx)
+    frame = codec.encode(MessageKind.CALL, 0, (tally, (marker,), {}), ctx)
     transport = agent._transport
     if how == "missing":
         transport.send(to_rank, frame)

@@ -57,7 +57,7 @@ def _call_frames(marker: str) -> list[bytes]:
     unsealed, and sealed with another key."""
     agent = _context.current_agent()
     ctx = codec.EncodeContext(1, agent=agent, routes=agent.routes)
-    frame = codec.encode(MessageKind.CALL, 0, (remote.count_in_environment, (marker,), {}),
+    frame = codec.encode(MessageKind.CALL, 0, (remote.tally, (marker,), {}),
                          ctx)
     stranger = auth.FrameGuard(b"not the world key, 32 bytes long", 0,
                                [auth.new_nonce() for _ in range(3)], ["a", "b", "c"])
@@ -129,7 +129,7 @@ def test_strangers_at_the_listening_port_run_nothing(keyed_world: World) -> None
     for push in sockets:
         push.close(linger=0)
 
-    assert rpcx.rpc_sync("worker1", remote.environment_value, args=(marker,)) is None
+    assert rpcx.rpc_sync("worker1", remote.tally_of, args=(marker,)) == 0
     info = rpcx.rpc_sync("worker1", rpcx.debug_info)
     assert info["lost_peers"] == {}, info["lost_peers"]
     assert rpcx.rpc_sync("worker1", remote.add, args=(1, 1), timeout=BOUND) == 2
