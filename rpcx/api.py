@@ -110,7 +110,8 @@ def init_rpc(
     try:
         routes = devices.exchange_devices(
             session, rank, name, world_size, options, join_timeout, seal)
-        guard, connections = _authenticate(session, key, rank, names, options, join_timeout)
+        guard, connections = _authenticate(session, key, seal, rank, names, options,
+                                           join_timeout)
     except BaseException:
         if spec.capabilities.in_process:
             rendezvous.release_in_process_store(world_key)
@@ -336,17 +337,17 @@ def _call(
 
 
 def _authenticate(
-    session: Any, key: bytes | None, rank: int, names: list[str], options: Any,
-    timeout: float | None,
+    session: Any, key: bytes | None, seal: auth.ValueSeal | None, rank: int,
+    names: list[str], options: Any, timeout: float | None,
 ) -> tuple[auth.FrameGuard | None, auth.ConnectionAuth | None]:
     """With a key: exchange sealed session nonces, return the frame guard and the proofs
     transports use on their connections. Without one: ``(None, None)``."""
-    if key is None:
+    if key is None or seal is None:
         return None, None
     nonces = rendezvous.all_gather(
         session, "auth", rank, len(names), auth.new_nonce(), timeout,
         what=f"init_rpc: worker {names[rank]!r} (rank {rank}) waiting for session nonces",
-        seal=auth.ValueSeal(key),
+        seal=seal,
     )
     for peer, nonce in enumerate(nonces):
         if len(nonce) != auth.NONCE_BYTES:  # sealed by a key holder: a bug, not an attack
