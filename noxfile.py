@@ -1,12 +1,16 @@
 """The test matrix: ``nox -s tests`` runs the suite once per backend, built-in or plugin.
 
-Sessions: tests (every backend, or ``-- --backends=...``), examples(backend), demo, lint,
+Sessions: tests (every backend, then the RRef and autograd kit under injected faults as
+``faulty:gloo``; or ``-- --backends=...``), examples(backend), demo, lint,
 typecheck, bench, and torch_suite(backend) (torch's own RPC tests run against rpcx;
 long, so not a default).
 Every session installs through constraints.txt, which pins torch==2.13.0.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import nox
 import nox.command
@@ -18,7 +22,20 @@ PYTHON = "3.11"  # torch==2.13.0's CPU wheel on this project's machines is for 3
 BUILTIN_BACKENDS = ["loopback", "gloo", "tensorpipe"]
 # Backends shipped as separate packages under plugins/: backend name -> package directory.
 PLUGINS = {"shm": "plugins/rpcx-shm", "zmq": "plugins/rpcx-zmq"}
-BACKENDS = BUILTIN_BACKENDS + list(PLUGINS)
+# The faulty:gloo pass: the RRef and autograd parts of the kit on gloo, with rpcx's
+# bookkeeping dropped and every kind of frame duplicated now and then (rpcx.faulty).
+FAULTY = "faulty:gloo"
+_BOOKKEEPING = ("RREF_FETCH", "RREF_FORKS", "RREF_DELETE", "RREF_CONFIRM", "AUTOGRAD_BACKWARD",
+                "AUTOGRAD_RELEASE", "AUTOGRAD_RUN", "AUTOGRAD_CHAIN", "AUTOGRAD_CHAIN_END")
+FAULTS = json.dumps({
+    "drop": dict.fromkeys(_BOOKKEEPING, 0.05),
+    "duplicate": dict.fromkeys(("CALL", "REMOTE_CALL", "RESULT", "ERROR", "HEARTBEAT",
+                                *_BOOKKEEPING), 0.1),
+    "seed": 11,
+})
+FAULTY_TESTS = "RRef or Autograd or Optimizer or RemoteModule or DDP"
+TRANSPORTS = BUILTIN_BACKENDS + list(PLUGINS)
+BACKENDS = [*TRANSPORTS, FAULTY]  # the passes of ``nox -s tests``
 CONSTRAINTS = ("-c", "constraints.txt")
 
 
@@ -73,6 +90,12 @@ def _test_backend(session: nox.Session, backend: str, pytest_args: list[str]) ->
     if backend != "loopback":
         # Tests that do not depend on the backend ran in the loopback session already.
         pytest += ("--only-backend-tests",)
+    if backend == FAULTY:
+        # ``RPCX_FAULTS=...`` overrides the faults (JSON of rpcx.faulty.Faults).
+        env = {"RPCX_FAULTS": os.environ.get("RPCX_FAULTS") or FAULTS}
+        session.run(*pytest, "tests/test_conformance.py", "-k", FAULTY_TESTS, *pytest_args,
+                    env=env)
+        return
     if backend == "tensorpipe":
         # torch's own TensorPipe init_rpc needs numpy; rpcx's tensorpipe backend must not.
         session.run("python", "-m", "pip", "uninstall", "-q", "-y", "numpy")
@@ -112,7 +135,7 @@ def torch_suite(session: nox.Session, backend: str) -> None:
 
 
 @nox.session(python=PYTHON)
-@nox.parametrize("backend", BACKENDS)
+@nox.parametrize("backend", TRANSPORTS)
 def examples(session: nox.Session, backend: str) -> None:
     """Run the example programs on ``backend``."""
     _install(session)

@@ -29,6 +29,13 @@ from rpcx._memory import copy_of
 from rpcx._pending import CLOSED, PendingCall, PendingCalls, describe_callable
 from rpcx._pool import WorkerPool, current_pool
 from rpcx._recent import RecentIds
+from rpcx._retransmit import (
+    ACKED_KINDS,
+    REFETCHED_KINDS,
+    RETRIED_KINDS,
+    ReplyCache,
+    Resender,
+)
 from rpcx._timer import DeadlineTimer
 from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
@@ -42,7 +49,7 @@ from rpcx.errors import (
     SerializationError,
     UnknownWorkerError,
 )
-from rpcx.futures import RpcFuture, settle_inline
+from rpcx.futures import RpcFuture, add_internal_callback, settle_inline
 from rpcx.messages import PING, PONG, MessageKind
 from rpcx.options import RpcBackendOptions
 from rpcx.serialization import (
@@ -214,6 +221,14 @@ class RpcAgent:
         self._pinging: set[int] = set()  # peers with a ping on its way
         self._heard_again = threading.Condition(self._lock)
         self.register_handler(MessageKind.HEARTBEAT, self._on_heartbeat, in_order=True)
+        # On a transport that may lose or duplicate frames, bookkeeping is acknowledged
+        # and sent again until answered (rpcx._retransmit); ``None`` on reliable ones.
+        self._resender: Resender | None = None
+        self._replies: ReplyCache | None = None
+        if getattr(transport.capabilities, "lossy", False):
+            self._resender = Resender(f"rpcx-{self.name}", self._send_copy,
+                                      self._pending.__contains__, self._bind_thread)
+            self._replies = ReplyCache(len(workers))
 
     # ----------------------------------------------------------------- identity & state
 
@@ -241,6 +256,17 @@ class RpcAgent:
     def pending_count(self) -> int:
         """Calls made by this worker that have not completed yet."""
         return len(self._pending)
+
+    @property
+    def lossy(self) -> bool:
+        """True if the transport may lose frames: bookkeeping is then acknowledged and
+        sent again until answered (see :mod:`rpcx._retransmit`)."""
+        return self._resender is not None
+
+    @property
+    def resent_frames(self) -> int:
+        """Copies of bookkeeping requests sent again so far (lossy transports)."""
+        return 0 if self._resender is None else self._resender.resent
 
     @property
     def request_threads(self) -> int:
@@ -455,6 +481,8 @@ class RpcAgent:
         if timeout is not None:
             self._timer.schedule(started + timeout, rid)
         frame.request_id = rid
+        if self._resender is not None and kind in RETRIED_KINDS:
+            self._resender.track(rid, dst.id, frame)
         self._transmit(dst.id, frame, ctx, rid)
         return future
 
@@ -467,6 +495,9 @@ class RpcAgent:
         """Send a one-way message (no reply, no future); failures are only logged."""
         if self._state == _CLOSED:
             return
+        if self._resender is not None and kind in ACKED_KINDS:
+            self._notify_acknowledged(dst, kind, payload)
+            return
         ctx = self._request_context(dst.id)
         try:
             frame = self._encode(kind, 0, payload, ctx)
@@ -475,10 +506,40 @@ class RpcAgent:
             return
         self._transmit(dst.id, frame, ctx, 0)
 
+    def _notify_acknowledged(self, dst: WorkerInfo, kind: MessageKind, payload: Any) -> None:
+        # (On a lossy transport: a request, so that it is sent again until answered.)
+        try:
+            future = self.request(dst, kind, payload, timeout=self.timeout_for(None),
+                                  api="notify", target=kind.name, describe_target=str)
+        except RpcError as exc:
+            log.warning("%s: one-way message to %s not sent: %s", self.name, dst.name, exc)
+            return
+
+        def check(done: torch.futures.Future[Any]) -> None:
+            try:
+                done.value()
+            except Exception as exc:
+                log.debug("%s: %s to %s not acknowledged: %s", self.name, kind.name,
+                          dst.name, exc)
+
+        add_internal_callback(future, check)
+
+    def _send_copy(self, dst: int, frame: Frame) -> None:
+        """Send a copy of a bookkeeping request or reply (lossy transports), from the pool."""
+        def send() -> None:
+            try:
+                self._send(dst, frame)
+            except Exception as exc:  # the original's fate decides; this was a spare
+                log.debug("%s: copy of a frame to rank %d not sent: %s", self.name, dst, exc)
+
+        with contextlib.suppress(RpcShutdownError):
+            self._pool.submit(send)
+
     def _encode(self, kind: int, rid: int, payload: Any, ctx: EncodeContext) -> Frame:
-        """``encode``, with the notes owed to the destination riding along."""
+        """``encode``, with the notes owed to the destination riding along (not on a
+        lossy transport: a lost frame would lose them, and only bookkeeping is resent)."""
         taken: list[tuple[NoteSource, list[tuple[int, Any]]]] = []
-        for source in self.note_sources:
+        for source in self.note_sources if self._resender is None else ():
             notes = source.notes_for(ctx.peer)
             if notes:
                 taken.append((source, notes))
@@ -541,14 +602,23 @@ class RpcAgent:
         kind, rid = decode_envelope(frame)
         if (rid and kind != MessageKind.RESULT and kind != MessageKind.ERROR
                 and not self._served[src].add(rid)):
-            log.debug("%s: dropped a duplicate of request %d from rank %d", self.name, rid, src)
-            return
+            if self._replies is None or not self._answer_copy(src, kind, rid, frame):
+                log.debug("%s: dropped a duplicate of request %d from rank %d",
+                          self.name, rid, src)
+                return
+        elif self._replies is not None and kind in RETRIED_KINDS:
+            self._replies.running(src, rid)
         if kind not in self._handlers and kind != MessageKind.RESULT and kind != MessageKind.ERROR:
             # Checked before anything in the frame is decoded: not even its notes.
             log.warning("%s: dropped a frame of unknown kind %d from %s", self.name, kind,
                         self._describe_ranks([src]))
             return
         if has_notes(frame):
+            if (kind == MessageKind.RESULT or kind == MessageKind.ERROR) and rid in self._answered:
+                # A copy of a reply already taken: its notes (fork announcements) were
+                # handled with the original and must not be again.
+                log.debug("%s: dropped a duplicate reply %d from rank %d", self.name, rid, src)
+                return
             self._handle_notes(src, frame)
         if kind == MessageKind.RESULT or kind == MessageKind.ERROR or kind in self._inline_kinds:
             token = _context._thread_agent.set(self)  # callbacks run as this worker
@@ -575,6 +645,17 @@ class RpcAgent:
             self._pool.submit(self._serve, src, kind, rid, frame)
         except RpcShutdownError:
             log.debug("%s: dropped request %d from rank %d after shutdown", self.name, rid, src)
+
+    def _answer_copy(self, src: int, kind: int, rid: int, frame: Frame) -> bool:
+        """A copy of request ``rid`` from ``src`` (lossy transports): send the answer
+        again if it was kept. True if the copy is to be served again instead."""
+        if kind in REFETCHED_KINDS:
+            return True
+        assert self._replies is not None
+        reply = self._replies.reply_to_copy(src, rid)
+        if reply is not None:
+            self._send_copy(src, reply)
+        return False
 
     def _handle_notes(self, src: int, frame: Frame) -> None:
         """Handle the one-way messages riding in ``frame``, in order, before the frame."""
@@ -734,6 +815,8 @@ class RpcAgent:
             )
             return
         frame.reply_to = rid
+        if self._replies is not None:
+            self._replies.answered(src, rid, frame)
         self._transmit(src, frame, ctx, 0)  # a failed reply is the caller's to notice
 
     def _reply_error(self, src: int, rid: int, exc: BaseException) -> None:
@@ -744,6 +827,8 @@ class RpcAgent:
         ctx = self._response_context(src)
         frame = self._encode(MessageKind.ERROR, rid, info, ctx)
         frame.reply_to = rid
+        if self._replies is not None:
+            self._replies.answered(src, rid, frame)
         self._transmit(src, frame, ctx, 0)
 
     # ----------------------------------------------------------- completion & failure
@@ -805,6 +890,8 @@ class RpcAgent:
         self._lost_causes.setdefault(rank, cause)  # (before the calls fail: they read it)
         if self._heartbeat is not None:
             self._heartbeat.forget(rank)
+        if self._replies is not None:
+            self._replies.forget(rank)
         victims = self._pending.lose(rank, text)
         if victims is None:
             return  # already known
@@ -942,6 +1029,8 @@ class RpcAgent:
         self._followers.shutdown(budget(_CLOSE_TIMEOUT))
         self._completions.shutdown(budget(_CLOSE_TIMEOUT))
         self._timer.close(budget(_CLOSE_TIMEOUT))
+        if self._resender is not None:
+            self._resender.close(budget(_CLOSE_TIMEOUT))
         for hook in self.on_close:
             try:
                 hook(_remaining(deadline))

@@ -236,7 +236,8 @@ def debug_info() -> dict[str, Any]:
     ``releasing`` (context releases this worker started that peers have not yet
     confirmed) and ``passes`` (local backward passes run here so far);
     ``authenticated`` (whether the world runs with a key) and ``refused_frames`` (frames
-    dropped because they failed authentication).
+    dropped because they failed authentication); ``resent_frames`` (copies of bookkeeping
+    requests sent again because no answer came, on a transport that may lose frames).
     Call it on another worker with ``rpcx.rpc_sync(name, rpcx.debug_info)``.
     """
     agent = _context.current_agent()
@@ -253,6 +254,7 @@ def debug_info() -> dict[str, Any]:
         "autograd": autograd_service.service(agent).stats(),
         "authenticated": agent.guard is not None,
         "refused_frames": agent.guard.refused if agent.guard is not None else 0,
+        "resent_frames": agent.resent_frames,
     }
 
 

@@ -8,6 +8,7 @@ reported (``python -m rpcx backends``) instead of breaking rpcx.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib
 import importlib.metadata
@@ -229,10 +230,11 @@ def _faulty(inner: BackendSpec) -> BackendSpec:
     """``faulty:<inner>``: ``inner`` with injected faults (see :mod:`rpcx.faulty`)."""
     from rpcx import faulty  # (imports the codec: only when asked for)
 
+    capabilities = dataclasses.replace(inner.capabilities, lossy=True)
     return BackendSpec(
         name=faulty.PREFIX + inner.name,
-        factory=faulty.faulty_class(inner.name, inner.factory, inner.capabilities),
-        capabilities=inner.capabilities,
+        factory=faulty.faulty_class(inner.name, inner.factory, capabilities),
+        capabilities=capabilities,
         description=f"{inner.name}, with frames dropped, duplicated or delayed on demand",
         options_type=inner.options_type,
         plugin="rpcx.faulty",

@@ -16,6 +16,11 @@ Why the owner never frees early, without waiting for acknowledgements:
 
 A fork's deletion can still overtake its own announcement (they come from different
 workers): the owner remembers such a fork as *cancelled* and ignores the announcement.
+Where order is not enough (a transport that loses frames resends the lost ones late, see
+rpcx._retransmit), a worker also holds back the deletion of an RRef whose announcements
+have not been acknowledged yet: the owner always hears of the child before the parent
+goes. Announcements and deletions for an id the owner already freed are stale copies and
+are ignored, so they cannot bring an entry back.
 Entries announced or fetched before the creating ``remote()`` arrived wait, uncreated,
 for it; they are not freed until created. A dead worker's forks are dropped.
 
@@ -102,8 +107,11 @@ class RRefService:
         self._deletions: collections.deque[tuple[int, RRefId, ForkId]] = collections.deque()
         self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._deleter_due = False
-        self._notes_lock = threading.Lock()  # guards _by_owner and _unacknowledged
+        self._notes_lock = threading.Lock()  # guards _by_owner, _announcing, _held
         self._by_owner: dict[int, list[tuple[RRefId, ForkId]]] = {}
+        # RRefs with fork announcements not acknowledged yet, and deletions held for them.
+        self._announcing: collections.Counter[RRefId] = collections.Counter()
+        self._held: dict[RRefId, list[tuple[int, RRefId, ForkId]]] = {}
         # Owners sent deletions one way (notes, or alone) since the last flush(), which
         # asks each of them for an acknowledgement of everything before it.
         self._unacknowledged: set[int] = set()
@@ -174,6 +182,9 @@ class RRefService:
         freed: list[_Entry] = []
         with self._lock:
             for rref_id, fork, holder in forks:
+                if self._is_freed_locked(rref_id):
+                    log.debug("%s: stale announcement for freed %s", self.agent.name, rref_id)
+                    continue
                 entry = self._entry_locked(rref_id)
                 added = self._add_fork_locked(entry, fork, holder)
                 # A holder that got the RRef from the owner itself knows it is confirmed.
@@ -189,6 +200,8 @@ class RRefService:
         freed: list[_Entry] = []
         with self._lock:
             for rref_id, fork in forks:
+                if self._is_freed_locked(rref_id):
+                    continue  # a copy of a deletion already handled
                 entry = self._entry_locked(rref_id)
                 if entry.forks.pop(fork, None) is None:
                     entry.cancelled.add(fork)
@@ -215,6 +228,9 @@ class RRefService:
                 entry.value.set_exception(
                     PeerLostError(f"the worker creating this RRef (rank {rank}) is gone")
                 )
+
+    def _is_freed_locked(self, rref_id: RRefId) -> bool:
+        return rref_id not in self._entries and rref_id in self._freed_ids
 
     def _entry_locked(self, rref_id: RRefId) -> _Entry:
         entry = self._entries.get(rref_id)
@@ -300,16 +316,36 @@ class RRefService:
         if owner == self.rank:
             self.add_forks([(rref._id, fork, holder)], self.rank)
             return
-        future = self.agent.request(
-            rref._owner, MessageKind.RREF_FORKS, [(rref._id, fork, holder)],
-            timeout=self.agent.timeout_for(None), api="announce", target=rref,
-            describe_target=repr,
-        )
+        rref_id = rref._id
+        with self._notes_lock:
+            self._announcing[rref_id] += 1
+        try:
+            future = self.agent.request(
+                rref._owner, MessageKind.RREF_FORKS, [(rref_id, fork, holder)],
+                timeout=self.agent.timeout_for(None), api="announce", target=rref,
+                describe_target=repr,
+            )
+        except BaseException:
+            self._announced(rref_id)
+            raise
         with self._lock:
             self._inflight_forks += 1
             self._sent += 1
             self._inflight.add(future)
-        add_internal_callback(future, lambda f: self._done(f, fork=True))
+        add_internal_callback(future, lambda f: self._done(f, announced=rref_id))
+
+    def _announced(self, rref_id: RRefId) -> None:
+        """An announcement of ``rref_id`` ended: release deletions held for it."""
+        with self._notes_lock:
+            self._announcing[rref_id] -= 1
+            if self._announcing[rref_id] > 0:
+                return
+            del self._announcing[rref_id]
+            held = self._held.pop(rref_id, ())
+            for owner, _, fork in held:
+                self._by_owner.setdefault(owner, []).append((rref_id, fork))
+        if held:
+            self.schedule_wake()
 
     def schedule_delete(self, owner: int, rref_id: RRefId, fork: ForkId) -> None:
         """Called from ``RRef.__del__``: reentrant, never blocks, never raises."""
@@ -353,8 +389,11 @@ class RRefService:
 
     def _sort_locked(self) -> None:
         while self._deletions:
-            owner, rref_id, fork = self._deletions.popleft()
-            self._by_owner.setdefault(owner, []).append((rref_id, fork))
+            deletion = owner, rref_id, fork = self._deletions.popleft()
+            if rref_id in self._announcing:  # the owner hears of the child first
+                self._held.setdefault(rref_id, []).append(deletion)
+            else:
+                self._by_owner.setdefault(owner, []).append((rref_id, fork))
 
     def _take_all(self) -> dict[int, list[tuple[RRefId, ForkId]]]:
         with self._notes_lock:
@@ -379,7 +418,9 @@ class RRefService:
             self.remove_forks(forks)
             return
         dst = self.agent.workers[owner]
-        if not acknowledged:
+        # (On a lossy transport every deletion is a request: flush() must wait for the
+        # ones lost and sent again, where order alone acknowledges them otherwise.)
+        if not acknowledged and not self.agent.lossy:
             with self._notes_lock:
                 self._unacknowledged.add(owner)
             self.agent.notify(dst, MessageKind.RREF_DELETE, forks)
@@ -397,13 +438,15 @@ class RRefService:
         with self._lock:
             self._sent += 1
             self._inflight.add(future)
-        add_internal_callback(future, lambda f: self._done(f, fork=False))
+        add_internal_callback(future, self._done)
 
-    def _done(self, future: torch.futures.Future[Any], fork: bool) -> None:
+    def _done(self, future: torch.futures.Future[Any], announced: RRefId | None = None) -> None:
         with self._lock:
             self._inflight.discard(future)
-            if fork:
+            if announced is not None:
                 self._inflight_forks -= 1
+        if announced is not None:
+            self._announced(announced)
         try:
             future.value()
         except (PeerLostError, RpcShutdownError) as exc:  # the world is going away
@@ -443,7 +486,8 @@ class RRefService:
         """Counts for ``rpcx.debug_info()``."""
         objects = list(self._objects.values())
         with self._notes_lock:
-            noted = sum(len(forks) for forks in self._by_owner.values())
+            noted = sum(len(forks) for forks in self._by_owner.values()) + sum(
+                len(held) for held in self._held.values())
         with self._lock:
             return {
                 "owned": len(self._entries),

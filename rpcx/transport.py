@@ -68,6 +68,10 @@ class Capabilities:
             socket the transport listens on, can neither run code nor cost a worker its
             peers (given a world key, where connections must prove it). The conformance
             kit fuzzes every listener of a worker to check it.
+        lossy: frames may be dropped or duplicated (never reordered between a pair). rpcx
+            then acknowledges its bookkeeping and sends it again until answered (see
+            ``rpcx._retransmit``); user calls whose frames are lost fail with their
+            timeout. False for every built-in transport (a lost connection is a lost peer).
     """
 
     multi_process: bool
@@ -75,6 +79,7 @@ class Capabilities:
     in_process: bool = False
     cuda_direct: bool = False
     refuses_strangers: bool = True
+    lossy: bool = False
 
     def summary(self) -> str:
         """A short comma-separated list of the true flags."""

@@ -2,23 +2,27 @@
 frames it is told to; and rpcx under it: a duplicated request runs once, a duplicated
 reply is taken once (RRefs in it neither leak nor are freed early).
 
-(Drops, and one-way messages, under faults are the next step of issue 14.)
+On a lossy transport (this one) bookkeeping is acknowledged and sent again until
+answered (rpcx._retransmit): lost or duplicated RRef and autograd messages change nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
 
 import pytest
+import torch
 
 import rpcx
 from rpcx import _context
+from rpcx import autograd as dist_autograd
 from rpcx.errors import BackendNotFoundError
 from rpcx.faulty import FAULTS_ENV, Faults
 from rpcx.registry import resolve_backend
-from rpcx.testing import remote
+from rpcx.testing import remote, training
 from rpcx.testing.world import world
 
 BOUND = 30.0
@@ -35,7 +39,8 @@ def _injected() -> dict[tuple[str, str], int]:
 def test_faulty_names_wrap_any_backend() -> None:
     spec = resolve_backend("faulty:loopback")
     inner = resolve_backend("loopback")
-    assert spec.name == "faulty:loopback" and spec.capabilities == inner.capabilities
+    assert spec.name == "faulty:loopback"
+    assert spec.capabilities == dataclasses.replace(inner.capabilities, lossy=True)
     assert spec.options_type is inner.options_type
     with pytest.raises(BackendNotFoundError, match="no-such"):
         resolve_backend("faulty:no-such")
@@ -139,3 +144,41 @@ def test_the_injector_refuses_sealed_frames(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ValueError, match="without RPCX_AUTH_KEY"), world("faulty:loopback",
                                                                          size=2):
         pass
+
+
+def test_lost_rref_bookkeeping_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Half of every RRef bookkeeping message lost (the copies too): each is sent again
+    # until answered, so values are neither freed early nor leaked.
+    kinds = ("RREF_FETCH", "RREF_FORKS", "RREF_DELETE", "RREF_CONFIRM")
+    _faults(monkeypatch, drop=dict.fromkeys(kinds, 0.5), seed=3)
+    with world("faulty:gloo", size=3, rpc_timeout=BOUND):
+        baseline = rpcx.rpc_sync("worker1", remote.tracked_live)
+        held = rpcx.remote("worker1", remote.Tracked, args=("held",))
+        for _ in range(6):  # forks announced to worker1, confirmed to worker2, deleted
+            assert rpcx.rpc_sync("worker2", remote.rref_to_here, args=(held,)).get() == "held"
+        assert held.to_here(timeout=BOUND).get() == "held"
+        del held
+        for name in ("worker0", "worker2", "worker1"):
+            rpcx.rpc_sync(name, remote.rref_settle)
+        assert rpcx.rpc_sync("worker1", remote.tracked_live) == baseline
+        dropped = {kind for (fault, kind) in _injected() if fault == "drop"}
+        assert {"RREF_FORKS", "RREF_DELETE"} <= dropped, dropped
+        assert rpcx.debug_info()["resent_frames"] > 0
+
+
+def test_duplicated_and_lost_gradients_count_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One-way autograd messages (a chain of passes and its end) duplicated or lost: on a
+    # lossy transport they are acknowledged requests, so each is handled exactly once.
+    kinds = ("AUTOGRAD_CHAIN", "AUTOGRAD_CHAIN_END", "AUTOGRAD_BACKWARD", "AUTOGRAD_RUN")
+    _faults(monkeypatch, duplicate=dict.fromkeys(kinds, 1.0), drop=dict.fromkeys(kinds, 0.3),
+            seed=5)
+    with world("faulty:gloo", size=3, rpc_timeout=BOUND):
+        w = torch.tensor([1.0, 2.0], requires_grad=True)
+        for _ in range(5):
+            with dist_autograd.context() as context_id:
+                y = rpcx.rpc_sync("worker1", training.square_then_call, args=(w, ["worker2"]))
+                dist_autograd.backward(context_id, [y.sum()])
+                grads = dist_autograd.get_gradients(context_id)
+            assert torch.equal(grads[w], 4 * w.detach() ** 3), grads[w]  # d(w^4)/dw
+        faults = {fault for fault, kind in _injected() if kind.startswith("AUTOGRAD_CHAIN")}
+        assert faults == {"drop", "duplicate"}, _injected()

@@ -1,0 +1,141 @@
+"""Bookkeeping that survives a transport that loses frames.
+
+rpcx's built-in transports are reliable per pair (TCP, gloo's pairs, shared memory): a
+frame arrives once, in order, or the peer is reported lost. A transport that declares
+``Capabilities.lossy`` (the fault injector, ``backend="faulty:<name>"``, or a datagram
+plugin) may drop or duplicate frames. On such a transport the agent makes rpcx's own
+bookkeeping reliable, with this module:
+
+* every bookkeeping request (:data:`RETRIED_KINDS`) is sent again, with growing pauses,
+  until its reply comes or its timeout ends;
+* bookkeeping that is one-way on a reliable transport (:data:`ACKED_KINDS`) is sent as a
+  request, so that it is acknowledged and sent again too;
+* the callee serves each (caller, request id) once: a copy of a request already answered
+  gets the same answer again (:class:`ReplyCache`), a copy of one still running gets
+  nothing (the answer is on its way); a fetch of an RRef's value, which changes nothing,
+  is served again rather than its value kept.
+
+User calls are not retried: a function runs at most once, and a call whose request or
+reply is lost fails with its timeout, as on a network that drops a connection. Nothing
+here runs on a reliable transport.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+from rpcx._timer import DeadlineTimer
+from rpcx.messages import MessageKind
+from rpcx.transport import Frame
+
+__all__ = ["ACKED_KINDS", "REFETCHED_KINDS", "RETRIED_KINDS", "ReplyCache", "Resender"]
+
+# Requests sent again until answered, and one-way messages sent as such requests.
+ACKED_KINDS = frozenset({
+    MessageKind.RREF_DELETE, MessageKind.RREF_CONFIRM,
+    MessageKind.AUTOGRAD_CHAIN, MessageKind.AUTOGRAD_CHAIN_END,
+})
+RETRIED_KINDS = ACKED_KINDS | {
+    MessageKind.RREF_FETCH, MessageKind.RREF_FORKS, MessageKind.AUTOGRAD_BACKWARD,
+    MessageKind.AUTOGRAD_RELEASE, MessageKind.AUTOGRAD_RUN,
+}
+# Served again when a copy arrives (reading changes nothing; the value may be large).
+REFETCHED_KINDS = frozenset({MessageKind.RREF_FETCH})
+
+FIRST_PAUSE = 0.05  # seconds before the first copy; doubled after each, up to LAST_PAUSE
+LAST_PAUSE = 1.0
+_REPLIES_KEPT = 1024  # answers remembered per caller
+
+
+def copy_of_frame(frame: Frame) -> Frame:
+    """A second ``Frame`` object over the same header and buffers (sending may seal the
+    one it is given in place)."""
+    return Frame(frame.header, list(frame.buffers), request_id=frame.request_id,
+                 reply_to=frame.reply_to, owned=frame.owned)
+
+
+class Resender:
+    """Sends a request again, with growing pauses, until ``is_pending(rid)`` is false.
+
+    ``send(dst, frame)`` is called from the timer's thread and must not block: the agent
+    passes one that hands the send to its request pool.
+    """
+
+    def __init__(self, name: str, send: Callable[[int, Frame], None],
+                 is_pending: Callable[[int], bool], on_thread_start: Callable[[], None]) -> None:
+        self._send = send
+        self._is_pending = is_pending
+        self._lock = threading.Lock()
+        self._waiting: dict[int, tuple[int, Frame, float]] = {}  # rid -> dst, frame, pause
+        self._timer = DeadlineTimer(f"{name}-resend", self._due, self._is_waiting,
+                                    on_thread_start)
+        self.resent = 0  # copies sent, for debug_info()
+
+    def track(self, rid: int, dst: int, frame: Frame) -> None:
+        """Send ``frame`` (request ``rid`` to ``dst``) again if no reply comes soon."""
+        with self._lock:
+            self._waiting[rid] = (dst, copy_of_frame(frame), FIRST_PAUSE)
+        self._timer.schedule(time.monotonic() + FIRST_PAUSE, rid)
+
+    def _is_waiting(self, rid: int) -> bool:
+        with self._lock:
+            return rid in self._waiting
+
+    def _due(self, rid: int) -> None:
+        with self._lock:
+            entry = self._waiting.pop(rid, None)
+            if entry is None or not self._is_pending(rid):
+                return
+            dst, frame, pause = entry
+            pause = min(pause * 2, LAST_PAUSE)
+            self._waiting[rid] = (dst, frame, pause)
+            self.resent += 1
+        self._send(dst, copy_of_frame(frame))
+        self._timer.schedule(time.monotonic() + pause, rid)
+
+    def close(self, timeout: float) -> None:
+        """Stop sending copies."""
+        with self._lock:
+            self._waiting.clear()
+        self._timer.close(timeout)
+
+
+class ReplyCache:
+    """The callee's side: each caller's recent bookkeeping requests and their answers."""
+
+    def __init__(self, world_size: int) -> None:
+        self._lock = threading.Lock()
+        # caller rank -> request id -> the reply sent, or None while it runs.
+        self._replies: list[collections.OrderedDict[int, Frame | None]] = [
+            collections.OrderedDict() for _ in range(world_size)
+        ]
+
+    def running(self, src: int, rid: int) -> None:
+        """Request ``rid`` from ``src`` is served now; its reply will be kept."""
+        with self._lock:
+            replies = self._replies[src]
+            replies[rid] = None
+            if len(replies) > _REPLIES_KEPT:
+                replies.popitem(last=False)
+
+    def answered(self, src: int, rid: int, frame: Frame) -> None:
+        """Keep the reply to ``rid`` if it is a request :meth:`running` was told of."""
+        with self._lock:
+            replies = self._replies[src]
+            if rid in replies:
+                replies[rid] = copy_of_frame(frame)
+
+    def reply_to_copy(self, src: int, rid: int) -> Frame | None:
+        """The answer for a copy of request ``rid`` from ``src``: the kept reply, or
+        ``None`` (still running, or not kept: the copy is dropped)."""
+        with self._lock:
+            frame = self._replies[src].get(rid)
+        return None if frame is None else copy_of_frame(frame)
+
+    def forget(self, src: int) -> None:
+        """``src`` is gone: drop what was kept for it."""
+        with self._lock:
+            self._replies[src].clear()

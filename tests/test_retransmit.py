@@ -1,0 +1,86 @@
+"""rpcx._retransmit: requests sent again with growing pauses until answered; copies of a
+request answered from the reply kept, or dropped while it runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from rpcx._retransmit import FIRST_PAUSE, LAST_PAUSE, ReplyCache, Resender
+from rpcx.transport import Frame
+
+BOUND = 10.0
+
+
+class _Sent:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.frames: list[tuple[int, Frame]] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, dst: int, frame: Frame) -> None:
+        with self.cond:
+            self.times.append(time.monotonic())
+            self.frames.append((dst, frame))
+            self.cond.notify_all()
+
+    def wait_for(self, count: int) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: len(self.frames) >= count, BOUND)
+
+
+def test_a_request_is_sent_again_with_growing_pauses_until_answered() -> None:
+    sent, pending = _Sent(), {7}
+    resender = Resender("t", sent, pending.__contains__, lambda: None)
+    try:
+        original = Frame(b"header", request_id=7)
+        started = time.monotonic()
+        resender.track(7, 3, original)
+        assert sent.wait_for(3)
+        pending.discard(7)  # answered: no more copies
+        count = len(sent.frames)
+        # Pauses of FIRST_PAUSE, then twice that, then four times (up to LAST_PAUSE).
+        assert sent.times[0] - started >= FIRST_PAUSE * 0.9
+        assert sent.times[2] - started >= FIRST_PAUSE * 7 * 0.9
+        assert all(dst == 3 and frame.header == b"header" and frame is not original
+                   for dst, frame in sent.frames)
+        time.sleep(LAST_PAUSE * 1.5)  # (the absence of a copy: nothing to wait on)
+        assert len(sent.frames) <= count + 1  # at most the one already due
+        assert resender.resent == len(sent.frames)
+    finally:
+        resender.close(BOUND)
+
+
+def test_a_request_answered_before_its_pause_is_never_sent_again() -> None:
+    sent: _Sent = _Sent()
+    resender = Resender("t", sent, lambda rid: False, lambda: None)
+    try:
+        resender.track(1, 0, Frame(b"x"))
+        time.sleep(FIRST_PAUSE * 3)  # (the absence of a copy)
+        assert sent.frames == [] and resender.resent == 0
+    finally:
+        resender.close(BOUND)
+
+
+def test_copies_get_the_kept_answer_or_nothing_while_the_request_runs() -> None:
+    cache = ReplyCache(world_size=2)
+    cache.running(1, 5)
+    assert cache.reply_to_copy(1, 5) is None  # still running: the copy is dropped
+    reply = Frame(b"answer", reply_to=5)
+    cache.answered(1, 5, reply)
+    again = cache.reply_to_copy(1, 5)
+    assert again is not None and again.header == b"answer" and again is not reply
+    cache.answered(1, 6, Frame(b"not a kept request"))
+    assert cache.reply_to_copy(1, 6) is None
+    assert cache.reply_to_copy(0, 5) is None  # per caller
+    cache.forget(1)
+    assert cache.reply_to_copy(1, 5) is None
+
+
+def test_answers_kept_are_bounded_per_caller() -> None:
+    cache = ReplyCache(world_size=1)
+    for rid in range(1, 3000):
+        cache.running(0, rid)
+        cache.answered(0, rid, Frame(b"r"))
+    assert cache.reply_to_copy(0, 1) is None  # forgotten
+    assert cache.reply_to_copy(0, 2999) is not None
