@@ -8,6 +8,7 @@ message when none does, and one acknowledged request per owner at flush().
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ class StubAgent:
         self.workers = [WorkerInfo(f"w{i}", i) for i in range(3)]
         self.sent: list[tuple[str, int, int, Any]] = []  # (how, dst, kind, payload)
         self.notified = threading.Event()
+        self.lossy = False  # a reliable transport: deletions may go one way
 
     def notify(self, dst: WorkerInfo, kind: int, payload: Any) -> None:
         self.sent.append(("notify", dst.id, kind, payload))
@@ -94,5 +96,30 @@ def test_flush_asks_every_owner_sent_deletions_one_way_for_an_acknowledgement() 
         agent.sent.clear()
         svc.flush(TIMEOUT)  # nothing new: nothing to acknowledge
         assert agent.sent == []
+    finally:
+        svc.close()
+
+
+def test_a_deletion_waits_for_the_announcements_of_its_forks() -> None:
+    # A fork of (1, 1) announced to its owner, worker 1, not acknowledged yet: the RRef's
+    # own deletion is held (on a lossy transport the announcement may be resent and
+    # arrive after it), then sent once the acknowledgement comes.
+    agent, svc = _service()
+    answer: torch.futures.Future[Any] = torch.futures.Future()
+    agent.request = lambda dst, kind, payload, **_: (  # type: ignore[method-assign]
+        agent.sent.append(("request", dst.id, kind, payload)) or answer)
+    rref = SimpleNamespace(_owner=agent.workers[1], _id=(1, 1))
+    try:
+        svc.announce(rref, (0, 7), 2)  # type: ignore[arg-type]
+        svc.schedule_delete(1, (1, 1), (0, 1))
+        assert svc.notes_for(1) == []  # held, not handed to a frame either
+        assert svc.stats()["pending_deletes"] == 1
+        assert not agent.notified.wait(0.2)  # (the deleter had its chance: nothing sent)
+        answer.set_result(None)
+        assert agent.notified.wait(TIMEOUT)
+        assert agent.sent == [
+            ("request", 1, MessageKind.RREF_FORKS, [((1, 1), (0, 7), 2)]),
+            ("notify", 1, MessageKind.RREF_DELETE, [((1, 1), (0, 1))]),
+        ]
     finally:
         svc.close()
