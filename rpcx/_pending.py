@@ -48,6 +48,7 @@ class PendingCall:
     started: float
     timeout: float | None
     describe_target: Callable[[Any], str] = field(default=describe_callable)
+    nbytes: int = 0  # counted against the back-pressure budget to ``dst`` until done
 
     @property
     def call(self) -> str:

@@ -23,11 +23,12 @@ from typing import Any, Protocol
 import torch
 
 from rpcx import _context, rendezvous
+from rpcx._budget import PeerBudget
 from rpcx._heartbeat import Heartbeat
 from rpcx._lanes import LaneWatch, ReceiveLane, current_lane
 from rpcx._memory import copy_of
 from rpcx._pending import CLOSED, PendingCall, PendingCalls, describe_callable
-from rpcx._pool import WorkerPool, current_pool
+from rpcx._pool import WorkerPool, blocking, current_pool
 from rpcx._recent import RecentIds
 from rpcx._retransmit import (
     ACKED_KINDS,
@@ -50,7 +51,7 @@ from rpcx.errors import (
     UnknownWorkerError,
 )
 from rpcx.futures import RpcFuture, add_internal_callback, settle_inline
-from rpcx.messages import PING, PONG, MessageKind
+from rpcx.messages import CONTROL_KINDS, PING, PONG, MessageKind
 from rpcx.options import RpcBackendOptions
 from rpcx.serialization import (
     DecodeContext,
@@ -223,6 +224,9 @@ class RpcAgent:
         self.register_handler(MessageKind.HEARTBEAT, self._on_heartbeat, in_order=True)
         # On a transport that may lose or duplicate frames, bookkeeping is acknowledged
         # and sent again until answered (rpcx._retransmit); ``None`` on reliable ones.
+        # Back-pressure (rpcx._budget): bytes of calls in flight per peer, capped.
+        limit = int(getattr(options, "max_bytes_in_flight", 0))
+        self._budget = PeerBudget(len(workers), limit) if limit > 0 else None
         self._resender: Resender | None = None
         self._replies: ReplyCache | None = None
         if getattr(transport.capabilities, "lossy", False):
@@ -267,6 +271,15 @@ class RpcAgent:
     def resent_frames(self) -> int:
         """Copies of bookkeeping requests sent again so far (lossy transports)."""
         return 0 if self._resender is None else self._resender.resent
+
+    def back_pressure(self) -> dict[str, Any]:
+        """``bytes_in_flight`` (by peer name, where not zero) and ``calls_held_back``."""
+        budget = self._budget
+        if budget is None:
+            return {"bytes_in_flight": {}, "calls_held_back": 0}
+        return {"bytes_in_flight": {w.name: budget.in_flight(w.id) for w in self.workers
+                                    if budget.in_flight(w.id)},
+                "calls_held_back": budget.waits}
 
     @property
     def request_threads(self) -> int:
@@ -472,7 +485,15 @@ class RpcAgent:
         future: RpcFuture[Any] = RpcFuture()
         started = time.monotonic()
         pending = PendingCall(future, dst, api, target, started, timeout, describe_target)
+        if (self._budget is not None and kind not in CONTROL_KINDS
+                and not _delivering.active):  # (a delivering thread must never wait)
+            room = self._make_room(dst, frame.nbytes, pending)
+            if room is not None:
+                future.set_exception(room)
+                return future
         refused = self._pending.add(rid, pending)
+        if refused is not None and pending.nbytes and self._budget is not None:
+            self._budget.give(dst.id, pending.nbytes)
         if refused is CLOSED:
             raise self._shut_down_error(api, describe_target(target), dst)
         if refused is not None:
@@ -485,6 +506,33 @@ class RpcAgent:
             self._resender.track(rid, dst.id, frame)
         self._transmit(dst.id, frame, ctx, rid)
         return future
+
+    def _make_room(
+        self, dst: WorkerInfo, nbytes: int, pending: PendingCall
+    ) -> BaseException | None:
+        """Count a call's bytes against the budget to ``dst``, waiting within its timeout
+        for room (back-pressure); the error to fail it with if there is none."""
+        budget = self._budget
+        assert budget is not None
+        if budget.try_take(dst.id, nbytes):
+            pending.nbytes = nbytes
+            return None
+        with blocking():  # (a request thread waiting here lets the pool grow)
+            taken = budget.take(dst.id, nbytes, pending.timeout,
+                                lambda: self._state == _CLOSED or self.is_lost(dst.id))
+        if taken:
+            pending.nbytes = nbytes
+            return None
+        if self._state == _CLOSED:
+            return self._shut_down_error(pending.api, pending.describe_target(pending.target),
+                                         dst)
+        if self.is_lost(dst.id):
+            return self.lost_error(dst.id, pending.call)
+        return RpcTimeoutError(
+            f"{pending.call} to worker {dst.name!r}: not sent within its timeout "
+            f"({pending.timeout:g} s): {budget.in_flight(dst.id) / 2**20:.1f} MiB of calls "
+            f"to it are still unanswered, and this one ({nbytes / 2**20:.1f} MiB) would pass "
+            f"max_bytes_in_flight ({budget.limit / 2**20:.1f} MiB)")
 
     def _shut_down_error(self, api: str, target: str, dst: WorkerInfo) -> RpcShutdownError:
         return RpcShutdownError(
@@ -843,6 +891,8 @@ class RpcAgent:
         pending = self._pending.pop(rid)
         if pending is None:
             return
+        if pending.nbytes and self._budget is not None:
+            self._budget.give(pending.dst.id, pending.nbytes)
         outcome = None if exception is None else exception(pending)
         future = pending.future
         if current_pool() is self._completions:
@@ -895,6 +945,8 @@ class RpcAgent:
         victims = self._pending.lose(rank, text)
         if victims is None:
             return  # already known
+        if self._budget is not None:  # calls waiting for room to it: fail them now
+            self._budget.wake()
         # A peer that leaves while we shut down is expected; one that dies never is.
         expected = self._state != _RUNNING and cause is LostCause.DEPARTED
         level = logging.DEBUG if expected else logging.WARNING
@@ -1004,6 +1056,8 @@ class RpcAgent:
     def _close(self, deadline: float | None, graceful: bool = True) -> None:
         with self._lock:
             self._state = _CLOSED
+        if self._budget is not None:
+            self._budget.wake()
         leftovers = self._pending.close()
         for rid in leftovers:
             self._complete(

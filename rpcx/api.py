@@ -237,7 +237,9 @@ def debug_info() -> dict[str, Any]:
     confirmed) and ``passes`` (local backward passes run here so far);
     ``authenticated`` (whether the world runs with a key) and ``refused_frames`` (frames
     dropped because they failed authentication); ``resent_frames`` (copies of bookkeeping
-    requests sent again because no answer came, on a transport that may lose frames).
+    requests sent again because no answer came, on a transport that may lose frames);
+    ``bytes_in_flight`` (peer name: bytes of calls to it not answered yet, where any) and
+    ``calls_held_back`` (calls that had to wait for ``max_bytes_in_flight``).
     Call it on another worker with ``rpcx.rpc_sync(name, rpcx.debug_info)``.
     """
     agent = _context.current_agent()
@@ -255,6 +257,7 @@ def debug_info() -> dict[str, Any]:
         "authenticated": agent.guard is not None,
         "refused_frames": agent.guard.refused if agent.guard is not None else 0,
         "resent_frames": agent.resent_frames,
+        **agent.back_pressure(),
     }
 
 

@@ -36,6 +36,9 @@ DEFAULT_MAX_FRAME_BYTES = 64 << 30
 # milliseconds unless something holds its GIL for seconds.
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
+# Bytes of requests a worker may have in flight to one peer before new calls to it wait
+# (rpcx._budget): bounds what a fast caller can queue at a slow callee.
+DEFAULT_MAX_BYTES_IN_FLIGHT = 1 << 30
 
 DeviceLike = Union[int, str, torch.device]  # noqa: UP007  (an alias, evaluated on 3.10)
 DeviceMap = dict[torch.device, torch.device]
@@ -63,6 +66,11 @@ class RpcBackendOptions:
         heartbeat_timeout: seconds of silence after which a peer is reported
             unresponsive: calls waiting on it fail, naming it and how long it has been
             silent, and new ones fail at once until it is heard again.
+        max_bytes_in_flight: bytes of calls (arguments and tensors) this worker may have
+            sent to one peer and not had answered, 1 GiB by default. A call that would
+            pass it waits, within its timeout, for earlier calls to that peer to finish,
+            then fails with ``RpcTimeoutError`` naming the limit. A single larger call
+            goes when nothing else is in flight to that peer. ``0``: no limit.
     """
 
     def __init__(
@@ -76,7 +84,9 @@ class RpcBackendOptions:
         auth_payload: bool = False,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
     ) -> None:
+        self.max_bytes_in_flight = int(max_bytes_in_flight)
         self.heartbeat_interval = float(heartbeat_interval)
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.rpc_timeout = float(rpc_timeout)
@@ -109,6 +119,9 @@ class RpcBackendOptions:
             raise ValueError(
                 f"heartbeat_timeout ({self.heartbeat_timeout:g} s) must be longer than "
                 f"heartbeat_interval ({self.heartbeat_interval:g} s)")
+        if self.max_bytes_in_flight < 0:
+            raise ValueError(
+                f"max_bytes_in_flight must be >= 0 (0: no limit), got {self.max_bytes_in_flight}")
         if self.max_frame_bytes < 1 << 20:
             raise ValueError(f"max_frame_bytes must be at least 1 MiB, got {self.max_frame_bytes}")
         if not isinstance(self.init_method, str) or "://" not in self.init_method:
@@ -147,11 +160,13 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         auth_payload: bool = False,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
     ) -> None:
         super().__init__(rpc_timeout, init_method, num_worker_threads,
                          max_frame_bytes=max_frame_bytes, auth_key=auth_key,
                          auth_payload=auth_payload, heartbeat_interval=heartbeat_interval,
-                         heartbeat_timeout=heartbeat_timeout)
+                         heartbeat_timeout=heartbeat_timeout,
+                         max_bytes_in_flight=max_bytes_in_flight)
         self.device_maps: dict[str, DeviceMap] = {}
         self.devices: list[torch.device] = []
         # TensorPipe's transports and channels: the tensorpipe backend hands them to

@@ -118,6 +118,7 @@ def test_validate_accepts_zero_timeout() -> None:
         ("init_method", "", "init_method"),
         ("init_method", None, "init_method"),
         ("max_frame_bytes", 1000, "max_frame_bytes"),
+        ("max_bytes_in_flight", -1, "max_bytes_in_flight"),
     ],
 )
 def test_validate_rejects(field: str, value: object, match: str) -> None:
@@ -283,3 +284,9 @@ def test_max_frame_bytes_defaults_to_64_gib_and_is_a_keyword_of_both_classes() -
     assert RpcBackendOptions().max_frame_bytes == 64 << 30
     assert TensorPipeRpcBackendOptions(max_frame_bytes=1 << 30).max_frame_bytes == 1 << 30
     assert RpcBackendOptions(max_frame_bytes=2 << 20).max_frame_bytes == 2 << 20
+
+
+def test_max_bytes_in_flight_defaults_to_1_gib_and_0_turns_it_off() -> None:
+    assert RpcBackendOptions().max_bytes_in_flight == 1 << 30
+    assert TensorPipeRpcBackendOptions(max_bytes_in_flight=0).max_bytes_in_flight == 0
+    RpcBackendOptions(max_bytes_in_flight=0).validate()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from rpcx.testing import remote, training
 from rpcx.testing.fixtures import WorldKeeper
 from rpcx.testing.world import World, world
 
-__all__ = ["TestHungPeer", "TestPeerDeath"]
+__all__ = ["TestBackPressure", "TestHungPeer", "TestPeerDeath"]
 
 W0, W1, W2 = "worker0", "worker1", "worker2"
 BOUND = 60.0
@@ -205,3 +206,77 @@ class TestHungPeer:
             assert took < SHUTDOWN_TIMEOUT + 2.0, took
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+MiB = 1 << 20
+
+
+class TestBackPressure:
+    """``max_bytes_in_flight``: a caller cannot have more than that many bytes of calls
+    unanswered at one peer; past it a call waits within its timeout, then fails."""
+
+    LIMIT = int(4.5 * MiB)  # four calls of 1 MiB fit, a fifth does not
+
+    @pytest.fixture
+    def budget_world(
+        self, rpcx_backend: str, rpc_world_keeper: WorldKeeper
+    ) -> Iterator[World]:
+        """A fresh 3-worker world with a small budget."""
+        rpc_world_keeper.close()
+        with world(rpcx_backend, size=3, rpc_timeout=BOUND,
+                   max_bytes_in_flight=self.LIMIT) as started:
+            yield started
+
+    def test_a_call_past_the_budget_waits_then_fails_unsent(self, budget_world: World) -> None:
+        key = uuid.uuid4().hex
+        megabyte = torch.zeros(MiB // 4)  # float32: 1 MiB
+        held = [rpcx.rpc_async(W1, remote.gated_numel, args=(key, megabyte))
+                for _ in range(4)]
+        started = time.monotonic()
+        late = rpcx.rpc_async(W1, remote.gated_numel, args=(key, megabyte), timeout=0.5)
+        waited = time.monotonic() - started  # rpc_async itself waited for room
+        with pytest.raises(rpcx.RpcTimeoutError, match="max_bytes_in_flight") as err:
+            late.wait()
+        assert "worker 'worker1'" in str(err.value) and "4.0 MiB" in str(err.value)
+        assert 0.4 < waited < 0.5 + 1.0, waited
+        info = rpcx.debug_info()
+        assert info["calls_held_back"] == 1
+        assert MiB * 4 <= info["bytes_in_flight"][W1] <= self.LIMIT
+        # Other peers have budgets of their own: worker2 opens worker1's gate.
+        rpcx.rpc_sync(W2, remote.call_with, args=(rpcx.rpc_sync, W1, remote.release, (key,)))
+        assert [f.wait() for f in held] == [MiB // 4] * 4
+        assert rpcx.rpc_sync(W1, remote.tally_of, args=(key,)) == 4  # the fifth never left
+        assert rpcx.debug_info()["bytes_in_flight"] == {}
+
+    def test_a_flood_stays_within_the_budget(self, budget_world: World) -> None:
+        # 48 calls of 1 MiB from three threads at once, to a callee that holds each until
+        # released: no more than four are ever at worker1; every call completes.
+        key = uuid.uuid4().hex
+        megabyte = torch.ones(MiB // 4)
+        agent = _context.current_agent()
+        results: list[int] = []
+        errors: list[BaseException] = []
+
+        def flood() -> None:
+            _context.bind_agent(agent)
+            try:
+                futures = [rpcx.rpc_async(W1, remote.gated_numel, args=(key, megabyte))
+                           for _ in range(16)]
+                results.extend(f.wait() for f in futures)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=flood) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        # Worker1 holds four; each thread waits at worker0 until worker2 opens the gate.
+        assert rpcx.rpc_sync(W2, remote.call_with, args=(
+            rpcx.rpc_sync, W1, remote.wait_for_tally, (key, 4, BOUND))) == 4
+        assert agent._budget is not None and agent._budget.wait_for_waiting(3, BOUND)
+        rpcx.rpc_sync(W2, remote.call_with, args=(rpcx.rpc_sync, W1, remote.release, (key,)))
+        for thread in threads:
+            thread.join(BOUND)
+        assert not errors and results == [MiB // 4] * 48
+        assert rpcx.rpc_sync(W1, remote.tally_of, args=(f"{key}/peak",)) <= 4
+        assert rpcx.debug_info()["calls_held_back"] >= 3
+        assert rpcx.debug_info()["bytes_in_flight"] == {}

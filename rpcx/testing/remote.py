@@ -185,6 +185,22 @@ def release(key: str) -> None:
     _gate(key).set()
 
 
+def gated_numel(key: str, tensor: torch.Tensor) -> int:
+    """Count an arrival in tally ``key`` and, in tally ``key + "/peak"``, the most calls
+    of ``key`` held here at once; wait for :func:`release` of ``key``; return the
+    tensor's element count."""
+    with _tallies_changed:
+        _tallies[key] = _tallies.get(key, 0) + 1
+        live = _tallies[key] - _tallies.get(f"{key}/left", 0)
+        _tallies[f"{key}/peak"] = max(_tallies.get(f"{key}/peak", 0), live)
+        _tallies_changed.notify_all()
+    try:
+        wait_for_release(key)
+        return tensor.numel()
+    finally:
+        tally(f"{key}/left")
+
+
 class SlowToPickle:
     """A value whose pickling (sending it anywhere) waits for :func:`release` of ``key``."""
 
@@ -757,13 +773,22 @@ def process_id() -> int:
 
 _tallies: dict[str, int] = {}
 _tallies_lock = threading.Lock()
+_tallies_changed = threading.Condition(_tallies_lock)
 
 
 def tally(key: str) -> int:
     """Add one to this process's tally ``key`` (thread-safe); return it."""
-    with _tallies_lock:
+    with _tallies_changed:
         _tallies[key] = _tallies.get(key, 0) + 1
+        _tallies_changed.notify_all()
         return _tallies[key]
+
+
+def wait_for_tally(key: str, at_least: int, bound: float = 30.0) -> int:
+    """Wait (at most ``bound`` seconds) until tally ``key`` reaches ``at_least``; return it."""
+    with _tallies_changed:
+        _tallies_changed.wait_for(lambda: _tallies.get(key, 0) >= at_least, bound)
+        return _tallies.get(key, 0)
 
 
 def tally_of(key: str) -> int:
