@@ -1,7 +1,7 @@
 """The test matrix: ``nox -s tests`` runs the suite once per backend, built-in or plugin.
 
 Sessions: tests (every backend, then the RRef and autograd kit under injected faults as
-``faulty:gloo``; or ``-- --backends=...``), examples(backend), demo, lint,
+``faulty:gloo``; or ``-- --backends=...``), examples(backend), demo, soak, lint,
 typecheck, bench, and torch_suite(backend) (torch's own RPC tests run against rpcx;
 long, so not a default).
 Every session installs through constraints.txt, which pins torch==2.13.0.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import nox
 import nox.command
@@ -156,6 +157,27 @@ def demo(session: nox.Session) -> None:
     _install(session)
     session.install(*CONSTRAINTS, "numpy")  # rpcx does not need it; torch warns without it
     session.run("python", "examples/ddp_rpc/main.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """The soak (rpcx.testing.soak): four workers, mixed calls, RRef cycles and backward
+    passes with faults injected, for 400 rounds (~170,000 calls); fails if a reply is
+    wrong or lost, anything is left at the end, or memory grows past 10% after warm-up.
+
+    Arguments after ``--`` go to it: ``nox -s soak -- --rounds 2000 --backend faulty:shm``
+    (plugin backends are installed). Writes soak/results/soak-<time>.json.
+    """
+    _install(session, "test")
+    for directory in PLUGINS.values():
+        session.install(*CONSTRAINTS, "-e", directory)
+    args = list(session.posargs)
+    if not any(a.startswith("--json") for a in args):
+        args += ["--json", f"soak/results/soak-{time.strftime('%Y%m%d-%H%M%S')}.json"]
+    if not any(a.startswith("--rounds") for a in args):
+        args += ["--rounds", "400"]
+    os.makedirs("soak/results", exist_ok=True)
+    session.run("python", "-m", "rpcx.testing.soak", *args)
 
 
 @nox.session(python=PYTHON)

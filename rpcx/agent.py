@@ -499,9 +499,10 @@ class RpcAgent:
         if refused is not None:
             future.set_exception(self._lost_error(pending, str(refused)))
             return future
-        if timeout is not None:
-            self._timer.schedule(started + timeout, rid)
         frame.request_id = rid
+        if timeout is not None:
+            frame.deadline = started + timeout
+            self._timer.schedule(frame.deadline, rid)
         if self._resender is not None and kind in RETRIED_KINDS:
             self._resender.track(rid, dst.id, frame)
         self._transmit(dst.id, frame, ctx, rid)

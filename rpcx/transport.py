@@ -47,6 +47,10 @@ class Frame:
     # strided view, a host copy of device memory): nothing else can change them, so a
     # transport that otherwise copies what it sends later may send these as they are.
     owned: frozenset[int] = frozenset()
+    # A request's deadline (a ``time.monotonic()`` value; 0: none), set by the agent. A
+    # transport whose ``send`` can wait on a peer that reads nothing should return by
+    # then and finish the send in the background (the agent fails the call on time).
+    deadline: float = 0.0
 
     @property
     def nbytes(self) -> int:

@@ -23,6 +23,10 @@ not hold up the others; it keeps ``RECEIVE_DEPTH`` slot receives posted so gloo 
 frames while it is busy. Sends are posted under a per-peer lock (so the messages of one
 frame stay together) and waited for outside it: a gloo send Work only completes when
 waited on, and a sender whose peer has no receive posted waits for one (back-pressure).
+A large frame (more than the kernel's socket buffers take at once), or any frame behind
+one, is waited for by the peer's writer thread instead, the caller waiting only until
+the frame's deadline: a peer that stopped reading cannot hold a call past its timeout
+(gloo cannot cancel a send, and a timed-out gloo wait aborts every pair).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import collections
 import functools
 import logging
 import os
+import queue
 import struct
 import threading
 import time
@@ -59,6 +64,11 @@ __all__ = ["GlooRpcBackendOptions", "GlooTransport"]
 log = logging.getLogger("rpcx.backends.gloo")
 
 SLOT_BYTES = 4096  # small frames (most calls) travel whole in one slot
+# A frame is waited for on the sending thread while the bytes sent to its peer since
+# the peer last sent anything stay under this: the kernel's socket buffers (at least
+# ~144 KiB on Linux) take them whole, so the wait cannot outlast a peer that stopped
+# reading. Past it, frames go to the peer's writer thread (a hand-off costs ~30 us).
+_WAIT_INLINE_BYTES = 96 << 10
 # Slot receives posted per peer (at least half of them at any time). A gloo send
 # completes only once the peer has a receive posted, so this is also how far a sender
 # may run ahead: 4 gave ~4k small rpc_async/s, 64 gives ~9k (torch: ~9k), for 256 KiB
@@ -114,15 +124,57 @@ class _Ring:
 class _Peer:
     """Per-peer state: the send lock, the goodbye flags, the receive ring and lane."""
 
-    __slots__ = ("bye_sent", "ended", "gone", "lane", "lock", "ring")
+    __slots__ = ("bye_sent", "ended", "gone", "lane", "lock", "ring", "unheard", "writer",
+                 "writing")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.ring = _Ring()
+        self.writing = 0  # frames handed to the writer and not written yet (under lock)
+        self.unheard = 0  # bytes sent since the peer last sent a frame (a lower bound on
+        # what it may not have read; reset without the lock by the receiving thread)
+        self.writer: _Writer | None = None
         self.bye_sent = False
         self.gone = False
         self.lane: ReceiveLane | None = None  # the receive loop's role (rpcx._lanes)
         self.ended = threading.Event()  # the receive loop is over: nothing more arrives
+
+
+class _Written:
+    """One frame's sends, waited for by a writer: done, or the error."""
+
+    __slots__ = ("done", "error", "messages", "works")
+
+    def __init__(self, works: list[Any], messages: list[tuple[int, torch.Tensor]]) -> None:
+        self.works = works
+        self.messages = messages  # the memory gloo sends from, alive until written
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class _Writer:
+    """A peer's writer thread: waits, in posting order, for frames' sends to complete."""
+
+    def __init__(self, name: str, finished: Any) -> None:
+        self._jobs: queue.SimpleQueue[_Written | None] = queue.SimpleQueue()
+        self._finished = finished  # called after each frame, on this thread
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def put(self, job: _Written) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                GlooTransport._wait(job.works)
+            except BaseException as exc:
+                job.error = exc
+            job.works = job.messages = []
+            job.done.set()
+            self._finished()
 
 
 class GlooTransport:
@@ -207,13 +259,29 @@ class GlooTransport:
             messages += [
                 (_TAG_DATA, _as_bytes(b)) for b, s in zip(frame.buffers, sizes, strict=True) if s
             ]
-        self._wait(self._post(dst, peer, messages))
-        if peer.ring.owed:  # our frame is out: now post the receives this peer is owed
-            self._repost(dst, peer.ring)
+        works, job = self._post(dst, peer, messages, nbytes=_HEAD.size + inline_len)
+        if job is None:
+            self._wait(works)
+            if peer.ring.owed:  # our frame is out: now post the receives this peer is owed
+                self._repost(dst, peer.ring)
+            return
+        left = None if not frame.deadline else frame.deadline - time.monotonic()
+        if not job.done.wait(left if left is None else max(0.0, left)):
+            # The call's deadline passed with the frame not yet written (a peer that
+            # reads nothing): the writer finishes it; the agent fails the call now.
+            log.debug("send to rank %d still being written at its deadline", dst)
+            return
+        if job.error is not None:
+            raise job.error
 
     def _post(
-        self, dst: int, peer: _Peer, messages: list[tuple[int, torch.Tensor]], bye: bool = False
-    ) -> list[Any]:
+        self, dst: int, peer: _Peer, messages: list[tuple[int, torch.Tensor]],
+        bye: bool = False, nbytes: int = 0,
+    ) -> tuple[list[Any], _Written | None]:
+        """Post ``messages`` (``nbytes`` in all) to ``dst``; the works, and the writer's
+        job if the frame went to the peer's writer: when the peer may not take it whole
+        now (see ``_WAIT_INLINE_BYTES``), or frames before it are still there (waiting
+        inline would wait for those too)."""
         # Posting under the peer's lock keeps the messages of one frame together.
         with peer.lock:
             if peer.bye_sent or (peer.gone and not bye):
@@ -224,7 +292,28 @@ class GlooTransport:
                 raise PeerLostError(f"is unreachable: {_clean(exc)}") from None
             if bye:
                 peer.bye_sent = True
-            return works
+            peer.unheard += nbytes
+            if bye or not (peer.writing or peer.unheard > _WAIT_INLINE_BYTES):
+                return works, None
+            if peer.writer is None:
+                ctx = self._ctx
+                assert ctx is not None
+                peer.writer = _Writer(f"rpcx-{ctx.names[ctx.rank]}-send-{ctx.names[dst]}",
+                                      functools.partial(self._written, dst, peer))
+            job = _Written(works, messages)
+            peer.writing += 1
+            peer.writer.put(job)
+            return works, job
+
+    def _written(self, dst: int, peer: _Peer) -> None:
+        """A writer finished a frame (on its thread)."""
+        with peer.lock:
+            peer.writing -= 1
+        if peer.ring.owed:
+            try:
+                self._repost(dst, peer.ring)
+            except RuntimeError as exc:
+                log.debug("receives for rank %d not posted: %s", dst, exc)
 
     @staticmethod
     def _wait(works: list[Any], timeout: timedelta | None = None) -> None:
@@ -280,6 +369,7 @@ class GlooTransport:
                         raise AssertionError("gloo receive ring is empty")
                     slot, slot_tensor, work = ring.posted.popleft()
                 work.wait()
+                peer.unheard = 0  # it is alive and sending, so reading too
                 mode, n, body_len = _HEAD.unpack_from(slot)
                 if mode == _BYE:
                     self._on_bye(src)
@@ -408,6 +498,9 @@ class GlooTransport:
         if ctx is None:
             return
         self._closing = True
+        for peer in self._peers.values():
+            if peer.writer is not None:  # (a writer blocked on a silent peer stays)
+                peer.writer.stop()
         deadline = time.monotonic() + timeout
         for rank, peer in self._peers.items():
             left = max(0.001, deadline - time.monotonic())
@@ -430,7 +523,8 @@ class GlooTransport:
         tensor = torch.frombuffer(slot, dtype=torch.uint8)
         try:
             # Bounded: a peer that stopped reading must not hold up leaving.
-            self._wait(self._post(rank, peer, [(_TAG_SLOT, tensor)], bye=True), timeout)
+            works, _ = self._post(rank, peer, [(_TAG_SLOT, tensor)], bye=True)
+            self._wait(works, timeout)
         except PeerLostError as exc:
             log.debug("goodbye to rank %d not delivered: %s", rank, exc)
 

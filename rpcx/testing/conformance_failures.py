@@ -144,6 +144,7 @@ class TestPeerDeath:
 
 HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT = 0.2, 1.5
 SHUTDOWN_TIMEOUT = 3.0
+CALL_TIMEOUT = 1.0  # shorter than HEARTBEAT_TIMEOUT: the call's own timeout ends it
 
 
 @pytest.mark.rpcx_requires(
@@ -195,6 +196,27 @@ class TestHungPeer:
         spun = rpcx.rpc_sync(W1, remote.spin, args=(HEARTBEAT_TIMEOUT * 2,), timeout=BOUND)
         assert spun >= HEARTBEAT_TIMEOUT * 2
         assert not _context.current_agent().is_unresponsive(1)
+
+    def test_a_large_call_to_a_stopped_worker_fails_within_its_timeout(
+        self, hang_world: World
+    ) -> None:
+        # 32 MiB: far more than the kernel's socket buffers take from a sender whose
+        # peer reads nothing. The call's timeout covers sending it.
+        pid = rpcx.rpc_sync(W1, remote.process_id)
+        big = torch.ones(8 << 20)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(rpcx.RpcTimeoutError, match="timed out"):
+                rpcx.rpc_sync(W1, remote.tensor_sum, args=(big,), timeout=CALL_TIMEOUT)
+            took = time.monotonic() - started
+            assert took < CALL_TIMEOUT + 1.0, took
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        agent = _context.current_agent()
+        assert agent.wait_responsive(1, BOUND)
+        # The frame was still sent, late; calls after it work once worker1 runs again.
+        assert rpcx.rpc_sync(W1, remote.add, args=(1, 2), timeout=BOUND) == 3
 
     def test_shutdown_is_bounded_with_a_stopped_worker(self, hang_world: World) -> None:
         pid = rpcx.rpc_sync(W1, remote.process_id)

@@ -381,7 +381,9 @@ class ZmqTransport:
             # once every copy is released, ours included.
             del parts, part
             for tracker in trackers:
-                self._wait_written(peer, tracker)
+                if not self._wait_written(peer, tracker, frame.deadline):
+                    log.debug("send to rank %d still being written at its deadline", dst)
+                    return
 
     def _post(self, peer: _Peer, parts: list[Any], deadline: float | None = None) -> None:
         """Queue one message to ``peer``, waiting while its queue is full.
@@ -421,13 +423,17 @@ class ZmqTransport:
         finally:
             peer.tx_lock.release()
 
-    def _wait_written(self, peer: _Peer, tracker: zmq.MessageTracker) -> None:
-        """Wait until libzmq is done with a buffer sent from the caller's memory."""
+    def _wait_written(self, peer: _Peer, tracker: zmq.MessageTracker, deadline: float) -> bool:
+        """Wait until libzmq is done with a buffer sent from the caller's memory; False
+        if the frame's ``deadline`` (a request's; 0: none) passed first. The message
+        keeps the memory alive until ZeroMQ is done with it either way."""
         while True:
             try:
                 tracker.wait(_SEND_POLL_S)
-                return
+                return True
             except zmq.NotDone:
+                if deadline and time.monotonic() >= deadline:
+                    return False  # a peer that reads nothing: the call fails on time
                 if peer.gone is not None:
                     # The message keeps the memory alive until ZeroMQ drops it.
                     raise PeerLostError(peer.gone) from None
