@@ -23,8 +23,8 @@ PYTHON = "3.11"  # torch==2.13.0's CPU wheel on this project's machines is for 3
 BUILTIN_BACKENDS = ["loopback", "gloo", "tensorpipe"]
 # Backends shipped as separate packages under plugins/: backend name -> package directory.
 PLUGINS = {"shm": "plugins/rpcx-shm", "zmq": "plugins/rpcx-zmq"}
-# The faulty:gloo pass: the RRef and autograd parts of the kit on gloo, with rpcx's
-# bookkeeping dropped and every kind of frame duplicated now and then (rpcx.faulty).
+# The faulty:gloo pass: the kit's RRef and distributed autograd classes on gloo, with
+# rpcx's bookkeeping dropped and every kind of frame duplicated now and then (rpcx.faulty).
 FAULTY = "faulty:gloo"
 _BOOKKEEPING = ("RREF_FETCH", "RREF_FORKS", "RREF_DELETE", "RREF_CONFIRM", "AUTOGRAD_BACKWARD",
                 "AUTOGRAD_RELEASE", "AUTOGRAD_RUN", "AUTOGRAD_CHAIN", "AUTOGRAD_CHAIN_END")
@@ -34,7 +34,7 @@ FAULTS = json.dumps({
                                 *_BOOKKEEPING), 0.1),
     "seed": 11,
 })
-FAULTY_TESTS = "RRef or Autograd or Optimizer or RemoteModule or DDP"
+FAULTY_TESTS = "TestRRef or TestDistAutograd"  # (every RRef and autograd class of the kit)
 TRANSPORTS = BUILTIN_BACKENDS + list(PLUGINS)
 BACKENDS = [*TRANSPORTS, FAULTY]  # the passes of ``nox -s tests``
 CONSTRAINTS = ("-c", "constraints.txt")
@@ -157,6 +157,15 @@ def demo(session: nox.Session) -> None:
     _install(session)
     session.install(*CONSTRAINTS, "numpy")  # rpcx does not need it; torch warns without it
     session.run("python", "examples/ddp_rpc/main.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def seeds_on_torch(session: nox.Session) -> None:
+    """The seed programs (tests/test_seed_programs.py) on torch.distributed.rpc itself:
+    their output checks hold there too. Run it when a program or a check changes."""
+    _install(session, "test")
+    session.run("pytest", "-n", "2", "tests/test_seed_programs.py", "--rpcx-backend=gloo",
+                "--seeds-on-torch", "-k", "on_torch", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -16,6 +16,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run only the tests that depend on --rpcx-backend (they use the rpcx_backend "
              "fixture); nox's loopback session runs the others, once, not once per backend",
     )
+    parser.addoption(
+        "--seeds-on-torch", action="store_true",
+        help="also run the seed programs on torch.distributed.rpc itself, to check that "
+             "their checks hold there (nox -s seeds_on_torch; ~80 s, not in nox -s tests)",
+    )
 
 
 # Modules whose tests each start workers of their own and share no world: xdist may send

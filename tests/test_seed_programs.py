@@ -6,7 +6,7 @@ A test copies it, rewrites its ``torch.distributed`` RPC imports (rpc, autograd,
 nn) to rpcx's and changes nothing else (the fixed ports it rendezvous on are replaced
 by ports from the OS, so that tests can run side by side), runs it on the session's
 backend (the built-in multi-process ones: gloo, tensorpipe) and checks what it prints.
-The same program runs once on torch.distributed.rpc (in the gloo session) to show the
+The same program runs on torch.distributed.rpc (``nox -s seeds_on_torch``) to show the
 check holds there too. None of the programs is seeded
 (the RL policy, the RNN's uninitialised batches, the DDP program's random batches), so
 outputs are checked for what the program promises, not compared number for number.
@@ -177,9 +177,14 @@ def test_seed_program_runs_on_rpcx(rpcx_backend: str, tmp_path: pathlib.Path, na
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_seed_program_runs_on_torch(rpcx_backend: str, tmp_path: pathlib.Path, name: str) -> None:
-    # The program and its check are right: the same run on torch.distributed.rpc (once,
-    # in the gloo session; it does not depend on rpcx's backend).
+def test_seed_program_runs_on_torch(
+    rpcx_backend: str, tmp_path: pathlib.Path, name: str, request: pytest.FixtureRequest
+) -> None:
+    # The program and its check are right: the same run on torch.distributed.rpc (with
+    # --seeds-on-torch, in the gloo session: it does not depend on rpcx's backend; it
+    # checks the checks, so it runs when they change, not in every run of the suite).
+    if not request.config.getoption("--seeds-on-torch"):
+        pytest.skip("checks the checks on torch itself: nox -s seeds_on_torch")
     if rpcx_backend != "gloo":
         pytest.skip("run once, in the gloo session")
     program = PROGRAMS[name]
