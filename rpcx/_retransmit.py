@@ -31,7 +31,8 @@ from rpcx._timer import DeadlineTimer
 from rpcx.messages import MessageKind
 from rpcx.transport import Frame
 
-__all__ = ["ACKED_KINDS", "REFETCHED_KINDS", "RETRIED_KINDS", "ReplyCache", "Resender"]
+__all__ = ["ACKED_KINDS", "REFETCHED_KINDS", "RETRIED_KINDS", "ReplyCache", "Resender",
+           "Retransmission"]
 
 # Requests sent again until answered, and one-way messages sent as such requests.
 ACKED_KINDS = frozenset({
@@ -139,3 +140,59 @@ class ReplyCache:
         """``src`` is gone: drop what was kept for it."""
         with self._lock:
             self._replies[src].clear()
+
+
+class Retransmission:
+    """Both ends of a worker's bookkeeping on a lossy transport: what the agent calls.
+
+    ``send_copy(dst, frame)`` sends a spare copy without waiting (the agent hands it to
+    its request pool).
+    """
+
+    def __init__(self, name: str, world_size: int, send_copy: Callable[[int, Frame], None],
+                 is_pending: Callable[[int], bool], on_thread_start: Callable[[], None]) -> None:
+        self._send_copy = send_copy
+        self._resender = Resender(name, send_copy, is_pending, on_thread_start)
+        self._replies = ReplyCache(world_size)
+
+    @property
+    def resent(self) -> int:
+        """Copies of requests sent again so far."""
+        return self._resender.resent
+
+    @staticmethod
+    def acknowledges(kind: int) -> bool:
+        """Whether a one-way message of ``kind`` goes as an acknowledged request."""
+        return kind in ACKED_KINDS
+
+    def sent(self, kind: int, rid: int, dst: int, frame: Frame) -> None:
+        """Request ``rid`` is being sent: send it again until answered, if bookkeeping."""
+        if kind in RETRIED_KINDS:
+            self._resender.track(rid, dst, frame)
+
+    def received(self, src: int, kind: int, rid: int) -> None:
+        """Request ``rid`` from ``src`` arrived for the first time: keep its answer."""
+        if kind in RETRIED_KINDS:
+            self._replies.running(src, rid)
+
+    def copy_received(self, src: int, kind: int, rid: int) -> bool:
+        """A copy of request ``rid`` from ``src`` arrived: send the kept answer again, if
+        there is one. True if the copy is to be served again (a fetch)."""
+        if kind in REFETCHED_KINDS:
+            return True
+        reply = self._replies.reply_to_copy(src, rid)
+        if reply is not None:
+            self._send_copy(src, reply)
+        return False
+
+    def answered(self, src: int, rid: int, frame: Frame) -> None:
+        """The reply to ``src``'s request ``rid`` is being sent (kept if bookkeeping)."""
+        self._replies.answered(src, rid, frame)
+
+    def forget(self, rank: int) -> None:
+        """Worker ``rank`` is gone."""
+        self._replies.forget(rank)
+
+    def close(self, timeout: float) -> None:
+        """Stop sending copies."""
+        self._resender.close(timeout)

@@ -30,13 +30,7 @@ from rpcx._memory import copy_of
 from rpcx._pending import CLOSED, PendingCall, PendingCalls, describe_callable
 from rpcx._pool import WorkerPool, blocking, current_pool
 from rpcx._recent import RecentIds
-from rpcx._retransmit import (
-    ACKED_KINDS,
-    REFETCHED_KINDS,
-    RETRIED_KINDS,
-    ReplyCache,
-    Resender,
-)
+from rpcx._retransmit import Retransmission
 from rpcx._timer import DeadlineTimer
 from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
@@ -222,17 +216,16 @@ class RpcAgent:
         self._pinging: set[int] = set()  # peers with a ping on its way
         self._heard_again = threading.Condition(self._lock)
         self.register_handler(MessageKind.HEARTBEAT, self._on_heartbeat, in_order=True)
-        # On a transport that may lose or duplicate frames, bookkeeping is acknowledged
-        # and sent again until answered (rpcx._retransmit); ``None`` on reliable ones.
         # Back-pressure (rpcx._budget): bytes of calls in flight per peer, capped.
         limit = int(getattr(options, "max_bytes_in_flight", 0))
         self._budget = PeerBudget(len(workers), limit) if limit > 0 else None
-        self._resender: Resender | None = None
-        self._replies: ReplyCache | None = None
+        # On a transport that may lose or duplicate frames, bookkeeping is acknowledged
+        # and sent again until answered (rpcx._retransmit); ``None`` on reliable ones.
+        self._retransmission: Retransmission | None = None
         if getattr(transport.capabilities, "lossy", False):
-            self._resender = Resender(f"rpcx-{self.name}", self._send_copy,
-                                      self._pending.__contains__, self._bind_thread)
-            self._replies = ReplyCache(len(workers))
+            self._retransmission = Retransmission(
+                f"rpcx-{self.name}", len(workers), self._send_copy,
+                self._pending.__contains__, self._bind_thread)
 
     # ----------------------------------------------------------------- identity & state
 
@@ -265,12 +258,12 @@ class RpcAgent:
     def lossy(self) -> bool:
         """True if the transport may lose frames: bookkeeping is then acknowledged and
         sent again until answered (see :mod:`rpcx._retransmit`)."""
-        return self._resender is not None
+        return self._retransmission is not None
 
     @property
     def resent_frames(self) -> int:
         """Copies of bookkeeping requests sent again so far (lossy transports)."""
-        return 0 if self._resender is None else self._resender.resent
+        return 0 if self._retransmission is None else self._retransmission.resent
 
     def back_pressure(self) -> dict[str, Any]:
         """``bytes_in_flight`` (by peer name, where not zero) and ``calls_held_back``."""
@@ -503,8 +496,8 @@ class RpcAgent:
         if timeout is not None:
             frame.deadline = started + timeout
             self._timer.schedule(frame.deadline, rid)
-        if self._resender is not None and kind in RETRIED_KINDS:
-            self._resender.track(rid, dst.id, frame)
+        if self._retransmission is not None:
+            self._retransmission.sent(kind, rid, dst.id, frame)
         self._transmit(dst.id, frame, ctx, rid)
         return future
 
@@ -544,7 +537,7 @@ class RpcAgent:
         """Send a one-way message (no reply, no future); failures are only logged."""
         if self._state == _CLOSED:
             return
-        if self._resender is not None and kind in ACKED_KINDS:
+        if self._retransmission is not None and self._retransmission.acknowledges(kind):
             self._notify_acknowledged(dst, kind, payload)
             return
         ctx = self._request_context(dst.id)
@@ -588,7 +581,7 @@ class RpcAgent:
         """``encode``, with the notes owed to the destination riding along (not on a
         lossy transport: a lost frame would lose them, and only bookkeeping is resent)."""
         taken: list[tuple[NoteSource, list[tuple[int, Any]]]] = []
-        for source in self.note_sources if self._resender is None else ():
+        for source in self.note_sources if self._retransmission is None else ():
             notes = source.notes_for(ctx.peer)
             if notes:
                 taken.append((source, notes))
@@ -651,12 +644,13 @@ class RpcAgent:
         kind, rid = decode_envelope(frame)
         if (rid and kind != MessageKind.RESULT and kind != MessageKind.ERROR
                 and not self._served[src].add(rid)):
-            if self._replies is None or not self._answer_copy(src, kind, rid, frame):
+            if (self._retransmission is None
+                    or not self._retransmission.copy_received(src, kind, rid)):
                 log.debug("%s: dropped a duplicate of request %d from rank %d",
                           self.name, rid, src)
                 return
-        elif self._replies is not None and kind in RETRIED_KINDS:
-            self._replies.running(src, rid)
+        elif rid and self._retransmission is not None:
+            self._retransmission.received(src, kind, rid)
         if kind not in self._handlers and kind != MessageKind.RESULT and kind != MessageKind.ERROR:
             # Checked before anything in the frame is decoded: not even its notes.
             log.warning("%s: dropped a frame of unknown kind %d from %s", self.name, kind,
@@ -694,17 +688,6 @@ class RpcAgent:
             self._pool.submit(self._serve, src, kind, rid, frame)
         except RpcShutdownError:
             log.debug("%s: dropped request %d from rank %d after shutdown", self.name, rid, src)
-
-    def _answer_copy(self, src: int, kind: int, rid: int, frame: Frame) -> bool:
-        """A copy of request ``rid`` from ``src`` (lossy transports): send the answer
-        again if it was kept. True if the copy is to be served again instead."""
-        if kind in REFETCHED_KINDS:
-            return True
-        assert self._replies is not None
-        reply = self._replies.reply_to_copy(src, rid)
-        if reply is not None:
-            self._send_copy(src, reply)
-        return False
 
     def _handle_notes(self, src: int, frame: Frame) -> None:
         """Handle the one-way messages riding in ``frame``, in order, before the frame."""
@@ -864,8 +847,8 @@ class RpcAgent:
             )
             return
         frame.reply_to = rid
-        if self._replies is not None:
-            self._replies.answered(src, rid, frame)
+        if self._retransmission is not None:
+            self._retransmission.answered(src, rid, frame)
         self._transmit(src, frame, ctx, 0)  # a failed reply is the caller's to notice
 
     def _reply_error(self, src: int, rid: int, exc: BaseException) -> None:
@@ -876,8 +859,8 @@ class RpcAgent:
         ctx = self._response_context(src)
         frame = self._encode(MessageKind.ERROR, rid, info, ctx)
         frame.reply_to = rid
-        if self._replies is not None:
-            self._replies.answered(src, rid, frame)
+        if self._retransmission is not None:
+            self._retransmission.answered(src, rid, frame)
         self._transmit(src, frame, ctx, 0)
 
     # ----------------------------------------------------------- completion & failure
@@ -941,8 +924,8 @@ class RpcAgent:
         self._lost_causes.setdefault(rank, cause)  # (before the calls fail: they read it)
         if self._heartbeat is not None:
             self._heartbeat.forget(rank)
-        if self._replies is not None:
-            self._replies.forget(rank)
+        if self._retransmission is not None:
+            self._retransmission.forget(rank)
         victims = self._pending.lose(rank, text)
         if victims is None:
             return  # already known
@@ -1084,8 +1067,8 @@ class RpcAgent:
         self._followers.shutdown(budget(_CLOSE_TIMEOUT))
         self._completions.shutdown(budget(_CLOSE_TIMEOUT))
         self._timer.close(budget(_CLOSE_TIMEOUT))
-        if self._resender is not None:
-            self._resender.close(budget(_CLOSE_TIMEOUT))
+        if self._retransmission is not None:
+            self._retransmission.close(budget(_CLOSE_TIMEOUT))
         for hook in self.on_close:
             try:
                 hook(_remaining(deadline))
