@@ -19,7 +19,7 @@ import torch.distributed.rpc as torch_rpc
 
 import rpcx
 import rpcx.registry as registry_module
-from rpcx.__main__ import main as cli_main
+from rpcx.cli import main as cli_main
 from rpcx.errors import BackendNotFoundError
 from rpcx.registry import (
     DEFAULT_BACKEND,

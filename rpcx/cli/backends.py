@@ -1,16 +1,16 @@
-"""Command line: ``python -m rpcx backends [--names]``."""
+"""``rpcx backends [--names]``: the installed backends and what they can do."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from rpcx.registry import DEFAULT_BACKEND, ENV_VAR, available_backends, plugin_errors
 
-__all__ = ["main"]
+__all__ = ["list_backends"]
 
 
-def _backends(names_only: bool) -> int:
+def list_backends(names_only: bool) -> int:
+    """Print the backends (a table, or ``--names``: one name per line); exit status."""
     specs = available_backends()
     if names_only:
         for name in sorted(specs):
@@ -29,19 +29,3 @@ def _backends(names_only: bool) -> int:
         print(f"\nplugin {plugin!r} {error}", file=sys.stderr)
     print(f"\nSelect with init_rpc(backend=...) or ${ENV_VAR}.")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m rpcx`` and the ``rpcx`` script."""
-    parser = argparse.ArgumentParser(prog="python -m rpcx", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    backends = commands.add_parser("backends", help="list the installed backends")
-    backends.add_argument("--names", action="store_true", help="print one name per line")
-    args = parser.parse_args(argv)
-    if args.command == "backends":
-        return _backends(args.names)
-    return 2  # pragma: no cover - argparse rejects unknown commands
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,69 @@
+"""rpcx's command line: ``python -m rpcx`` or ``rpcx``.
+
+- ``backends [--names]``: the installed backends and what they can do;
+- ``doctor [--init-method URL]``: what this machine has for rpcx, each problem with what
+  to do about it (exit status 1 if there is one);
+- ``launch -n N [--backend B] script.py [args]``: N workers of a script on this host,
+  torchrun's variables set, output prefixed by worker, Ctrl-C stops them all;
+- ``bench [args]``: the benchmark suite against torch.distributed.rpc (``bench/run.py``
+  of a source checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import subprocess
+import sys
+
+__all__ = ["main"]
+
+
+def _bench(args: list[str]) -> int:
+    # bench/ is part of the repository, not of the installed package: look for it next to
+    # the package (an editable install) and in the working directory.
+    here = pathlib.Path(__file__).resolve().parents[2]
+    for root in (here, pathlib.Path.cwd()):
+        script = root / "bench" / "run.py"
+        if script.is_file():
+            return subprocess.call([sys.executable, str(script), *args], cwd=root)
+    print("rpcx bench: bench/run.py not found; it ships with rpcx's source repository "
+          "(run this from a checkout, or: python bench/run.py)", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m rpcx`` and the ``rpcx`` script."""
+    parser = argparse.ArgumentParser(prog="rpcx", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    backends = commands.add_parser("backends", help="list the installed backends")
+    backends.add_argument("--names", action="store_true", help="print one name per line")
+    doctor = commands.add_parser("doctor", help="check this machine for rpcx")
+    doctor.add_argument("--init-method", help="a rendezvous URL to check the path to "
+                        "(default: env:// if MASTER_ADDR is set)")
+    launch = commands.add_parser("launch", help="start N workers of a script on this host")
+    launch.add_argument("-n", "--nprocs", type=int, required=True, help="how many workers")
+    launch.add_argument("--backend", help="sets $RPCX_BACKEND for the workers")
+    launch.add_argument("script", help="the Python script each worker runs")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    commands.add_parser("bench", help="run the benchmark suite (bench/run.py), arguments "
+                        "passed on", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return _bench(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "backends":
+        from rpcx.cli.backends import list_backends
+
+        return list_backends(args.names)
+    if args.command == "doctor":
+        from rpcx.cli.doctor import doctor as run_doctor
+
+        return run_doctor(args.init_method)
+    if args.command == "launch":
+        from rpcx.cli.launch import launch_script
+
+        return launch_script(args.nprocs, args.script, args.script_args, args.backend)
+    return 2  # pragma: no cover - argparse rejects unknown commands

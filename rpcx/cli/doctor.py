@@ -1,0 +1,137 @@
+"""``rpcx doctor [--init-method URL]``: what this machine has for rpcx, and what is wrong.
+
+Each line is a check: ``ok``, ``note`` (worth knowing, not wrong) or ``PROBLEM`` with
+what to do about it. The exit status is 1 if any check found a problem.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import socket
+import sys
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+__all__ = ["Check", "diagnose", "doctor"]
+
+TESTED_TORCH = "2.13.0"
+_CONNECT_TIMEOUT = 2.0
+
+
+@dataclass
+class Check:
+    """One line of the report."""
+
+    name: str
+    status: str  # "ok", "note" or "PROBLEM"
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.status:<8} {self.name}: {self.detail}"
+
+
+def diagnose(init_method: str | None = None) -> list[Check]:
+    """Every check, in order."""
+    checks = [Check("python", "ok", f"{platform.python_version()} ({sys.executable})")]
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        return [*checks, Check("torch", "PROBLEM", f"cannot import torch ({exc}): "
+                               f"pip install torch=={TESTED_TORCH}")]
+    version = torch.__version__.split("+")[0]
+    checks.append(Check("torch", "ok" if version == TESTED_TORCH else "note",
+                        torch.__version__ if version == TESTED_TORCH else
+                        f"{torch.__version__}; rpcx is tested with {TESTED_TORCH} (the "
+                        "tensorpipe backend uses torch internals that change between releases)"))
+    if not dist.is_available():
+        checks.append(Check("torch.distributed", "PROBLEM", "this torch build has no "
+                            "torch.distributed: install an official torch wheel"))
+        return checks
+    checks.append(Check("gloo", "ok" if dist.is_gloo_available() else "PROBLEM",
+                        "available (the default backend)" if dist.is_gloo_available() else
+                        "this torch build has no gloo: the default backend cannot run; "
+                        "use backend='shm' or 'zmq' (plugins) or install an official wheel"))
+    tensorpipe = hasattr(torch._C, "_distributed_rpc") and hasattr(
+        torch._C._distributed_rpc, "TensorPipeAgent")
+    checks.append(Check("tensorpipe", "ok" if tensorpipe else "note",
+                        "available" if tensorpipe else
+                        "torch has no TensorPipe agent: backend='tensorpipe' is unavailable"))
+    numpy = importlib.util.find_spec("numpy") is not None
+    checks.append(Check("numpy", "ok" if numpy else "note",
+                        "installed" if numpy else
+                        "not installed: rpcx does not need it, but torch.distributed.rpc's "
+                        "own TensorPipe init_rpc fails without it (\"Numpy is not "
+                        "available\"); pip install numpy if you also run torch's RPC"))
+    if torch.cuda.is_available():
+        checks.append(Check("cuda", "ok", f"{torch.cuda.device_count()} device(s), "
+                            f"CUDA {torch.version.cuda}"))
+    else:
+        checks.append(Check("cuda", "note", "no CUDA device: CUDA tensors and device maps "
+                            "are unavailable; everything else works on CPU"))
+    checks.extend(_plugins())
+    checks.extend(_rendezvous(init_method))
+    return checks
+
+
+def _plugins() -> list[Check]:
+    from rpcx.registry import available_backends, plugin_errors
+
+    checks = [Check("backends", "ok", ", ".join(sorted(available_backends())))]
+    for plugin, error in sorted(plugin_errors().items()):
+        checks.append(Check(f"plugin {plugin}", "PROBLEM",
+                            f"{error}; reinstall it, or pip uninstall it if unused"))
+    return checks
+
+
+def _rendezvous(init_method: str | None) -> list[Check]:
+    """Which address this host uses towards the rendezvous, and whether it answers."""
+    from rpcx.hosts import address_towards
+
+    if init_method is None:
+        if "MASTER_ADDR" not in os.environ:
+            return [Check("rendezvous", "note", "no --init-method and no MASTER_ADDR: "
+                          "pass --init-method tcp://HOST:PORT to check the path to it")]
+        init_method = "env://"
+    url = urlparse(init_method)
+    if url.scheme == "env":
+        host = os.environ.get("MASTER_ADDR")
+        port_text = os.environ.get("MASTER_PORT", "")
+        if not host or not port_text.isdigit():
+            return [Check("rendezvous", "PROBLEM", "env:// needs MASTER_ADDR and "
+                          "MASTER_PORT set (a number); or use tcp://HOST:PORT")]
+        port = int(port_text)
+    elif url.scheme == "tcp" and url.hostname and url.port:
+        host, port = url.hostname, url.port
+    elif url.scheme == "file":
+        return [Check("rendezvous", "ok", f"{init_method}: a file (every worker must see "
+                      "the same file system)")]
+    else:
+        return [Check("rendezvous", "PROBLEM", f"{init_method!r} is no rendezvous URL: "
+                      "use tcp://HOST:PORT, env:// or file:///PATH")]
+    local = address_towards(init_method)
+    checks = [Check("address", "ok" if local else "PROBLEM",
+                    f"this host reaches {host} from {local}" if local else
+                    f"no route from this host to {host}: check the name and the network")]
+    try:
+        with socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT):
+            checks.append(Check("rendezvous", "ok", f"{host}:{port} accepts connections"))
+    except ConnectionRefusedError:
+        checks.append(Check("rendezvous", "note", f"{host}:{port} refused the connection: "
+                            "nothing listens there yet (rank 0 opens it when it starts)"))
+    except OSError as exc:
+        checks.append(Check("rendezvous", "PROBLEM", f"{host}:{port} unreachable ({exc}): "
+                            "check the address, and that a firewall lets the port through"))
+    return checks
+
+
+def doctor(init_method: str | None = None) -> int:
+    """Print the report; 1 if something is wrong, else 0."""
+    checks = diagnose(init_method)
+    for check in checks:
+        print(check)
+    problems = sum(1 for check in checks if check.status == "PROBLEM")
+    print(f"\n{problems} problem(s)" if problems else "\nno problems found")
+    return 1 if problems else 0
