@@ -104,8 +104,8 @@ def _test_backend(session: nox.Session, backend: str, pytest_args: list[str]) ->
             session.run(*pytest, *pytest_args)
         finally:
             session.install(*CONSTRAINTS, "numpy")
-        # The seed programs import numpy themselves (they skip above): run them with it.
-        session.run(*pytest, "tests/test_seed_programs.py")
+        # (The seed programs import numpy themselves, so they skip here: they run on the
+        # default backend, gloo, in its pass; nox -s seeds runs them on tensorpipe.)
         return
     session.run(*pytest, *pytest_args)
 
@@ -160,12 +160,15 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
-def seeds_on_torch(session: nox.Session) -> None:
-    """The seed programs (tests/test_seed_programs.py) on torch.distributed.rpc itself:
-    their output checks hold there too. Run it when a program or a check changes."""
+def seeds(session: nox.Session) -> None:
+    """The seed programs (tests/test_seed_programs.py) beyond ``nox -s tests``, which runs
+    them on the default backend (gloo): on rpcx's tensorpipe backend, and on
+    torch.distributed.rpc itself (their output checks hold there too). Run it when a
+    program, a check or the tensorpipe backend changes (~3 min)."""
     _install(session, "test")
-    session.run("pytest", "-n", "2", "tests/test_seed_programs.py", "--rpcx-backend=gloo",
-                "--seeds-on-torch", "-k", "on_torch", *session.posargs)
+    seeds = ("pytest", "-n", "2", "tests/test_seed_programs.py", *session.posargs)
+    session.run(*seeds, "--rpcx-backend=tensorpipe")
+    session.run(*seeds, "--rpcx-backend=gloo", "--seeds-on-torch", "-k", "on_torch")
 
 
 @nox.session(python=PYTHON)

@@ -19,7 +19,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--seeds-on-torch", action="store_true",
         help="also run the seed programs on torch.distributed.rpc itself, to check that "
-             "their checks hold there (nox -s seeds_on_torch; ~80 s, not in nox -s tests)",
+             "their checks hold there (nox -s seeds; ~80 s, not in nox -s tests)",
     )
 
 
@@ -27,7 +27,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # each test to either worker. (loadscope, which the shared-world modules need, would run
 # a whole module on one worker: test_seed_programs alone is ~170 s of gloo's session.)
 _INDEPENDENT_TESTS = ("tests/test_seed_programs.py", "tests/test_examples.py",
-                      "tests/test_lifecycle.py", "tests/test_launch.py")
+                      "tests/test_lifecycle.py", "tests/test_launch.py", "tests/test_cli.py")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:

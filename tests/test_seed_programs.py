@@ -5,14 +5,15 @@ Each program lives in ``tests/seed_programs/<name>/`` as torch wrote it, on torc
 A test copies it, rewrites its ``torch.distributed`` RPC imports (rpc, autograd, optim,
 nn) to rpcx's and changes nothing else (the fixed ports it rendezvous on are replaced
 by ports from the OS, so that tests can run side by side), runs it on the session's
-backend (the built-in multi-process ones: gloo, tensorpipe) and checks what it prints.
-The same program runs on torch.distributed.rpc (``nox -s seeds_on_torch``) to show the
-check holds there too. None of the programs is seeded
+backend (the built-in multi-process ones: gloo in ``nox -s tests``, tensorpipe too in
+``nox -s seeds``) and checks what it prints. ``nox -s seeds`` also runs the same
+program on torch.distributed.rpc to show the check holds there too. None of the programs is seeded
 (the RL policy, the RNN's uninitialised batches, the DDP program's random batches), so
 outputs are checked for what the program promises, not compared number for number.
 
 - ``rl_tutorial``: the RPC tutorial's reinforcement learning (seed 003). It needs numpy
-  (its own import; the tensorpipe session runs this module again after reinstalling it)
+  (its own import: the tensorpipe pass of ``nox -s tests``, which runs without numpy,
+  skips this module)
   and gym: ``tests/seed_programs/gym`` is a stand-in with gym's old API, which the
   program was written for, over the RL example's CartPole.
 - ``rnn_tutorial``: the tutorial's distributed RNN (seed 003), one GPU as printed.
@@ -184,7 +185,7 @@ def test_seed_program_runs_on_torch(
     # --seeds-on-torch, in the gloo session: it does not depend on rpcx's backend; it
     # checks the checks, so it runs when they change, not in every run of the suite).
     if not request.config.getoption("--seeds-on-torch"):
-        pytest.skip("checks the checks on torch itself: nox -s seeds_on_torch")
+        pytest.skip("checks the checks on torch itself: nox -s seeds")
     if rpcx_backend != "gloo":
         pytest.skip("run once, in the gloo session")
     program = PROGRAMS[name]
