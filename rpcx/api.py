@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from rpcx import _context, auth, calls, devices, hosts, rendezvous, rref
 from rpcx.agent import RpcAgent
 from rpcx.autograd import service as autograd_service
-from rpcx.errors import RpcError
+from rpcx.errors import RpcError, RpcShutdownError
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
 from rpcx.options import RpcBackendOptions, as_rpcx_options
@@ -196,8 +196,15 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     ``0`` waits as long as peers are alive (as torch does), logging progress every 30 s.
 
     Non-graceful: fail this worker's pending calls and stop at once; peers see it leave.
+
+    Calling it again once the worker has shut down does nothing. Raises
+    ``RpcNotInitializedError`` only if this thread or process never started a worker.
     """
-    agent = _context.current_agent()
+    try:
+        agent = _context.current_agent()
+    except RpcShutdownError as exc:
+        log.debug("shutdown() again: %s", exc)  # already shut down: nothing to do
+        return
     if not agent.shutdown(graceful=graceful, timeout=timeout if timeout and timeout > 0 else None):
         return
     world_key = agent.services.get("world_key")

@@ -55,6 +55,21 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float | No
     reachable from other hosts), when that address is one of this host's.
     """
     store_timeout = timedelta(seconds=timeout) if timeout else _NO_LIMIT
+    env_missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+    if init_method == "env://" and env_missing:
+        if world_size == 1:
+            # A world of one meets nobody: a private store, no address or port needed
+            # (``init_rpc("solo", rank=0, world_size=1)`` in a notebook).
+            private = HashStore()
+            private.set_timeout(store_timeout)
+            return private
+        raise RpcError(
+            f"rendezvous at 'env://' for rank {rank} of {world_size}: "
+            f"{' and '.join(env_missing)} not set. Set MASTER_ADDR and MASTER_PORT to rank "
+            "0's host and a free port (MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 for workers "
+            "on this host), or pass init_method='tcp://HOST:PORT'; rpcx.spawn(...) and "
+            "`rpcx launch` set them for you, and backend='loopback' needs none"
+        )
     try:
         store = (_host_on_named_address(init_method, world_size, store_timeout)
                  if rank == 0 else None)

@@ -3,7 +3,9 @@
 Like ``torch.multiprocessing.spawn`` (``fn(rank, *args)`` for each rank). For in-process
 backends (loopback) the ranks are threads of this process, and ``init_rpc`` called on
 them joins one private in-process world whatever ``init_method`` it is given; for every
-other backend they are processes, with the backend exported as ``$RPCX_BACKEND``.
+other backend they are processes, with the backend exported as ``$RPCX_BACKEND`` and,
+where the parent has none, ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (as
+``torchrun --standalone`` does), so ``env://``, the default ``init_method``, just works.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import socket
 import threading
 import traceback
 import uuid
@@ -69,9 +72,13 @@ def spawn(
     if threads is not None:
         log.info("rpcx.spawn: %d worker processes: torch intra-op threads set to 1 in each "
                  "(set OMP_NUM_THREADS to choose)", nprocs)
+    rendezvous = _local_rendezvous()
+    if rendezvous:
+        log.info("rpcx.spawn: env:// rendezvous on this host at %s",
+                 ":".join(rendezvous.values()))
     return start_processes(  # type: ignore[no-untyped-call]
         _process_entry,
-        args=(fn, args, spec.name, threads),
+        args=(fn, args, spec.name, threads, rendezvous),
         nprocs=nprocs,
         join=join,
         daemon=daemon,
@@ -79,9 +86,23 @@ def spawn(
     )
 
 
+def _local_rendezvous() -> dict[str, str]:
+    """``MASTER_ADDR``/``MASTER_PORT`` for workers on this host, where not set already."""
+    missing: dict[str, str] = {}
+    if not os.environ.get("MASTER_ADDR"):
+        missing["MASTER_ADDR"] = "127.0.0.1"
+    if not os.environ.get("MASTER_PORT"):
+        with socket.socket() as sock:  # a port the OS says is free now
+            sock.bind((missing.get("MASTER_ADDR") or os.environ["MASTER_ADDR"], 0))
+            missing["MASTER_PORT"] = str(sock.getsockname()[1])
+    return missing
+
+
 def _process_entry(
-    rank: int, fn: Callable[..., Any], args: tuple[Any, ...], backend: str, threads: int | None
+    rank: int, fn: Callable[..., Any], args: tuple[Any, ...], backend: str, threads: int | None,
+    rendezvous: dict[str, str],
 ) -> None:
+    os.environ.update(rendezvous)
     os.environ[ENV_VAR] = backend
     if threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # for what the worker starts itself

@@ -68,3 +68,33 @@ def test_rank_and_world_size_from_the_environment(rpcx_backend: str, tmp_path: P
     world = "[('env0', 0), ('env1', 1)]"
     assert outputs[0] == f"me env0 0 world {world} peer says True"
     assert outputs[1] == f"me env1 1 world {world} peer says True"
+
+
+SOLO = '''\
+import rpcx
+
+rpcx.init_rpc("solo", rank=0, world_size=1)  # env://, the default, with nothing set
+print("answer", rpcx.rpc_sync("solo", max, args=(1, 2)), flush=True)
+rpcx.shutdown()
+rpcx.shutdown()  # again: nothing to do, no error
+print("shut down twice")
+try:
+    rpcx.init_rpc("w0", rank=0, world_size=2)
+except rpcx.RpcError as exc:
+    print("error:", exc)
+'''
+
+
+def test_a_world_of_one_needs_no_master_addr_and_a_larger_one_says_what_to_set(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "solo.py"
+    script.write_text(SOLO)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["answer 2", "shut down twice"], out.stdout
+    assert "MASTER_ADDR and MASTER_PORT not set" in lines[2]
+    assert "MASTER_ADDR=127.0.0.1" in lines[2] and "backend='loopback' needs none" in lines[2]

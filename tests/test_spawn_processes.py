@@ -34,3 +34,22 @@ def test_omp_num_threads_when_set_wins(
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert _spawned_threads(tmp_path, 2) == {"2 2"}
+
+
+def _meet_through_env(rank: int, out: str) -> None:
+    # The default init_method, env://, with nothing set by the program.
+    rpcx.init_rpc(f"w{rank}", rank=rank, world_size=2, backend="gloo")
+    peer = rpcx.rpc_sync(f"w{1 - rank}", os.getpid)
+    rpcx.shutdown()
+    pathlib.Path(out, str(rank)).write_text(
+        f"{os.environ['MASTER_ADDR']} {peer != os.getpid()}")
+
+
+def test_workers_meet_on_this_host_without_master_addr(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As torchrun --standalone: 127.0.0.1 and a free port, where the parent set none.
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    rpcx.spawn(_meet_through_env, args=(str(tmp_path),), nprocs=2, backend="gloo")
+    assert {path.read_text() for path in tmp_path.iterdir()} == {"127.0.0.1 True"}

@@ -39,6 +39,7 @@ import queue
 import struct
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -155,7 +156,7 @@ class _Written:
 class _Writer:
     """A peer's writer thread: waits, in posting order, for frames' sends to complete."""
 
-    def __init__(self, name: str, finished: Any) -> None:
+    def __init__(self, name: str, finished: Callable[[], None]) -> None:
         self._jobs: queue.SimpleQueue[_Written | None] = queue.SimpleQueue()
         self._finished = finished  # called after each frame, on this thread
         threading.Thread(target=self._run, name=name, daemon=True).start()
@@ -174,7 +175,10 @@ class _Writer:
                 job.error = exc
             job.works = job.messages = []
             job.done.set()
-            self._finished()
+            try:
+                self._finished()
+            except Exception:  # the writer must outlive it
+                log.exception("gloo writer: after a frame")
 
 
 class GlooTransport:
@@ -293,7 +297,8 @@ class GlooTransport:
             if bye:
                 peer.bye_sent = True
             peer.unheard += nbytes
-            if bye or not (peer.writing or peer.unheard > _WAIT_INLINE_BYTES):
+            # (Closing: the writers are stopping, so the last frames are waited for here.)
+            if bye or self._closing or not (peer.writing or peer.unheard > _WAIT_INLINE_BYTES):
                 return works, None
             if peer.writer is None:
                 ctx = self._ctx
