@@ -14,7 +14,7 @@ import os
 import socket
 from urllib.parse import urlparse
 
-__all__ = ["address_towards", "host_identity", "source_address"]
+__all__ = ["address_towards", "host_identity", "interface_with", "source_address"]
 
 log = logging.getLogger("rpcx.hosts")
 
@@ -54,6 +54,47 @@ def source_address(family: int, target: str) -> str | None:
     except OSError:
         log.debug("no route towards %s", target)
         return None
+
+
+def interface_with(address: str) -> str | None:
+    """The name of this host's network interface that holds ``address`` (Linux), or None.
+
+    For transports that choose by interface name (TensorPipe reads ``TP_SOCKET_IFNAME``):
+    the interface of :func:`address_towards`'s answer is the one the rendezvous traffic
+    uses. IPv4 addresses are looked up with ``SIOCGIFADDR``, IPv6 ones in
+    ``/proc/net/if_inet6``.
+    """
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return None
+    if ip.version == 6:
+        try:
+            with open("/proc/net/if_inet6") as table:
+                for line in table:
+                    fields = line.split()
+                    if len(fields) >= 6 and ipaddress.ip_address(
+                            ":".join(fields[0][i:i + 4] for i in range(0, 32, 4))) == ip:
+                        return fields[5]
+        except (OSError, ValueError):
+            pass
+        return None
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            for _, name in socket.if_nameindex():
+                request = struct.pack("256s", name.encode()[:15])
+                try:
+                    reply = fcntl.ioctl(probe.fileno(), 0x8915, request)  # SIOCGIFADDR
+                except OSError:
+                    continue  # no IPv4 address on it
+                if socket.inet_ntoa(reply[20:24]) == str(ip):
+                    return name
+    except (OSError, ImportError):
+        pass
+    return None
 
 
 def host_identity() -> str:

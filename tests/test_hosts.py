@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from rpcx.hosts import address_towards, host_identity
+from rpcx.hosts import address_towards, host_identity, interface_with
 
 
 def test_a_local_rendezvous_gives_its_loopback_address() -> None:
@@ -47,3 +47,15 @@ def test_host_identity_names_host_boot_and_mounts() -> None:
             assert file.read().strip() in identity
     if os.path.exists("/proc/self/ns/mnt"):
         assert identity.endswith(os.readlink("/proc/self/ns/mnt"))
+
+
+def test_the_interface_holding_an_address_is_found() -> None:
+    assert interface_with("127.0.0.1") == "lo"
+    routed = address_towards("tcp://192.0.2.1:29500")  # TEST-NET-1: a route, no traffic
+    if routed is None:
+        pytest.skip("no route off this host")
+    name = interface_with(routed)
+    assert name is not None and name != "lo"
+    assert any(n == name for _, n in socket.if_nameindex())
+    assert interface_with("192.0.2.254") is None  # nobody here holds it
+    assert interface_with("not an address") is None

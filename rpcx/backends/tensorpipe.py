@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from typing import Any, ClassVar
 
@@ -55,6 +56,7 @@ from rpcx.errors import (
     without_cpp_locations,
 )
 from rpcx.hookspecs import hookimpl
+from rpcx.hosts import address_towards, interface_with
 from rpcx.options import DEFAULT_NUM_WORKER_THREADS, TensorPipeRpcBackendOptions
 from rpcx.transport import Capabilities, Frame, TransportContext
 
@@ -82,6 +84,30 @@ class _Inbox:
         self.waiting: dict[int, Frame] = {}
         self.delivering = False
         self.ended = False  # the peer said goodbye or died: nothing more is delivered
+
+
+_IFNAME_ENV = "TP_SOCKET_IFNAME"
+
+
+def _choose_interface(ctx: TransportContext) -> None:
+    """Point TensorPipe at the interface the rendezvous traffic uses, unless
+    ``$TP_SOCKET_IFNAME`` already names one.
+
+    Left alone, TensorPipe listens on the address this host's name resolves to, which on
+    many machines is 127.0.0.1 or an interface the other hosts cannot reach: workers on
+    other hosts then never connect. gloo and zmq bind :func:`rpcx.hosts.address_towards`;
+    TensorPipe takes an interface name, read when the agent is built.
+    """
+    if os.environ.get(_IFNAME_ENV):
+        return
+    address = address_towards(ctx.init_method)
+    interface = interface_with(address) if address else None
+    if interface is None:
+        log.debug("no interface found for %s; TensorPipe picks its own address", address)
+        return
+    os.environ[_IFNAME_ENV] = interface  # (for this process: one TensorPipe agent each)
+    log.info("%s: TensorPipe listens on %s (%s), the interface towards the rendezvous; "
+             "set %s to choose another", ctx.names[ctx.rank], interface, address, _IFNAME_ENV)
 
 
 class TensorPipeTransport:
@@ -160,6 +186,7 @@ class TensorPipeTransport:
         # A reply future carries CUDA tensors only if it is told their devices
         # (torch refuses set_result otherwise); CPU needs no entry.
         self._reply_future_devices = [d for d in devices if d.type != "cpu"] or None
+        _choose_interface(ctx)
         source = ctx.options
         options = torch_rpc.TensorPipeRpcBackendOptions(
             num_worker_threads=max(

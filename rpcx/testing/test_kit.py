@@ -15,4 +15,5 @@ from rpcx.testing.conformance_auth import *  # noqa: F403
 from rpcx.testing.conformance_cuda import *  # noqa: F403
 from rpcx.testing.conformance_failures import *  # noqa: F403
 from rpcx.testing.conformance_hostile import *  # noqa: F403
+from rpcx.testing.conformance_hosts import *  # noqa: F403
 from rpcx.testing.conformance_parity import *  # noqa: F403

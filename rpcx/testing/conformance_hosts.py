@@ -1,0 +1,123 @@
+"""Conformance: a world across two hosts, with no interface variable set.
+
+Two network namespaces joined by a veth pair stand in for two hosts: each has its own
+interfaces (loopback included) and one address on a private /24, as two machines on a
+LAN see each other. Worker 0 runs in one and hosts the rendezvous on its address,
+worker 1 in the other; neither has ``GLOO_SOCKET_IFNAME``, ``TP_SOCKET_IFNAME`` or any
+other interface variable. They exchange calls, a tensor of 12 MiB and an RRef.
+
+Needs root and ``ip netns`` (iproute2); skips with the reason where namespaces cannot
+be made. Traffic stays inside the namespaces the test makes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from rpcx.testing.world import free_port
+
+__all__ = ["TestTwoHosts"]
+
+BOUND = 120.0
+_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+                        "MASTER_ADDR", "MASTER_PORT")
+
+WORKER = textwrap.dedent("""
+    import sys, torch, rpcx
+    rank, backend, url = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    rpcx.init_rpc(f"host{rank}", rank=rank, world_size=2, backend=backend,
+                  rpc_backend_options=rpcx.TensorPipeRpcBackendOptions(
+                      init_method=url, rpc_timeout=60))
+    if rank == 0:
+        big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB
+        assert torch.equal(rpcx.rpc_sync("host1", torch.add, args=(big, 1)), big + 1)
+        rref = rpcx.remote("host1", torch.full, args=((3,), 7.0))
+        assert rref.to_here().tolist() == [7.0, 7.0, 7.0]
+        where = rpcx.rpc_sync("host1", rpcx.get_worker_info).name
+        print(f"two hosts: ok ({where})", flush=True)
+    rpcx.shutdown()
+""")
+
+
+@dataclass
+class _Hosts:
+    namespaces: tuple[str, str]
+    addresses: tuple[str, str]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.rpcx_requires("multi_host", reason="workers of this backend share one host")
+class TestTwoHosts:
+    """Worker 0 and worker 1 on two "hosts" (network namespaces)."""
+
+    @pytest.fixture
+    def two_hosts(self) -> Iterator[_Hosts]:
+        """Two namespaces, a veth pair between them, an address on each end."""
+        if shutil.which("ip") is None:
+            pytest.skip("needs iproute2's ip command")
+        tag = uuid.uuid4().hex[:6]
+        names = (f"rpcx{tag}a", f"rpcx{tag}b")
+        subnet = f"10.{random.randrange(64, 250)}.{random.randrange(1, 250)}"
+        addresses = (f"{subnet}.1", f"{subnet}.2")
+        links = (f"rx{tag}a", f"rx{tag}b")
+        made: list[str] = []
+        try:
+            for name in names:
+                _ip("netns", "add", name)
+                made.append(name)
+            _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+            for name, link, address in zip(names, links, addresses, strict=True):
+                _ip("link", "set", link, "netns", name)
+                _ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
+                _ip("-n", name, "link", "set", link, "up")
+                _ip("-n", name, "link", "set", "lo", "up")
+        except (subprocess.CalledProcessError, OSError) as exc:
+            for name in made:
+                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            detail = getattr(exc, "stderr", "") or exc
+            pytest.skip(f"cannot make network namespaces here (needs root): {detail}")
+        try:
+            yield _Hosts(names, addresses)
+        finally:
+            for name in names:  # (the veth pair goes with them)
+                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+    def test_calls_tensors_and_rrefs_cross_hosts_with_no_interface_variable(
+        self, rpcx_backend: str, two_hosts: _Hosts, tmp_path: object
+    ) -> None:
+        script = os.path.join(str(tmp_path), "host_worker.py")
+        with open(script, "w") as file:
+            file.write(WORKER)
+        url = f"tcp://{two_hosts.addresses[0]}:{free_port()}"
+        env = {k: v for k, v in os.environ.items() if k not in _INTERFACE_VARIABLES}
+        workers = [
+            subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, script,
+                              str(rank), rpcx_backend, url],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for rank, namespace in enumerate(two_hosts.namespaces)
+        ]
+        outputs = []
+        try:
+            for worker in workers:
+                outputs.append(worker.communicate(timeout=BOUND))
+        finally:
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.kill()
+                    worker.wait(BOUND)
+        for worker, (out, err) in zip(workers, outputs, strict=True):
+            assert worker.returncode == 0, f"{rpcx_backend} across hosts:\n{out}\n{err}"
+        assert "two hosts: ok (host1)" in outputs[0][0]
