@@ -146,7 +146,11 @@ class SoakResult:
 def run(backend: str = "faulty:gloo", rounds: int = 200, calls: int = 100, rrefs: int = 10,
         faults: dict[str, Any] | None = None,
         progress: Callable[[str], None] = log.info) -> SoakResult:
-    """Run the soak; every worker's checks raise on a wrong reply, the rest is reported."""
+    """Run the soak; every worker's checks raise on a wrong reply, the rest is reported.
+
+    On a ``faulty:`` backend it sets ``$RPCX_FAULTS`` (``faults``, or
+    :data:`DEFAULT_FAULTS`) for the workers it starts, and leaves it set.
+    """
     if backend.startswith("faulty:"):
         os.environ[FAULTS_ENV] = json.dumps(DEFAULT_FAULTS if faults is None else faults)
     result = SoakResult(backend, rounds)
