@@ -37,7 +37,8 @@ WORKER = textwrap.dedent("""
     rpcx.init_rpc(f"w{rank}", rank=rank, world_size=size,
                   backend=os.environ.get("RPCX_BACKEND", "gloo"))
     peer = rpcx.rpc_sync(f"w{(rank + 1) % size}", rpcx.get_worker_info).name
-    print(f"rank {rank} of {size} called {peer} on {os.environ['RPCX_BACKEND']}", flush=True)
+    print(f"rank {rank} of {size} called {peer} on {os.environ['RPCX_BACKEND']}, "
+          f"{os.environ.get('OMP_NUM_THREADS')} thread", flush=True)
     rpcx.shutdown()
 """)
 
@@ -48,7 +49,8 @@ def _launch(tmp_path: pathlib.Path, *args: str, **env: str) -> subprocess.Popen[
     return subprocess.Popen(
         [sys.executable, "-m", "rpcx", "launch", *args, str(script)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, **env}, cwd=tmp_path,
+        env={**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, **env},
+        cwd=tmp_path,
     )
 
 
@@ -88,7 +90,8 @@ def test_launch_starts_the_workers_with_prefixed_output(tmp_path: pathlib.Path) 
     out, err = launcher.communicate(timeout=BOUND)
     assert launcher.returncode == 0, err
     for rank in range(3):
-        assert f"[worker{rank}] rank {rank} of 3 called w{(rank + 1) % 3} on gloo" in out, out
+        assert (f"[worker{rank}] rank {rank} of 3 called w{(rank + 1) % 3} on gloo, 1 thread"
+                in out), out
 
 
 @pytest.mark.timeout(240)

@@ -4,7 +4,8 @@ this host, as ``torchrun --standalone`` would start them.
 The launcher hosts the rendezvous store (as torchrun's agent does) and starts each
 worker with torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``, ...), so ``init_method="env://"``, ``rpcx.launch`` and
-``dist.init_process_group`` all meet there; ``--backend`` sets ``$RPCX_BACKEND``. Each
+``dist.init_process_group`` all meet there; ``--backend`` sets ``$RPCX_BACKEND``, and
+``OMP_NUM_THREADS`` is 1 unless set (as torchrun sets it). Each
 line a worker prints comes out prefixed with its name. When a worker fails, the others
 are stopped and the launcher exits with the failed worker's status; Ctrl-C (SIGINT or
 SIGTERM to the launcher) stops every worker and exits with 130.
@@ -73,6 +74,8 @@ def launch_script(nprocs: int, script: str, script_args: Sequence[str],
                 PYTHONUNBUFFERED="1")
     if backend:
         base["RPCX_BACKEND"] = backend
+    if nprocs > 1 and "OMP_NUM_THREADS" not in base:
+        base["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each take every core
     lock = threading.Lock()
     workers: list[subprocess.Popen[bytes]] = []
     pumps: list[threading.Thread] = []
