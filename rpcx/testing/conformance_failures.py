@@ -9,12 +9,14 @@ dead worker fails instead of hanging; shutdown skips it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +34,16 @@ W0, W1, W2 = "worker0", "worker1", "worker2"
 BOUND = 60.0
 
 
+@contextlib.contextmanager
+def _own_world(backend: str, keeper: WorldKeeper, **options: Any) -> Iterator[World]:
+    """A fresh 3-worker world with ``options``, for a test that ends or bends it. The
+    module's shared world, if this process runs one, is closed first (the next test that
+    needs it restarts it)."""
+    keeper.close()
+    with world(backend, size=3, rpc_timeout=BOUND, **options) as started:
+        yield started
+
+
 @pytest.mark.rpcx_requires(
     "multi_process", reason="a worker that is a thread of this process cannot crash alone")
 class TestPeerDeath:
@@ -41,10 +53,8 @@ class TestPeerDeath:
     def crash_world(
         self, rpcx_backend: str, rpc_world_keeper: WorldKeeper
     ) -> Iterator[World]:
-        """A fresh 3-worker world: a crash ends it. The module's shared world, if this
-        process runs one, is closed first (the next test that needs it restarts it)."""
-        rpc_world_keeper.close()
-        with world(rpcx_backend, size=3, rpc_timeout=BOUND) as started:
+        """A fresh 3-worker world: a crash ends it."""
+        with _own_world(rpcx_backend, rpc_world_keeper) as started:
             yield started
 
     def test_dead_worker_with_rrefs_and_autograd_in_flight(self, crash_world: World) -> None:
@@ -159,10 +169,8 @@ class TestHungPeer:
         self, rpcx_backend: str, rpc_world_keeper: WorldKeeper
     ) -> Iterator[World]:
         """A fresh 3-worker world with fast heartbeats."""
-        rpc_world_keeper.close()
-        with world(rpcx_backend, size=3, rpc_timeout=BOUND,
-                   heartbeat_interval=HEARTBEAT_INTERVAL,
-                   heartbeat_timeout=HEARTBEAT_TIMEOUT) as started:
+        with _own_world(rpcx_backend, rpc_world_keeper, heartbeat_interval=HEARTBEAT_INTERVAL,
+                        heartbeat_timeout=HEARTBEAT_TIMEOUT) as started:
             yield started
 
     def test_a_stopped_worker_is_reported_and_comes_back(self, hang_world: World) -> None:
@@ -244,9 +252,8 @@ class TestBackPressure:
         self, rpcx_backend: str, rpc_world_keeper: WorldKeeper
     ) -> Iterator[World]:
         """A fresh 3-worker world with a small budget."""
-        rpc_world_keeper.close()
-        with world(rpcx_backend, size=3, rpc_timeout=BOUND,
-                   max_bytes_in_flight=self.LIMIT) as started:
+        with _own_world(rpcx_backend, rpc_world_keeper,
+                        max_bytes_in_flight=self.LIMIT) as started:
             yield started
 
     def test_a_call_past_the_budget_waits_then_fails_unsent(self, budget_world: World) -> None:
