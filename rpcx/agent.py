@@ -31,7 +31,7 @@ from rpcx._pending import CLOSED, PendingCall, PendingCalls, describe_callable
 from rpcx._pool import WorkerPool, blocking, current_pool
 from rpcx._recent import RecentIds
 from rpcx._retransmit import Retransmission
-from rpcx._timer import DeadlineTimer
+from rpcx._timer import DeadlineTimer, within
 from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
 from rpcx.errors import (
@@ -505,23 +505,24 @@ class RpcAgent:
         self, dst: WorkerInfo, nbytes: int, pending: PendingCall
     ) -> BaseException | None:
         """Count a call's bytes against the budget to ``dst``, waiting within its timeout
-        for room (back-pressure); the error to fail it with if there is none."""
+        for room (back-pressure); the error to fail it with if there is none. A wait that
+        ends because the peer was lost or this worker closed counts nothing and returns
+        ``None``: registering the call then refuses it with the usual error."""
         budget = self._budget
         assert budget is not None
         if budget.try_take(dst.id, nbytes):
             pending.nbytes = nbytes
             return None
+        def gone() -> bool:
+            return self._state == _CLOSED or self.is_lost(dst.id)
+
         with blocking():  # (a request thread waiting here lets the pool grow)
-            taken = budget.take(dst.id, nbytes, pending.timeout,
-                                lambda: self._state == _CLOSED or self.is_lost(dst.id))
+            taken = budget.take(dst.id, nbytes, pending.timeout, gone)
         if taken:
             pending.nbytes = nbytes
             return None
-        if self._state == _CLOSED:
-            return self._shut_down_error(pending.api, pending.describe_target(pending.target),
-                                         dst)
-        if self.is_lost(dst.id):
-            return self.lost_error(dst.id, pending.call)
+        if gone():
+            return None
         return RpcTimeoutError(
             f"{pending.call} to worker {dst.name!r}: not sent within its timeout "
             f"({pending.timeout:g} s): {budget.in_flight(dst.id) / 2**20:.1f} MiB of calls "
@@ -1053,8 +1054,7 @@ class RpcAgent:
             )
         # Without a deadline, each teardown step still gets a bound of its own.
         def budget(default: float) -> float:
-            left = _remaining(deadline)
-            return default if left is None else min(left, default)
+            return within(default, _remaining(deadline)) or 0.0
 
         try:
             # Saying goodbye always gets a moment, even past the deadline: a gloo process
