@@ -23,6 +23,7 @@ here runs on a reliable transport.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from rpcx.messages import MessageKind
 from rpcx.transport import Frame
 
 __all__ = ["ACKED_KINDS", "REFETCHED_KINDS", "RETRIED_KINDS", "ReplyCache", "Resender",
-           "Retransmission"]
+           "Retransmission", "copy_of_frame"]
 
 # Requests sent again until answered, and one-way messages sent as such requests.
 ACKED_KINDS = frozenset({
@@ -52,10 +53,9 @@ _REPLIES_KEPT = 1024  # answers remembered per caller
 
 
 def copy_of_frame(frame: Frame) -> Frame:
-    """A second ``Frame`` object over the same header and buffers (sending may seal the
-    one it is given in place)."""
-    return Frame(frame.header, list(frame.buffers), request_id=frame.request_id,
-                 reply_to=frame.reply_to, owned=frame.owned)
+    """A second ``Frame`` object over the same header and buffers, every field kept
+    (sending may seal the one it is given in place)."""
+    return dataclasses.replace(frame, buffers=list(frame.buffers))
 
 
 class Resender:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from rpcx._retransmit import copy_of_frame
 from rpcx.messages import MessageKind
 from rpcx.serialization import decode_envelope
 from rpcx.transport import Capabilities, Frame, Transport, TransportContext
@@ -132,9 +133,7 @@ class FaultyTransport:
                 time.sleep(faults.delay_seconds)  # the injected fault itself
             self.inner.send(dst, frame)
             if duplicate:
-                self.inner.send(dst, Frame(frame.header, frame.buffers,
-                                           request_id=frame.request_id,
-                                           reply_to=frame.reply_to, owned=frame.owned))
+                self.inner.send(dst, copy_of_frame(frame))
 
     def close(self, timeout: float) -> None:
         """Close the inner transport."""
