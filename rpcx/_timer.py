@@ -13,11 +13,20 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["DeadlineTimer"]
+__all__ = ["DeadlineTimer", "within"]
 
 log = logging.getLogger("rpcx.timer")
 
 _COMPACT_MIN = 1024
+
+
+def within(bound: float | None, left: float | None) -> float | None:
+    """A step's wait: its own ``bound``, cut to the ``left`` seconds of the larger wait it
+    is part of (shutdown's budget, say). ``None`` is no bound; never negative."""
+    if left is None:
+        return bound
+    left = max(0.0, left)
+    return left if bound is None else min(bound, left)
 
 
 class DeadlineTimer:

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rpcx._timer import within
 from rpcx.errors import PeerLostError, RpcError, RpcShutdownError
 from rpcx.futures import add_internal_callback, wait_done
 from rpcx.messages import MessageKind
@@ -460,7 +461,7 @@ class RRefService:
 
         Returns how many messages this had to send or wait for.
         """
-        timeout = _FLUSH_TIMEOUT if left is None else max(0.0, min(_FLUSH_TIMEOUT, left))
+        timeout = within(_FLUSH_TIMEOUT, left) or 0.0
         gc.collect()
         with self._send_lock:
             taken = self._take_all()
@@ -508,7 +509,7 @@ class RRefService:
         self._wake.put(False)
         self._wake_unconfirmed(lambda rref: True)
         if self._deleter is not threading.current_thread():
-            self._deleter.join(5.0 if left is None else max(0.0, min(5.0, left)))
+            self._deleter.join(within(5.0, left))
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()

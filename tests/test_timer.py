@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from rpcx._timer import _COMPACT_MIN, DeadlineTimer
+from rpcx._timer import _COMPACT_MIN, DeadlineTimer, within
 
 TIMEOUT = 10.0
 LATE = 4.0  # how late a deadline may fire on a loaded machine; a 10x slow timer fails
@@ -341,3 +341,11 @@ def test_close_of_an_idle_timer(make_timer: Callable[..., DeadlineTimer]) -> Non
     timer = make_timer(lambda key: None)
     timer.close(TIMEOUT)
     assert timer._thread is None
+
+
+def test_within_cuts_a_steps_bound_to_the_time_left() -> None:
+    assert within(5.0, None) == 5.0  # no larger budget: the step's own bound
+    assert within(5.0, 2.0) == 2.0
+    assert within(5.0, -1.0) == 0.0  # the budget is spent: never negative
+    assert within(None, 3.0) == 3.0  # a step without a bound of its own
+    assert within(None, None) is None

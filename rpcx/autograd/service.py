@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from rpcx._pool import holding
+from rpcx._timer import within
 from rpcx.agent import Deferred, RpcAgent
 from rpcx.autograd.engine import ActivePass, Outbox, make_recv, run_pass
 from rpcx.errors import PeerLostError, RemoteErrorInfo, RpcError, RpcTimeoutError
@@ -636,10 +637,7 @@ class AutogradService:
     def drain(self, left: float | None = None) -> int:
         """Shutdown: let context releases this worker started finish (sends nothing),
         for at most ``left`` seconds (and ``rpc_timeout``)."""
-        limit = self.agent.timeout_for(None)
-        if left is not None:
-            limit = left if limit is None else min(limit, left)
-        self.wait_released(timeout=limit)
+        self.wait_released(timeout=within(self.agent.timeout_for(None), left))
         return 0
 
 
