@@ -12,8 +12,9 @@ bookkeeping reliable, with this module:
   request, so that it is acknowledged and sent again too;
 * the callee serves each (caller, request id) once: a copy of a request already answered
   gets the same answer again (:class:`ReplyCache`), a copy of one still running gets
-  nothing (the answer is on its way); a fetch of an RRef's value, which changes nothing,
-  is served again rather than its value kept.
+  nothing (the answer is on its way). Fetches too: serving one again would pickle the
+  value anew, forking every RRef inside it for a reply the caller then drops unread as
+  a duplicate, and those forks would never be released.
 
 User calls are not retried: a function runs at most once, and a call whose request or
 reply is lost fails with its timeout, as on a network that drops a connection. Nothing
@@ -32,7 +33,7 @@ from rpcx._timer import DeadlineTimer
 from rpcx.messages import MessageKind
 from rpcx.transport import Frame
 
-__all__ = ["ACKED_KINDS", "REFETCHED_KINDS", "RETRIED_KINDS", "ReplyCache", "Resender",
+__all__ = ["ACKED_KINDS", "RETRIED_KINDS", "ReplyCache", "Resender",
            "Retransmission", "copy_of_frame"]
 
 # Requests sent again until answered, and one-way messages sent as such requests.
@@ -44,8 +45,6 @@ RETRIED_KINDS = ACKED_KINDS | {
     MessageKind.RREF_FETCH, MessageKind.RREF_FORKS, MessageKind.AUTOGRAD_BACKWARD,
     MessageKind.AUTOGRAD_RELEASE, MessageKind.AUTOGRAD_RUN,
 }
-# Served again when a copy arrives (reading changes nothing; the value may be large).
-REFETCHED_KINDS = frozenset({MessageKind.RREF_FETCH})
 
 FIRST_PAUSE = 0.05  # seconds before the first copy; doubled after each, up to LAST_PAUSE
 LAST_PAUSE = 1.0
@@ -175,15 +174,12 @@ class Retransmission:
         if kind in RETRIED_KINDS:
             self._replies.running(src, rid)
 
-    def copy_received(self, src: int, kind: int, rid: int) -> bool:
+    def copy_received(self, src: int, rid: int) -> None:
         """A copy of request ``rid`` from ``src`` arrived: send the kept answer again, if
-        there is one. True if the copy is to be served again (a fetch)."""
-        if kind in REFETCHED_KINDS:
-            return True
+        there is one (none yet: the request still runs, and its answer will come)."""
         reply = self._replies.reply_to_copy(src, rid)
         if reply is not None:
             self._send_copy(src, reply)
-        return False
 
     def answered(self, src: int, rid: int, frame: Frame) -> None:
         """The reply to ``src``'s request ``rid`` is being sent (kept if bookkeeping)."""

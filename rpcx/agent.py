@@ -645,11 +645,10 @@ class RpcAgent:
         kind, rid = decode_envelope(frame)
         if (rid and kind != MessageKind.RESULT and kind != MessageKind.ERROR
                 and not self._served[src].add(rid)):
-            if (self._retransmission is None
-                    or not self._retransmission.copy_received(src, kind, rid)):
-                log.debug("%s: dropped a duplicate of request %d from rank %d",
-                          self.name, rid, src)
-                return
+            if self._retransmission is not None:
+                self._retransmission.copy_received(src, rid)
+            log.debug("%s: dropped a duplicate of request %d from rank %d", self.name, rid, src)
+            return
         elif rid and self._retransmission is not None:
             self._retransmission.received(src, kind, rid)
         if kind not in self._handlers and kind != MessageKind.RESULT and kind != MessageKind.ERROR:

@@ -182,3 +182,23 @@ def test_duplicated_and_lost_gradients_count_once(monkeypatch: pytest.MonkeyPatc
             assert torch.equal(grads[w], 4 * w.detach() ** 3), grads[w]  # d(w^4)/dw
         faults = {fault for fault, kind in _injected() if kind.startswith("AUTOGRAD_CHAIN")}
         assert faults == {"drop", "duplicate"}, _injected()
+
+
+def test_copies_of_a_fetch_fork_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every RRef fetch sent twice: a copy is answered from the kept reply, never served
+    # again (that would fork the RRefs inside the value for a reply dropped unread).
+    _faults(monkeypatch, duplicate={"RREF_FETCH": 1.0}, drop={"RREF_FETCH": 0.3}, seed=2)
+    with world("faulty:gloo", size=4, rpc_timeout=BOUND):
+        baseline = rpcx.rpc_sync("worker2", remote.tracked_live)
+        for _ in range(10):
+            inner = rpcx.remote("worker2", remote.Tracked, args=("inner",))
+            outer = rpcx.rpc_sync("worker3", remote.wrap_in_rref, args=(inner,))
+            del inner
+            assert remote.unwrap_twice(outer).get() == "inner"  # fetched from here
+            del outer
+        for name in ("worker0", "worker1", "worker3", "worker2"):
+            rpcx.rpc_sync(name, remote.rref_settle)
+        owner = rpcx.rpc_sync("worker2", remote.rref_settle)
+        assert owner["owned"] == 0 and owner["references_to_owned"] == 0, owner
+        assert rpcx.rpc_sync("worker2", remote.tracked_live) == baseline
+        assert _injected()[("duplicate", "RREF_FETCH")] >= 10
