@@ -59,3 +59,93 @@ def test_the_interface_holding_an_address_is_found() -> None:
     assert any(n == name for _, n in socket.if_nameindex())
     assert interface_with("192.0.2.254") is None  # nobody here holds it
     assert interface_with("not an address") is None
+
+
+class _Recorder:
+    """Stands in for torch's gloo device factory: records how each device was asked for."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, str]] = []
+
+    def create_device(self, **kwargs: str) -> dict[str, str]:
+        self.calls.append(kwargs)
+        return kwargs
+
+    def create_default_device(self) -> dict[str, str]:
+        self.calls.append({})
+        return {}
+
+
+def _gloo_devices(monkeypatch: pytest.MonkeyPatch, init_method: str, **options: str | None
+                  ) -> list[dict[str, str]]:
+    from types import SimpleNamespace
+
+    from rpcx.backends import gloo
+
+    recorder = _Recorder()
+    monkeypatch.setattr(gloo.dist, "ProcessGroupGloo", recorder)
+    ctx = SimpleNamespace(options=SimpleNamespace(**options), init_method=init_method)
+    gloo._devices(ctx)  # type: ignore[arg-type]
+    return recorder.calls
+
+
+def test_gloo_device_follows_option_then_variable_then_route(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """rpcx builds gloo's options itself, so torch never reads $GLOO_SOCKET_IFNAME for it:
+    the backend must (one device per name, as torch does), below the ``interface`` option
+    and above the address that routes to the rendezvous host."""
+    local = "tcp://127.0.0.1:29500"
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert _gloo_devices(monkeypatch, local) == [{"hostname": "127.0.0.1"}]
+    assert _gloo_devices(monkeypatch, local, hostname="10.1.2.3") == [{"hostname": "10.1.2.3"}]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1,eth2")
+    assert _gloo_devices(monkeypatch, local) == [{"interface": "eth1"}, {"interface": "eth2"}]
+    assert _gloo_devices(monkeypatch, local, interface="ib0") == [{"interface": "ib0"}]
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert _gloo_devices(monkeypatch, "file:///tmp/x") == [{}]  # torch's default: host name
+
+
+def test_gloo_socket_ifname_reaches_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end: a world on gloo asked for an interface this host lacks fails, naming it
+    (the variable was ignored before: the world started on the routed address)."""
+    import rpcx
+    from rpcx.testing.world import free_port
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "rpcx-nonesuch0")
+    options = rpcx.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}",
+                                     rpc_timeout=20)
+    with pytest.raises(Exception, match="rpcx-nonesuch0"):
+        rpcx.init_rpc("solo", backend="gloo", rank=0, world_size=1,
+                      rpc_backend_options=options)
+    # The failed start left nothing behind: a world starts here again.
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    options.init_method = f"tcp://127.0.0.1:{free_port()}"
+    rpcx.init_rpc("solo", backend="gloo", rank=0, world_size=1, rpc_backend_options=options)
+    try:
+        assert rpcx.rpc_sync("solo", max, args=(1, 2)) == 2
+    finally:
+        rpcx.shutdown()
+
+
+def test_tensorpipe_interface_is_set_only_while_the_agent_starts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorPipe reads $TP_SOCKET_IFNAME when its agent is built; rpcx sets it for that
+    moment only, so processes started later and a later world towards another host do
+    not inherit this world's interface. A value the user set is left as it is."""
+    from types import SimpleNamespace
+
+    tensorpipe = pytest.importorskip("rpcx.backends.tensorpipe")
+    ctx = SimpleNamespace(init_method="tcp://127.0.0.1:29500", names=["w0"], rank=0)
+    loopback = interface_with("127.0.0.1")
+    assert loopback is not None
+    monkeypatch.delenv("TP_SOCKET_IFNAME", raising=False)
+    with tensorpipe._interface_for_agent(ctx):
+        assert os.environ.get("TP_SOCKET_IFNAME") == loopback
+    assert "TP_SOCKET_IFNAME" not in os.environ
+    with pytest.raises(RuntimeError), tensorpipe._interface_for_agent(ctx):
+        raise RuntimeError("the agent failed to start")
+    assert "TP_SOCKET_IFNAME" not in os.environ
+    monkeypatch.setenv("TP_SOCKET_IFNAME", "eth7")
+    with tensorpipe._interface_for_agent(ctx):
+        assert os.environ["TP_SOCKET_IFNAME"] == "eth7"
+    assert os.environ["TP_SOCKET_IFNAME"] == "eth7"

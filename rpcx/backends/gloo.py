@@ -201,7 +201,7 @@ class GlooTransport:
         self._max_frame = int(getattr(ctx.options, "max_frame_bytes", self._max_frame))
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = _PAIR_TIMEOUT
-        opts._devices = [_device(ctx)]
+        opts._devices = _devices(ctx)
         self._pg = _connect_mesh(ctx, opts)
         for rank in range(ctx.world_size):
             if rank != ctx.rank:
@@ -601,17 +601,25 @@ def _clean(exc: BaseException) -> str:
     return without_cpp_locations(str(exc))
 
 
-def _device(ctx: TransportContext) -> Any:
+def _devices(ctx: TransportContext) -> list[Any]:
+    """gloo's devices: the option's interface, else each of ``$GLOO_SOCKET_IFNAME``
+    (comma-separated, as torch reads it), else the option's hostname, else the local
+    address that routes to the rendezvous host.
+
+    torch reads ``$GLOO_SOCKET_IFNAME`` only where it builds a process group's options
+    itself; rpcx builds them, so it reads the variable here.
+    """
     options = ctx.options
     interface = getattr(options, "interface", None)
-    hostname = getattr(options, "hostname", None)
     if interface:
-        return dist.ProcessGroupGloo.create_device(interface=interface)
-    if hostname is None and not os.environ.get("GLOO_SOCKET_IFNAME"):
-        hostname = address_towards(ctx.init_method)
+        return [dist.ProcessGroupGloo.create_device(interface=interface)]
+    from_env = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    if from_env:
+        return [dist.ProcessGroupGloo.create_device(interface=name) for name in from_env]
+    hostname = getattr(options, "hostname", None) or address_towards(ctx.init_method)
     if hostname:
-        return dist.ProcessGroupGloo.create_device(hostname=hostname)
-    return dist.ProcessGroupGloo.create_default_device()
+        return [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+    return [dist.ProcessGroupGloo.create_default_device()]
 
 
 @hookimpl

@@ -36,10 +36,12 @@ that uses this backend cannot use ``torch.distributed.rpc`` itself at the same t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -89,25 +91,34 @@ class _Inbox:
 _IFNAME_ENV = "TP_SOCKET_IFNAME"
 
 
-def _choose_interface(ctx: TransportContext) -> None:
-    """Point TensorPipe at the interface the rendezvous traffic uses, unless
-    ``$TP_SOCKET_IFNAME`` already names one.
+@contextlib.contextmanager
+def _interface_for_agent(ctx: TransportContext) -> Iterator[None]:
+    """While torch's agent is built, point TensorPipe at the interface the rendezvous
+    traffic uses, unless ``$TP_SOCKET_IFNAME`` already names one.
 
     Left alone, TensorPipe listens on the address this host's name resolves to, which on
     many machines is 127.0.0.1 or an interface the other hosts cannot reach: workers on
     other hosts then never connect. gloo and zmq bind :func:`rpcx.hosts.address_towards`;
-    TensorPipe takes an interface name, read when the agent is built.
+    TensorPipe takes an interface name, which it reads from the environment only when the
+    agent is built and starts listening. The variable is removed again after, so that
+    processes this one starts, and a later world towards another host, do not inherit it.
     """
     if os.environ.get(_IFNAME_ENV):
+        yield
         return
     address = address_towards(ctx.init_method)
     interface = interface_with(address) if address else None
     if interface is None:
         log.debug("no interface found for %s; TensorPipe picks its own address", address)
+        yield
         return
-    os.environ[_IFNAME_ENV] = interface  # (for this process: one TensorPipe agent each)
     log.info("%s: TensorPipe listens on %s (%s), the interface towards the rendezvous; "
              "set %s to choose another", ctx.names[ctx.rank], interface, address, _IFNAME_ENV)
+    os.environ[_IFNAME_ENV] = interface
+    try:
+        yield
+    finally:
+        os.environ.pop(_IFNAME_ENV, None)
 
 
 class TensorPipeTransport:
@@ -186,7 +197,6 @@ class TensorPipeTransport:
         # A reply future carries CUDA tensors only if it is told their devices
         # (torch refuses set_result otherwise); CPU needs no entry.
         self._reply_future_devices = [d for d in devices if d.type != "cpu"] or None
-        _choose_interface(ctx)
         source = ctx.options
         options = torch_rpc.TensorPipeRpcBackendOptions(
             num_worker_threads=max(
@@ -208,11 +218,12 @@ class TensorPipeTransport:
                 log.debug("torch autograd container already initialized: %s", exc)
             if torch.cuda.is_available() and devices:
                 torch.cuda.init()  # type: ignore[no-untyped-call]
-            self._agent = TensorPipeAgent(
-                ctx.store, names[ctx.rank], ctx.rank, ctx.world_size, options,
-                reverse_maps, devices,
-            )
-            torch_rpc_api._init_rpc_states(self._agent)
+            with _interface_for_agent(ctx):
+                self._agent = TensorPipeAgent(
+                    ctx.store, names[ctx.rank], ctx.rank, ctx.world_size, options,
+                    reverse_maps, devices,
+                )
+                torch_rpc_api._init_rpc_states(self._agent)  # (starts it: it listens)
             for rank in range(ctx.world_size):
                 if rank != ctx.rank:
                     self._watch(rank)
