@@ -2,7 +2,8 @@
 
 Sessions: tests (every backend, then the RRef and autograd kit under injected faults as
 ``faulty:gloo``; or ``-- --backends=...``), examples(backend), demo, soak, lint,
-typecheck, bench, and torch_suite(backend) (torch's own RPC tests run against rpcx;
+typecheck, docs (the site, built strictly and tested in a browser), bench, and
+torch_suite(backend) (torch's own RPC tests run against rpcx;
 long, so not a default).
 Every session installs through constraints.txt, which pins torch==2.13.0.
 """
@@ -16,7 +17,7 @@ import time
 import nox
 import nox.command
 
-nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"  # torch==2.13.0's CPU wheel on this project's machines is for 3.11
@@ -190,6 +191,21 @@ def soak(session: nox.Session) -> None:
         args += ["--rounds", "400"]
     os.makedirs("soak/results", exist_ok=True)
     session.run("python", "-m", "rpcx.testing.soak", *args)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """The documentation site: ``mkdocs build --strict`` into build/site (a warning, a
+    broken link or anchor, a page missing from the navigation fails it), then
+    tests/test_docs_site.py opens every page in headless Chromium (Debian's ``chromium``;
+    the test skips, saying so, where it is absent): console errors, links, navigation,
+    search, the API reference. Arguments after ``--`` go to pytest."""
+    _install(session, "docs")
+    site = os.path.join("build", "site")
+    session.run("mkdocs", "build", "--strict", "--site-dir", site,
+                env={"NO_MKDOCS_2_WARNING": "1"})
+    session.run("pytest", "tests/test_docs_site.py", "-p", "no:cacheprovider", *session.posargs,
+                env={"RPCX_DOCS_SITE": os.path.abspath(site)})
 
 
 @nox.session(python=PYTHON)
