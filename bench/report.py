@@ -280,7 +280,22 @@ SYSTEM_STYLE = {
     "gloo": {"color": "tab:blue", "marker": "s", "linestyle": "-"},
     "tensorpipe": {"color": "tab:orange", "marker": "^", "linestyle": "-"},
     "loopback": {"color": "tab:green", "marker": "D", "linestyle": "--"},
+    "shm": {"color": "tab:purple", "marker": "v", "linestyle": "-"},
+    "zmq": {"color": "tab:red", "marker": "P", "linestyle": "-"},
 }
+# A backend without a style of its own (a third-party plugin) gets one of these in turn.
+_SPARE_STYLES = [{"color": c, "marker": m, "linestyle": "-."}
+                 for c, m in (("tab:brown", "X"), ("tab:pink", "*"), ("tab:olive", "h"),
+                              ("tab:cyan", "p"), ("tab:gray", "<"))]
+
+
+def _style(system: str, systems: list[str]) -> dict[str, str]:
+    """The plot style of ``system``: its own, else a spare one by its place among the
+    unstyled systems of this run (so two plugins never share one)."""
+    if system in SYSTEM_STYLE:
+        return SYSTEM_STYLE[system]
+    unstyled = [s for s in systems if s not in SYSTEM_STYLE]
+    return _SPARE_STYLES[unstyled.index(system) % len(_SPARE_STYLES)]
 
 
 def _title_suffix(meta: dict[str, Any]) -> str:
@@ -332,7 +347,7 @@ def plot_sizes(path: pathlib.Path, summary: dict[str, Any], systems: list[str],
             continue
         x = [p["bytes"] for p in points]
         sizes = sorted(set(sizes) | set(x))
-        style = SYSTEM_STYLE.get(system, {})
+        style = _style(system, systems)
         ax_lat.plot(x, [p["latency_us"] for p in points], label=system, **style)
         ax_bw.plot(x, [p["GBps"] for p in points], label=system, **style)
     floors = summary.get("floors", {})
@@ -381,7 +396,7 @@ def plot_clients(path: pathlib.Path, summary: dict[str, Any], systems: list[str]
         counts |= set(x)
         label = system + (" (threads of one process)" if system == "loopback" else "")
         ax.plot(x, [p["calls_per_s"] for p in points], label=label,
-                **SYSTEM_STYLE.get(system, {}))
+                **_style(system, systems))
     ax.set_xticks(sorted(counts))
     ax.set_xlabel("concurrent client workers (each: small rpc_sync in a loop)")
     ax.set_ylabel("aggregate calls/s to one server")
