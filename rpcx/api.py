@@ -37,6 +37,7 @@ log = logging.getLogger("rpcx")
 
 T = TypeVar("T")
 UNSET_RPC_TIMEOUT = -1.0
+"""A call's ``timeout`` when not given: the worker's default (``rpc_timeout``) applies."""
 _atexit_lock = threading.Lock()
 _atexit_registered = False
 _exposure_warned = False  # the no-authentication warning is given once per process

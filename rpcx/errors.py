@@ -63,10 +63,14 @@ class InvalidWorkerNameError(RpcError, ValueError):
 class LostCause(enum.Enum):
     """Why a peer is gone, as its transport reports it (``TransportContext.peer_lost``)."""
 
-    DEPARTED = "departed"  # it said goodbye: it shut down on purpose
-    CONNECTION_LOST = "connection lost"  # the connection broke; its process probably died
-    UNRESPONSIVE = "unresponsive"  # silent past the heartbeat limit
-    PROTOCOL_ERROR = "protocol error"  # it sent what is no valid frame, or failed auth
+    DEPARTED = "departed"
+    """It said goodbye: it shut down on purpose."""
+    CONNECTION_LOST = "connection lost"
+    """The connection broke; its process probably died."""
+    UNRESPONSIVE = "unresponsive"
+    """Silent past ``heartbeat_timeout``."""
+    PROTOCOL_ERROR = "protocol error"
+    """It sent what is no valid frame, or failed authentication."""
 
 
 class PeerLostError(RpcError, ConnectionError):

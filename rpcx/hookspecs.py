@@ -32,7 +32,9 @@ __all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
 PROJECT_NAME = "rpcx"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+"""Marks rpcx's hook specifications (for rpcx itself)."""
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+"""Marks a plugin's implementation of an rpcx hook (``rpcx_register_backends``)."""
 
 
 @hookspec

@@ -26,19 +26,22 @@ __all__ = [
 ]
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
+"""Default timeout of a call, in seconds (torch's too)."""
 DEFAULT_INIT_METHOD = "env://"
+"""Default rendezvous: ``$MASTER_ADDR`` and ``$MASTER_PORT``."""
 DEFAULT_NUM_WORKER_THREADS = 16
-# Largest message (header and tensors) a worker accepts: a peer announcing more is
-# broken or hostile, and is dropped before anything is allocated for it.
+"""Default number of incoming requests a worker runs at once."""
 DEFAULT_MAX_FRAME_BYTES = 64 << 30
-# A peer not heard from for the interval is pinged; one silent for the timeout is
-# reported unresponsive (rpcx._heartbeat). Generous: a live worker answers within
-# milliseconds unless something holds its GIL for seconds.
+"""Largest message (header and tensors) a worker accepts, 64 GiB: a peer announcing more
+is broken or hostile, and is dropped before anything is allocated for it."""
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
+"""Seconds of quiet after which a peer is pinged."""
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
-# Bytes of requests a worker may have in flight to one peer before new calls to it wait
-# (rpcx._budget): bounds what a fast caller can queue at a slow callee.
+"""Seconds of silence after which a peer is reported unresponsive. Generous: a live
+worker answers within milliseconds unless something holds its GIL for seconds."""
 DEFAULT_MAX_BYTES_IN_FLIGHT = 1 << 30
+"""Bytes of calls (1 GiB) a worker may have in flight to one peer before new calls to it
+wait: bounds what a fast caller can queue at a slow callee."""
 
 DeviceLike = Union[int, str, torch.device]  # noqa: UP007  (an alias, evaluated on 3.10)
 DeviceMap = dict[torch.device, torch.device]

@@ -49,8 +49,11 @@ class BackendType(str, enum.Enum):
     """Names of the built-in backends, for code written against torch's ``BackendType``."""
 
     LOOPBACK = "loopback"
+    """Every worker a thread of one process."""
     GLOO = "gloo"
+    """gloo send/recv on a private process group (the default)."""
     TENSORPIPE = "tensorpipe"
+    """torch's TensorPipe agent, CUDA device to device."""
 
 
 @dataclass(frozen=True)

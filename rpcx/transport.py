@@ -108,7 +108,9 @@ class TransportContext:
     """Everything a transport gets when it starts.
 
     Attributes:
-        rank, world_size, names: this worker's rank, the world's size, every worker's name.
+        rank: this worker's rank.
+        world_size: the number of workers.
+        names: every worker's name, by rank.
         store: a torch.distributed ``Store`` private to this transport (already prefixed).
         options: the options object passed to ``init_rpc``.
         init_method: the rendezvous URL in use.

@@ -7,10 +7,11 @@ Marker: ``@pytest.mark.rpcx_requires("multi_process", reason=...)`` skips a test
 backend whose :class:`~rpcx.transport.Capabilities` lack any of the named flags, saying
 which flag is missing and why the test needs it.
 
-Fixtures:
-    rpcx_backend: the backend under test (the suite is parametrized over them).
-    rpc_world: a 4-worker world on that backend, shared by a module's tests.
-    rpc_world_keeper: closes that world for a test that needs a world of its own.
+The fixtures:
+
+- ``rpcx_backend``: the backend under test (the suite is parametrized over them).
+- ``rpc_world``: a 4-worker world on that backend, shared by a module's tests.
+- ``rpc_world_keeper``: closes that world for a test that needs a world of its own.
 """
 
 from __future__ import annotations
