@@ -103,22 +103,22 @@ def _interface_for_agent(ctx: TransportContext) -> Iterator[None]:
     agent is built and starts listening. The variable is removed again after, so that
     processes this one starts, and a later world towards another host, do not inherit it.
     """
-    if os.environ.get(_IFNAME_ENV):
-        yield
-        return
-    address = address_towards(ctx.init_method)
-    interface = interface_with(address) if address else None
-    if interface is None:
-        log.debug("no interface found for %s; TensorPipe picks its own address", address)
-        yield
-        return
-    log.info("%s: TensorPipe listens on %s (%s), the interface towards the rendezvous; "
-             "set %s to choose another", ctx.names[ctx.rank], interface, address, _IFNAME_ENV)
-    os.environ[_IFNAME_ENV] = interface
+    interface = None
+    if not os.environ.get(_IFNAME_ENV):
+        address = address_towards(ctx.init_method)
+        interface = interface_with(address) if address else None
+        if interface is None:
+            log.debug("no interface found for %s; TensorPipe picks its own address", address)
+        else:
+            log.info("%s: TensorPipe listens on %s (%s), the interface towards the "
+                     "rendezvous; set %s to choose another", ctx.names[ctx.rank], interface,
+                     address, _IFNAME_ENV)
+            os.environ[_IFNAME_ENV] = interface
     try:
         yield
     finally:
-        os.environ.pop(_IFNAME_ENV, None)
+        if interface is not None:
+            os.environ.pop(_IFNAME_ENV, None)
 
 
 class TensorPipeTransport:
