@@ -300,6 +300,13 @@ def crawl(browser: Browser, base_url: str, site_dir: Path) -> Iterator[_Crawl]:
                             f"the search was still 'Initializing search' after "
                             f"{TIMEOUT_MS // 1000} s (its index did not load); not waited "
                             f"for on the pages after this one")))
+                # Requests the page makes after "load" (its favicon) must be over before
+                # the tab moves on: the next navigation would cancel them (ERR_ABORTED),
+                # which says nothing about the site.
+                try:
+                    page.wait_for_load_state("networkidle")
+                except PlaywrightError as e:
+                    watch.problems.append((watch.current, f"requests still running: {e}"))
                 links[watch.current] = [
                     (str(href), str(resolved)) for href, resolved in page.eval_on_selector_all(
                         "a[href]", "els => els.map(a => [a.getAttribute('href'), a.href])")]
@@ -422,10 +429,18 @@ def test_search_finds_a_name(page: Page, base_url: str, site_dir: Path) -> None:
     assert hrefs and all(urlsplit(h).netloc == origin for h in hrefs), hrefs
     assert all(_site_file(site_dir, urlsplit(h).path) for h in hrefs), hrefs
     # Follow a result on another page than this one, so that following it is a navigation.
-    elsewhere = [i for i, h in enumerate(hrefs) if urlsplit(h).path != "/"]
-    assert elsewhere, f"every result for rpc_sync is on the home page: {hrefs}"
-    target = urlsplit(hrefs[elsewhere[0]]).path
-    links.nth(elsewhere[0]).click()
+    # Chosen and clicked in one step in the page: the theme replaces the list as each
+    # typed letter's results come in, so a link read first and clicked after may be gone.
+    clicked = page.evaluate("""() => {
+        const links = [...document.querySelectorAll(
+            '.md-search-result__item > a.md-search-result__link')];
+        const link = links.find(a => new URL(a.href).pathname !== '/');
+        if (!link) return null;
+        link.click();
+        return link.href;
+    }""")
+    assert clicked, f"every result for rpc_sync is on the home page: {hrefs}"
+    target = urlsplit(str(clicked)).path
     page.wait_for_url(lambda url: urlsplit(url).path == target)
     expect(page.locator(".md-content")).to_contain_text("rpc_sync", timeout=TIMEOUT_MS)
 
