@@ -41,7 +41,6 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -49,6 +48,7 @@ import torch.distributed.autograd
 import torch.distributed.rpc as torch_rpc
 import torch.distributed.rpc.api
 
+from rpcx._environ import environment_variable
 from rpcx._memory import copy_of
 from rpcx.errors import (
     LostCause,
@@ -91,8 +91,7 @@ class _Inbox:
 _IFNAME_ENV = "TP_SOCKET_IFNAME"
 
 
-@contextlib.contextmanager
-def _interface_for_agent(ctx: TransportContext) -> Iterator[None]:
+def _interface_for_agent(ctx: TransportContext) -> contextlib.AbstractContextManager[None]:
     """While torch's agent is built, point TensorPipe at the interface the rendezvous
     traffic uses, unless ``$TP_SOCKET_IFNAME`` already names one.
 
@@ -113,12 +112,7 @@ def _interface_for_agent(ctx: TransportContext) -> Iterator[None]:
             log.info("%s: TensorPipe listens on %s (%s), the interface towards the "
                      "rendezvous; set %s to choose another", ctx.names[ctx.rank], interface,
                      address, _IFNAME_ENV)
-            os.environ[_IFNAME_ENV] = interface
-    try:
-        yield
-    finally:
-        if interface is not None:
-            os.environ.pop(_IFNAME_ENV, None)
+    return environment_variable(_IFNAME_ENV, interface)
 
 
 class TensorPipeTransport:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
 import sys
 import time
@@ -31,6 +30,7 @@ import torch
 
 import rpcx
 import rpcx.autograd as dist_autograd
+from rpcx._environ import environment_variable
 from rpcx.faulty import FAULTS_ENV
 from rpcx.testing import remote, training
 from rpcx.testing.world import world
@@ -149,14 +149,16 @@ def run(backend: str = "faulty:gloo", rounds: int = 200, calls: int = 100, rrefs
     """Run the soak; every worker's checks raise on a wrong reply, the rest is reported.
 
     On a ``faulty:`` backend it sets ``$RPCX_FAULTS`` (``faults``, or
-    :data:`DEFAULT_FAULTS`) for the workers it starts, and leaves it set.
+    :data:`DEFAULT_FAULTS`) for the workers it starts, and puts it back after.
     """
+    fault_spec = None
     if backend.startswith("faulty:"):
-        os.environ[FAULTS_ENV] = json.dumps(DEFAULT_FAULTS if faults is None else faults)
+        fault_spec = json.dumps(DEFAULT_FAULTS if faults is None else faults)
     result = SoakResult(backend, rounds)
     names = [f"worker{r}" for r in range(SIZE)]
     started = time.monotonic()
-    with world(backend, size=SIZE, rpc_timeout=120):
+    with (environment_variable(FAULTS_ENV, fault_spec),
+          world(backend, size=SIZE, rpc_timeout=120)):
         for name in names:
             result.rss_mib[name] = []
         for round_ in range(rounds):
