@@ -7,7 +7,7 @@ frames to disturb with :class:`Faults`, either on the options object
 (``options.faults = rpcx.faulty.Faults(drop={"RREF_DELETE": 0.1})``) or, for every
 worker a program starts, as JSON in ``$RPCX_FAULTS``
 (``{"duplicate": {"AUTOGRAD_BACKWARD": 1.0}}``). Kinds are :class:`rpcx.messages.MessageKind`
-names.
+names; ``"reply:<KIND>"`` names the replies to requests of one kind (see :class:`Faults`).
 
 Delays keep each peer's frames in order (the sender waits, holding that peer's turn):
 rpcx's protocol relies on per-pair order, and a network never reorders one connection.
@@ -18,13 +18,14 @@ sealed (a world key): it refuses to start there.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -33,17 +34,27 @@ from rpcx.messages import MessageKind
 from rpcx.serialization import decode_envelope
 from rpcx.transport import Capabilities, Frame, Transport, TransportContext
 
-__all__ = ["FAULTS_ENV", "PREFIX", "Faults", "FaultyTransport", "faulty_class"]
+__all__ = ["FAULTS_ENV", "PREFIX", "REPLY_PREFIX", "Faults", "FaultyTransport", "faulty_class"]
 
 log = logging.getLogger("rpcx.faulty")
 
 PREFIX = "faulty:"
 FAULTS_ENV = "RPCX_FAULTS"
+REPLY_PREFIX = "reply:"  # "reply:RREF_FETCH": the RESULT or ERROR answering an RREF_FETCH
+
+_REPLY_KINDS = frozenset({MessageKind.RESULT, MessageKind.ERROR})
+_REQUESTS_KEPT = 1 << 16  # requests whose kind is remembered, for their replies
 
 
 @dataclass
 class Faults:
     """Which frames to disturb: message kind name -> probability, per fault.
+
+    A name ``"reply:<KIND>"`` stands for the replies (``RESULT`` or ``ERROR``) to requests
+    of kind ``<KIND>``, copies of a reply sent again included: ``drop={"reply:RREF_FETCH":
+    0.4}`` loses 40% of the answers to RRef fetches and no other reply, where ``"RESULT"``
+    would hit every call's result. For a reply that a table names both ways, the
+    ``"reply:"`` entry is the one used. ``injected`` counts under the name used.
 
     Attributes:
         drop: the frame is not sent.
@@ -62,9 +73,13 @@ class Faults:
         """Raise ``ValueError`` for an unknown kind name or a probability outside [0, 1]."""
         for fault in ("drop", "duplicate", "delay"):
             for kind, probability in getattr(self, fault).items():
-                if kind not in MessageKind.__members__:
-                    raise ValueError(f"faults: {fault}: unknown message kind {kind!r}; "
+                asked = kind.removeprefix(REPLY_PREFIX)
+                if asked not in MessageKind.__members__:
+                    raise ValueError(f"faults: {fault}: unknown message kind {asked!r}; "
                                      f"kinds: {', '.join(MessageKind.__members__)}")
+                if asked != kind and MessageKind[asked] in _REPLY_KINDS:
+                    raise ValueError(f"faults: {fault}: {kind!r}: a reply answers a request, "
+                                     f"never a {asked}")
                 if not 0.0 <= float(probability) <= 1.0:
                     raise ValueError(f"faults: {fault}[{kind}] = {probability} is no "
                                      "probability (0 to 1)")
@@ -84,6 +99,14 @@ class Faults:
             raise ValueError(f"${FAULTS_ENV} is not a Faults description: {exc}") from None
         return faults
 
+    def answered_kinds(self) -> frozenset[int]:
+        """The kinds of request whose replies some fault names (``"reply:<KIND>"``)."""
+        return frozenset(
+            MessageKind[kind.removeprefix(REPLY_PREFIX)]
+            for table in (self.drop, self.duplicate, self.delay)
+            for kind in table if kind.startswith(REPLY_PREFIX)
+        )
+
 
 class FaultyTransport:
     """Wraps another backend's transport; disturbs the frames :class:`Faults` names.
@@ -101,6 +124,9 @@ class FaultyTransport:
         self._rng = random.Random()
         self._lock = threading.Lock()  # the generator and the counters
         self._turns: dict[int, threading.Lock] = collections.defaultdict(threading.Lock)
+        # (caller rank, request id) -> kind, for the requests "reply:<KIND>" faults name.
+        self._requests: collections.OrderedDict[tuple[int, int], int] = (
+            collections.OrderedDict())
 
     def start(self, ctx: TransportContext) -> None:
         """Read the faults (options, then ``$RPCX_FAULTS``) and start the inner transport."""
@@ -112,19 +138,20 @@ class FaultyTransport:
         self._faults = faults
         self._rng = random.Random(faults.seed * 1_000_003 + ctx.rank)
         log.info("%s: injecting %s", ctx.names[ctx.rank], faults)
+        answered = faults.answered_kinds()
+        if answered:  # (otherwise incoming frames are not looked at)
+            ctx = dataclasses.replace(ctx, deliver=self._noting_requests(ctx.deliver, answered))
         self.inner.start(ctx)
 
     def send(self, dst: int, frame: Frame) -> None:
         """Send ``frame`` unless dropped; twice if duplicated; late if delayed."""
-        kind = MessageKind(decode_envelope(frame)[0]).name
+        kind, rid = decode_envelope(frame)
         faults = self._faults
         with self._lock:
-            drop = self._roll(faults.drop, kind)
-            duplicate = not drop and self._roll(faults.duplicate, kind)
-            delay = not drop and self._roll(faults.delay, kind)
-            for fault, done in (("drop", drop), ("duplicate", duplicate), ("delay", delay)):
-                if done:
-                    self.injected[(fault, kind)] += 1
+            names = self._names(dst, kind, rid)
+            drop = self._roll("drop", faults.drop, names)
+            duplicate = not drop and self._roll("duplicate", faults.duplicate, names)
+            delay = not drop and self._roll("delay", faults.delay, names)
             turn = self._turns[dst]  # (made under the lock: one per peer, never two)
         if drop:
             return
@@ -139,9 +166,40 @@ class FaultyTransport:
         """Close the inner transport."""
         self.inner.close(timeout)
 
-    def _roll(self, table: Mapping[str, float], kind: str) -> bool:
-        probability = table.get(kind, 0.0)
-        return probability > 0 and self._rng.random() < probability
+    def _noting_requests(self, deliver: Callable[[int, Frame], None],
+                         answered: frozenset[int]) -> Callable[[int, Frame], None]:
+        """``deliver``, remembering the kind of each request in ``answered`` that arrives,
+        so that its reply can be told from other replies when it is sent."""
+        def noting(src: int, frame: Frame) -> None:
+            kind, rid = decode_envelope(frame)
+            if rid and kind in answered:
+                with self._lock:
+                    self._requests[(src, rid)] = kind
+                    if len(self._requests) > _REQUESTS_KEPT:
+                        self._requests.popitem(last=False)
+            deliver(src, frame)
+
+        return noting
+
+    def _names(self, dst: int, kind: int, rid: int) -> tuple[str, ...]:
+        """What the faults may call a frame to ``dst``, most specific first: a reply to a
+        request noted by :meth:`_noting_requests` is ``"reply:<its kind>"``, then its own
+        kind (under the lock)."""
+        name = MessageKind(kind).name
+        asked = self._requests.get((dst, rid)) if kind in _REPLY_KINDS else None
+        return (name,) if asked is None else (REPLY_PREFIX + MessageKind(asked).name, name)
+
+    def _roll(self, fault: str, table: Mapping[str, float], names: tuple[str, ...]) -> bool:
+        """Whether ``fault`` hits a frame, by the first of ``names`` in ``table``; counted
+        in ``injected`` (under the lock)."""
+        name = next((n for n in names if n in table), None)
+        if name is None:
+            return False
+        probability = table[name]
+        if probability > 0 and self._rng.random() < probability:
+            self.injected[(fault, name)] += 1
+            return True
+        return False
 
 
 def faulty_class(inner_name: str, inner_factory: Any,
