@@ -398,6 +398,27 @@ def test_heads_that_are_no_frame_end_the_peer_with_a_protocol_error(
         assert inboxes[0].next()[1].header == b"the others still talk"
 
 
+@pytest.mark.parametrize("ipc", [True, False])
+def test_a_frame_over_max_frame_bytes_is_refused_and_ends_the_connection(ipc: bool) -> None:
+    # ZeroMQ's MAXMSGSIZE on the receiving socket: a part over max_frame_bytes closes the
+    # connection before the part is read. The sender sees its connection close and
+    # reports the peer lost; the receiver, whose connection back is then closed, too.
+    with transports(2, max_frame_bytes=MiB, ipc=ipc) as (started, inboxes):
+        started[0].send(1, Frame(b"small", [torch.ones(256, dtype=torch.uint8)]))
+        assert inboxes[1].next()[1].header == b"small"  # within the cap: delivered
+        started[0].send(1, Frame(b"big", [torch.ones(2 * MiB, dtype=torch.uint8)]))
+        for rank, other in ((0, 1), (1, 0)):
+            try:
+                lost, reason = inboxes[rank].lost.get(timeout=10)
+            except queue.Empty:
+                pytest.fail(f"worker{rank} still reaches worker{other} after a frame over "
+                            "max_frame_bytes")
+            assert lost == other and "connection closed" in reason, reason
+        assert inboxes[1].frames.empty()  # the big frame never arrived
+        with pytest.raises(PeerLostError):
+            started[0].send(1, Frame(b"after"))
+
+
 def test_close_is_bounded_when_a_peer_does_not_answer() -> None:
     with transports(2) as (started, inboxes):
         gate = threading.Event()
