@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import threading
 import time
 import uuid
 
@@ -233,3 +236,44 @@ def test_lost_replies_to_fetches_are_answered_again_from_the_kept_reply(
         assert hit[("drop", "reply:RREF_FETCH")] >= 3, hit
         assert _injected() == {}
         assert rpcx.debug_info()["resent_frames"] > 0
+
+
+CALL_TIMEOUT = 1.0
+
+
+def test_a_duplicated_call_to_a_stopped_worker_fails_within_its_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The duplicate of a call is sent after the original, with the call's deadline: gloo's
+    # send gives up waiting for a peer that reads nothing at that deadline, for the copy
+    # too. A copy without it waited for worker1 to read again, holding the caller.
+    _faults(monkeypatch, duplicate={"CALL": 1.0})
+    with world("faulty:gloo", size=2, rpc_timeout=BOUND):
+        pid = rpcx.rpc_sync("worker1", remote.process_id)
+        big = torch.ones(8 << 20)  # 32 MiB: far more than the kernel takes unread
+        agent = _context.current_agent()
+        outcome: list[BaseException | None] = []
+
+        def call() -> None:  # on a thread of its own: a send that hangs cannot hang the test
+            _context.bind_agent(agent)
+            try:
+                rpcx.rpc_sync("worker1", remote.tensor_sum, args=(big,), timeout=CALL_TIMEOUT)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        caller = threading.Thread(target=call)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            caller.start()
+            caller.join(CALL_TIMEOUT + 2.0)
+            took = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            caller.join(BOUND)
+        assert took < CALL_TIMEOUT + 1.0, took
+        assert len(outcome) == 1 and isinstance(outcome[0], rpcx.RpcTimeoutError), outcome
+        assert _injected()[("duplicate", "CALL")] >= 2
+        # Both copies arrive late, once worker1 runs again; calls to it work.
+        assert rpcx.rpc_sync("worker1", remote.add, args=(1, 2), timeout=BOUND) == 3

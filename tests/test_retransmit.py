@@ -1,12 +1,17 @@
 """rpcx._retransmit: requests sent again with growing pauses until answered; copies of a
-request answered from the reply kept, or dropped while it runs."""
+request answered from the reply kept, or dropped while it runs; a copy of a frame keeps
+every field."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from typing import Any
 
-from rpcx._retransmit import FIRST_PAUSE, LAST_PAUSE, ReplyCache, Resender
+import torch
+
+from rpcx._retransmit import FIRST_PAUSE, LAST_PAUSE, ReplyCache, Resender, copy_of_frame
 from rpcx.transport import Frame
 
 BOUND = 10.0
@@ -84,3 +89,34 @@ def test_answers_kept_are_bounded_per_caller() -> None:
         cache.answered(0, rid, Frame(b"r"))
     assert cache.reply_to_copy(0, 1) is None  # forgotten
     assert cache.reply_to_copy(0, 2999) is not None
+
+
+def test_a_copy_of_a_frame_keeps_every_field() -> None:
+    # A copy travels in the original's place (a request sent again, a kept reply, the
+    # fault injector's duplicate), so a field it lost changes how it travels: a copy
+    # without its deadline held a 1 s call to a stopped worker for 10 s. Every field of
+    # Frame is set here to a value unlike its default, a field added later included.
+    values: dict[str, Any] = {
+        "header": b"header",
+        "buffers": [torch.arange(3), torch.ones(2)],
+        "request_id": 7,
+        "reply_to": 5,
+        "owned": frozenset({1}),
+        "deadline": 123.5,
+    }
+    fields = dataclasses.fields(Frame)
+    assert {f.name for f in fields} == set(values), "give each field of Frame a value here"
+    for f in fields:
+        if f.default is not dataclasses.MISSING:
+            assert values[f.name] != f.default, f.name
+        elif f.default_factory is not dataclasses.MISSING:
+            assert values[f.name] != f.default_factory(), f.name
+    original = Frame(**values)
+    copy = copy_of_frame(original)
+    assert copy is not original
+    for f in fields:
+        if f.name != "buffers":
+            assert getattr(copy, f.name) == values[f.name], f.name
+    # The same buffers, in a list of its own (sending may seal a frame in place).
+    assert copy.buffers is not original.buffers
+    assert [id(b) for b in copy.buffers] == [id(b) for b in values["buffers"]]
