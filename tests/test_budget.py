@@ -1,13 +1,22 @@
-"""rpcx._budget.PeerBudget: bytes in flight per peer, capped; waits bounded."""
+"""rpcx._budget.PeerBudget: bytes in flight per peer, capped; waits bounded. And the
+agent's use of it: a call refused after it took its bytes gives them back."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
+import torch
+
+import rpcx
+from rpcx import _context
 from rpcx._budget import PeerBudget
+from rpcx.testing import remote
+from rpcx.testing.world import world
 
 BOUND = 10.0
+MiB = 1 << 20
 
 
 def never() -> bool:
@@ -56,3 +65,25 @@ def test_a_waiter_gives_up_when_woken_for_a_reason() -> None:
     budget.wake()
     waiter.join(BOUND)
     assert took == [False] and budget.in_flight(1) == 10
+
+
+def test_a_call_refused_after_taking_its_bytes_gives_them_back() -> None:
+    # A call counts its bytes first, then registers, and registering refuses a call to a
+    # peer that is unresponsive (or lost). The bytes must go back: kept, they stayed in
+    # flight for good, and every later call to the recovered worker that they left no
+    # room for failed with "would pass max_bytes_in_flight".
+    megabyte = torch.ones(MiB // 4)  # float32: 1 MiB; two do not fit in 1.5 MiB
+    with world("loopback", size=2, max_bytes_in_flight=3 * MiB // 2):
+        agent = _context.current_agent()
+        # What the heartbeat reports (it does not run on loopback: threads cannot hang apart).
+        agent._on_silent(1, 5.0)
+        refused = rpcx.rpc_async("worker1", remote.tensor_sum, args=(megabyte,), timeout=BOUND)
+        with pytest.raises(rpcx.PeerLostError, match="unresponsive"):
+            refused.wait()
+        assert rpcx.debug_info()["bytes_in_flight"] == {}
+        agent._on_heard_again(1, 5.0)
+        assert agent.wait_responsive(1, BOUND)
+        for _ in range(2):
+            assert rpcx.rpc_sync("worker1", remote.tensor_sum, args=(megabyte,),
+                                 timeout=BOUND) == MiB // 4
+        assert rpcx.debug_info()["bytes_in_flight"] == {}
