@@ -85,10 +85,10 @@ class _Delivering(threading.local):
 _delivering = _Delivering()
 _PROGRESS_EVERY = 30.0  # seconds between "still waiting" log lines during long waits
 _CLOSE_TIMEOUT = 10.0  # bound on each teardown step when shutdown() has no timeout
-# The goodbye exchange gets at least this long, deadline or not (a live peer answers in
-# milliseconds; a gloo process that exits with a receive pending aborts). It is what
-# shutdown(timeout=t) may take past t, with the rest of the teardown: within t + 2 s.
-_GOODBYE_MIN = 1.5
+# shutdown(timeout=t) keeps this share of t (at most _TEARDOWN_MAX seconds) for the
+# teardown after the waits for peers: the goodbye exchange above all, which a live peer
+# answers in milliseconds (and a gloo process that exits with a receive pending aborts).
+_TEARDOWN_SHARE, _TEARDOWN_MAX = 0.25, 1.0
 _DRAIN_ROUNDS = 8
 _COMPLETION_THREADS = 16  # plus one per thread blocked in a callback (the pool grows)
 # Followers: one per lane receiving plus one per request blocked on a lane; no real bound.
@@ -989,12 +989,15 @@ class RpcAgent:
         self.stopping.set()
         if self._heartbeat is not None:  # peers leave now: silence is no news
             self._heartbeat.close()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = waits_end = None
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            waits_end = deadline - min(timeout * _TEARDOWN_SHARE, _TEARDOWN_MAX)
         try:
             if graceful:
-                self._wait_until_idle(deadline)
-                self.barrier("shutdown", _remaining(deadline))
-                self._drain(deadline)
+                self._wait_until_idle(waits_end)
+                self.barrier("shutdown", _remaining(waits_end))
+                self._drain(waits_end)
         except Exception as exc:
             log.warning("%s: graceful shutdown incomplete: %s", self.name, exc)
         finally:
@@ -1014,10 +1017,11 @@ class RpcAgent:
                 sent += hook(_remaining(deadline))
             self._wait_until_idle(deadline)
             tag = f"drained/{round_}"
-            self._store.set(f"{tag}/sent/{self.rank}", str(sent))
+            self._store.set(f"{tag}/sent/{self.rank}", str(sent), _remaining(deadline))
             self.barrier(tag, _remaining(deadline))
             live = [r for r in range(self.world_size) if not self.is_lost(r)]
-            if all(int(self._store.get(f"{tag}/sent/{r}")) == 0 for r in live):
+            if all(int(self._store.get(f"{tag}/sent/{r}", _remaining(deadline))) == 0
+                   for r in live):
                 return
         log.warning("%s: services still busy after %d drain rounds", self.name, _DRAIN_ROUNDS)
 
@@ -1056,9 +1060,7 @@ class RpcAgent:
             return within(default, _remaining(deadline)) or 0.0
 
         try:
-            # Saying goodbye always gets a moment, even past the deadline: a gloo process
-            # that exits with a receive still pending aborts.
-            self._transport.close(max(budget(_CLOSE_TIMEOUT), _GOODBYE_MIN))
+            self._transport.close(budget(_CLOSE_TIMEOUT))
         except Exception:
             log.exception("%s: error while closing the transport", self.name)
         self._lane_watch.close(budget(_CLOSE_TIMEOUT))

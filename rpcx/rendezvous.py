@@ -1,9 +1,10 @@
 """Rendezvous: finding the other workers through a torch.distributed ``Store``.
 
 Multi-process backends use torch's rendezvous (``tcp://``, ``env://``, ``file://``); the
-loopback backend uses an in-memory store shared by the threads of one process. Every
-wait here is bounded or polls in bounded slices so it can notice dead peers and report
-progress.
+loopback backend uses an in-memory store shared by the threads of one process. rpcx
+reaches the store only through :class:`~rpcx._store.BoundedStore`: every operation ends
+by a deadline rpcx enforces itself, whatever the store or another worker is doing, and
+waits poll quietly so they can notice dead peers and report progress.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch._C._distributed_c10d import HashStore, TCPStore
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous as torch_rendezvous
 
+from rpcx._store import BoundedStore
 from rpcx.auth import AUTH_KEY_ENV, ValueSeal, is_sealed
 from rpcx.errors import AuthenticationError, RpcError, RpcTimeoutError
 
@@ -38,16 +40,20 @@ __all__ = [
 
 log = logging.getLogger("rpcx.rendezvous")
 
-_POLL = 0.25  # seconds per store wait slice while watching for dead peers
 _REPORT_EVERY = 30.0
 LEAVE_TIMEOUT = 10.0
-_NO_LIMIT = timedelta(days=7)  # torch stores need a finite timeout; waits here poll anyway
+# Saying "I left" gets this long even when shutdown's budget is spent: a live store
+# answers in milliseconds, and rank 0 waits for the word.
+_LEAVE_MOMENT = 0.1
+_NO_LIMIT = timedelta(days=7)  # torch stores need a finite timeout; rpcx bounds its own calls
 
 _hub_lock = threading.Lock()
 _hub: dict[str, tuple[Any, int]] = {}  # world key -> (HashStore, users)
 
 
-def open_store(init_method: str, rank: int, world_size: int, timeout: float | None) -> Any:
+def open_store(
+    init_method: str, rank: int, world_size: int, timeout: float | None
+) -> BoundedStore:
     """Connect to (or host) the rendezvous store of ``init_method``.
 
     Rank 0 hosts a ``tcp://`` or ``env://`` store on the address the URL names only
@@ -62,7 +68,7 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float | No
             # (``init_rpc("solo", rank=0, world_size=1)`` in a notebook).
             private = HashStore()
             private.set_timeout(store_timeout)
-            return private
+            return BoundedStore(private, "a private in-memory store (a world of one)")
         raise RpcError(
             f"rendezvous at 'env://' for rank {rank} of {world_size}: "
             f"{' and '.join(env_missing)} not set. Set MASTER_ADDR and MASTER_PORT to rank "
@@ -80,10 +86,18 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float | No
         raise RpcError(
             f"rendezvous at {init_method!r} failed for rank {rank} of {world_size}: {exc}"
         ) from exc
-    # Blocking store calls that rpcx does not bound itself (the transport's address
-    # exchange, for one) are bounded by the join timeout; rpcx's own waits poll.
+    # Blocking store calls that rpcx does not make itself (a transport's address
+    # exchange, gloo's process group) are bounded by the join timeout.
     store.set_timeout(store_timeout)
-    return store
+    return BoundedStore(store, _describe(init_method))
+
+
+def _describe(init_method: str) -> str:
+    """``init_method`` as errors name the store: env:// with the address it read."""
+    if init_method.startswith("env://"):
+        return (f"{init_method} ({os.environ.get('MASTER_ADDR', '?')}:"
+                f"{os.environ.get('MASTER_PORT', '?')})")
+    return init_method
 
 
 def _host_on_named_address(init_method: str, world_size: int, timeout: timedelta) -> Any:
@@ -126,7 +140,7 @@ def _host_on_named_address(init_method: str, world_size: int, timeout: timedelta
     return store
 
 
-def in_process_store(key: str) -> Any:
+def in_process_store(key: str) -> BoundedStore:
     """The in-memory store shared by every worker of the in-process world ``key``."""
     with _hub_lock:
         store, users = _hub.get(key, (None, 0))
@@ -134,7 +148,7 @@ def in_process_store(key: str) -> Any:
             store = HashStore()
             store.set_timeout(_NO_LIMIT)
         _hub[key] = (store, users + 1)
-        return store
+        return BoundedStore(store, f"the in-process store of world {key!r}")
 
 
 def release_in_process_store(key: str) -> None:
@@ -147,24 +161,25 @@ def release_in_process_store(key: str) -> None:
             _hub[key] = (store, users - 1)
 
 
-def prefixed(store: Any, prefix: str) -> Any:
-    """A view of ``store`` whose keys all start with ``prefix/``."""
-    return PrefixStore(prefix + "/", store)
+def prefixed(store: BoundedStore, prefix: str) -> Any:
+    """The torch store under ``store`` seen through ``prefix/`` (every key starts with
+    it), for what needs a real one: a transport's address exchange."""
+    return PrefixStore(prefix + "/", store.raw)
 
 
 def join_world(
-    store: Any, name: str, rank: int, world_size: int, timeout: float | None,
+    store: BoundedStore, name: str, rank: int, world_size: int, timeout: float | None,
     seal: ValueSeal | None = None,
-) -> tuple[Any, list[str]]:
+) -> tuple[BoundedStore, list[str]]:
     """Publish this worker's name, wait for every other, return (session store, names).
 
     Each ``init_rpc`` on a store starts a new *session* (its own key prefix), so a world
     can shut down and start again on the same rendezvous address. ``seal``: see
     :func:`all_gather`.
     """
-    joined = store.add("rpcx/joined", 1)
-    session = prefixed(store, f"rpcx/s{(joined - 1) // world_size}")
-    if session.add(f"rank/{rank}", 1) != 1:
+    joined = store.add("rpcx/joined", 1, timeout)
+    session = store.prefixed(f"rpcx/s{(joined - 1) // world_size}")
+    if session.add(f"rank/{rank}", 1, timeout) != 1:
         raise RpcError(f"init_rpc: rank {rank} was claimed twice (worker {name!r} came second)")
     gathered = all_gather(
         session, "name", rank, world_size, name.encode(), timeout,
@@ -184,7 +199,7 @@ def join_world(
 
 
 def all_gather(
-    store: Any,
+    store: BoundedStore,
     tag: str,
     rank: int,
     world_size: int,
@@ -203,16 +218,17 @@ def all_gather(
     """
     if seal is not None:
         value = seal.seal(f"{tag}/{rank}", value)
-    store.set(f"{tag}/{rank}", value)
+    deadline = None if timeout is None else time.monotonic() + timeout
     _wait_for(
         store,
         [f"{tag}/{r}" for r in range(world_size)],
-        timeout,
+        deadline,
         is_gone=lambda r: False,
         what=what,
         describe=lambda ranks: "ranks " + ", ".join(map(str, ranks)),
+        publish=(f"{tag}/{rank}", value),
     )
-    values = [bytes(store.get(f"{tag}/{r}")) for r in range(world_size)]
+    values = [store.get(f"{tag}/{r}", _left(deadline)) for r in range(world_size)]
     return [_opened(seal, tag, rank, r, v) for r, v in enumerate(values)]
 
 
@@ -239,7 +255,7 @@ def _opened(seal: ValueSeal | None, tag: str, me: int, rank: int, value: bytes) 
 
 
 def barrier(
-    store: Any,
+    store: BoundedStore,
     tag: str,
     rank: int,
     world_size: int,
@@ -250,32 +266,36 @@ def barrier(
     waiter: str,
 ) -> None:
     """Wait until every rank not known to be gone has called ``barrier`` with ``tag``."""
-    store.set(f"{tag}/{rank}", b"1")
     _wait_for(
         store,
         [f"{tag}/{r}" for r in range(world_size)],
-        timeout,
+        None if timeout is None else time.monotonic() + timeout,
         is_gone=is_gone,
         what=f"worker {waiter!r} waiting at {tag!r} for",
         describe=describe,
+        publish=(f"{tag}/{rank}", b"1"),
     )
 
 
 def leave(
-    store: Any,
+    store: BoundedStore,
     rank: int,
     world_size: int,
     is_gone: Callable[[int], bool],
     timeout: float = LEAVE_TIMEOUT,
 ) -> None:
-    """Last step of shutdown: rank 0 may host the store, so it waits for the others to go."""
+    """Last step of shutdown: rank 0 may host the store, so it waits for the others to go.
+
+    Never raises: a store that is gone or does not answer is logged, and shutdown ends.
+    """
+    deadline = time.monotonic() + timeout
     try:
-        store.set(f"left/{rank}", b"1")
+        store.set(f"left/{rank}", b"1", max(timeout, _LEAVE_MOMENT))
         if rank == 0:
             _wait_for(
                 store,
                 [f"left/{r}" for r in range(world_size)],
-                timeout,
+                deadline,
                 is_gone=is_gone,
                 what="rank 0 waiting for workers to leave",
                 describe=lambda ranks: ", ".join(map(str, ranks)),
@@ -285,33 +305,39 @@ def leave(
 
 
 def _wait_for(
-    store: Any,
+    store: BoundedStore,
     keys: list[str],
-    timeout: float | None,
+    deadline: float | None,
     *,
     is_gone: Callable[[int], bool],
     what: str,
     describe: Callable[[list[int]], str],
+    publish: tuple[str, bytes] | None = None,
 ) -> None:
-    """Wait until every ``keys[rank]`` exists or its rank is gone; keys are per rank."""
+    """Set ``publish`` (a key and its value) if given, then wait until every
+    ``keys[rank]`` exists or its rank is gone; keys are per rank. ``deadline``: a
+    ``time.monotonic()`` value, ``None`` for none."""
     started = time.monotonic()
     next_report = started + _REPORT_EVERY
-    missing = list(range(len(keys)))
-    while True:
-        missing = [r for r in missing if not is_gone(r) and not store.check([keys[r]])]
-        if not missing:
-            return
+
+    def report(missing: list[int]) -> None:
+        nonlocal next_report
         now = time.monotonic()
-        if timeout is not None and now - started >= timeout:
-            raise RpcTimeoutError(
-                f"{what}: gave up after {now - started:.1f} s; missing: {describe(missing)}"
-            )
         if now >= next_report:
             log.info("%s: still missing %s after %.0f s", what, describe(missing), now - started)
             next_report = now + _REPORT_EVERY
-        slice_ = _POLL if timeout is None else min(_POLL, max(0.001, timeout - (now - started)))
-        try:
-            store.wait([keys[missing[0]]], timedelta(seconds=slice_))
-        except RuntimeError as exc:
-            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
-                raise RpcError(f"{what}: the rendezvous store failed: {exc}") from exc
+
+    try:
+        if publish is not None:
+            store.set(*publish, timeout=_left(deadline))
+        missing = store.wait_for(keys, deadline, skip=is_gone, on_poll=report)
+    except RpcError as exc:  # the store itself failed or did not answer
+        raise type(exc)(f"{what}: {exc}") from exc
+    if missing:
+        raise RpcTimeoutError(f"{what}: gave up after {time.monotonic() - started:.1f} s; "
+                              f"missing: {describe(missing)}")
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (never negative); ``None`` for no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

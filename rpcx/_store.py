@@ -1,0 +1,204 @@
+"""The rendezvous store, with a deadline on every operation that rpcx enforces itself.
+
+A ``torch.distributed`` store call can block for good, and no timeout of the store's own
+prevents it: ``FileStore`` takes an ``flock`` with no timeout, so a worker stopped
+(``SIGSTOP``, a debugger, a swapped-out process) while it holds the lock wedges every
+other worker's store calls; a ``TCPStore`` client waits for a host process that stopped
+as long as its socket timeout, which rpcx sets to days for the store of a world without a
+join timeout. A thread blocked in such a call cannot be interrupted either (the C++ call
+retries on ``EINTR``, so even pytest-timeout's signal cannot end it).
+
+So the thread that waits never makes the call. Each operation is handed to the store's
+own *caller* thread, and the waiting thread gives up at its deadline with an error that
+names the store and the operation. An operation given up on finishes (or not) in the
+background; the ones queued behind it run in order once it does, and those whose callers
+have given up meanwhile are skipped, so a wedged store holds one thread, not one per try.
+
+Waiting for keys polls :meth:`BoundedStore.check` instead of calling the store's
+``wait``: a ``TCPStore`` wait that times out prints two c10d warning lines, and waits in
+slices (to notice dead peers between them) printed hundreds in a large world's start-up.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.distributed_c10d import PrefixStore
+
+from rpcx.errors import RpcError, RpcTimeoutError
+
+__all__ = ["BoundedStore"]
+
+# Without a deadline of the caller's, one operation may take this long: longer means the
+# store is wedged (a live store answers in milliseconds), and the wait fails saying so.
+OPERATION_BOUND = 30.0
+_IDLE_EXIT = 2.0  # the caller thread ends after this long with nothing to do
+# Polling for keys: the first look at once, then at growing intervals up to this.
+_POLL_FIRST, _POLL_MAX = 0.0005, 0.02
+_LOOK_MIN = 0.02  # what a look for keys may take past the deadline (see wait_for)
+
+
+class _Operation:
+    """One store call, its outcome, and whether its caller still waits for it."""
+
+    __slots__ = ("args", "call", "done", "error", "given_up", "result")
+
+    def __init__(self, call: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.call, self.args = call, args
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.given_up = False
+
+
+class _Caller:
+    """The thread that makes one store connection's calls, one after another.
+
+    Started on demand and ended when idle, so a closed world leaves no thread behind.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._queue: collections.deque[_Operation] = collections.deque()
+        self._running = False
+
+    def submit(self, operation: _Operation) -> None:
+        with self._lock:
+            self._queue.append(operation)
+            if self._running:
+                self._ready.notify()
+                return
+            self._running = True
+        threading.Thread(target=self._loop, name=self._name, daemon=True).start()
+
+    def give_up(self, operation: _Operation) -> bool:
+        """Mark ``operation`` abandoned; False if it completed meanwhile."""
+        with self._lock:
+            if operation.done.is_set():
+                return False
+            operation.given_up = True
+            return True
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._ready.wait(_IDLE_EXIT)
+                if not self._queue:
+                    self._running = False
+                    return
+                operation = self._queue.popleft()
+                if operation.given_up:
+                    continue
+            try:
+                operation.result = operation.call(*operation.args)
+            except BaseException as exc:  # handed to the waiting thread
+                operation.error = exc
+            with self._lock:
+                operation.done.set()
+            # Hold nothing while idle: the call is bound to the store, and the last
+            # reference to a TCPStore's host must go when the world drops it.
+            del operation
+
+
+class BoundedStore:
+    """A rendezvous store whose every operation returns or fails by a deadline.
+
+    ``raw`` is the ``torch.distributed`` store itself, for what must be handed a real
+    one (a transport's address exchange, gloo's process group). ``where`` names the
+    store in errors (``file:///tmp/x``, ``tcp://10.0.0.1:29500``). Timeouts are seconds;
+    ``None`` means :data:`OPERATION_BOUND`.
+    """
+
+    def __init__(self, raw: Any, where: str, *, _caller: _Caller | None = None,
+                 _prefix: str = "") -> None:
+        self.raw = raw
+        self.where = where
+        self._prefix = _prefix
+        self._caller = _caller or _Caller("rpcx-store")
+
+    def prefixed(self, prefix: str) -> BoundedStore:
+        """A view whose keys all start with ``prefix/``, sharing this one's caller."""
+        return BoundedStore(PrefixStore(prefix + "/", self.raw), self.where,
+                            _caller=self._caller, _prefix=f"{self._prefix}{prefix}/")
+
+    def set(self, key: str, value: bytes | str, timeout: float | None = None) -> None:
+        """Store ``value`` under ``key``."""
+        self._run(f"setting {key!r}", self.raw.set, (key, value), timeout)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The value of ``key``, which must exist (wait for it first: a missing key
+        makes the store's own ``get`` block until the store's timeout)."""
+        return bytes(self._run(f"reading {key!r}", self.raw.get, (key,), timeout))
+
+    def add(self, key: str, amount: int, timeout: float | None = None) -> int:
+        """Add ``amount`` to the counter ``key``; its new value."""
+        return int(self._run(f"adding to {key!r}", self.raw.add, (key, amount), timeout))
+
+    def check(self, keys: list[str], timeout: float | None = None) -> bool:
+        """Whether every key of ``keys`` exists."""
+        return bool(self._run(f"looking for {keys[0]!r}", self.raw.check, (keys,), timeout))
+
+    def wait_for(
+        self,
+        keys: list[str],
+        deadline: float | None,
+        *,
+        skip: Callable[[int], bool] = lambda index: False,
+        on_poll: Callable[[list[int]], None] = lambda missing: None,
+    ) -> list[int]:
+        """Wait until every key exists, or ``skip(index)``; the indices of those missing
+        at ``deadline`` (a ``time.monotonic()`` value; ``None``: no deadline), in order.
+
+        ``on_poll(missing)`` runs after each look (progress reports). Each look is one
+        store operation, bounded by what is left of the deadline (by
+        :data:`OPERATION_BOUND` without one): a store that does not answer raises.
+        """
+        missing = list(range(len(keys)))
+        pause = _POLL_FIRST
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            # A look made just before the deadline still gets a moment to answer, so
+            # that a slow answer is not taken for a store that does not answer at all.
+            bound = None if left is None else max(left, _LOOK_MIN)
+            missing = [i for i in missing
+                       if not skip(i) and not self.check([keys[i]], timeout=bound)]
+            if not missing:
+                return []
+            on_poll(missing)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return missing
+            # Polling: the store's own wait prints c10d warnings each time it times out.
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * 2, _POLL_MAX)
+
+    def _run(self, what: str, call: Callable[..., Any], args: tuple[Any, ...],
+             timeout: float | None) -> Any:
+        bound = OPERATION_BOUND if timeout is None else max(0.0, timeout)
+        operation = _Operation(call, args)
+        self._caller.submit(operation)
+        if not operation.done.wait(bound) and self._caller.give_up(operation):
+            raise RpcTimeoutError(
+                f"the rendezvous store at {self.where} did not answer within {bound:.1f} s "
+                f"({what}{self._in_prefix()}): a worker may be stopped while it holds the "
+                "store's lock, or the store's host (rank 0) is stopped or gone"
+            )
+        if operation.error is not None:
+            error = operation.error
+            if isinstance(error, RpcError):
+                raise error
+            raise RpcError(
+                f"the rendezvous store at {self.where} failed ({what}{self._in_prefix()}): "
+                f"{error}"
+            ) from error
+        return operation.result
+
+    def _in_prefix(self) -> str:
+        return f" under {self._prefix!r}" if self._prefix else ""

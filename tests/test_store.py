@@ -1,0 +1,237 @@
+"""rpcx._store.BoundedStore: no store operation outlives its deadline, and waits are quiet.
+
+The situations behind it, each reproduced here: a worker stopped while it holds a
+``file://`` store's lock (the ``flock`` FileStore takes, which has no timeout), a
+``tcp://`` store whose host process is stopped, and the c10d warnings a ``TCPStore``
+prints each time its own ``wait`` times out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from torch.distributed import FileStore, TCPStore
+
+from rpcx import _store, rendezvous
+from rpcx._store import BoundedStore
+from rpcx.errors import RpcError, RpcTimeoutError
+
+TIMEOUT = 30.0  # bounds every wait of the tests themselves
+BOUND = 0.5  # the deadline the operations under test are given
+SLACK = 1.5  # how late a bounded operation may return on a loaded machine
+
+
+@contextlib.contextmanager
+def _lock_held(path: Path) -> Iterator[None]:
+    """Hold ``path``'s exclusive ``flock``, as a worker stopped inside a FileStore
+    operation does (flock locks belong to the open file, so this process's own store
+    calls wait for it too)."""
+    with open(path, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+@pytest.fixture
+def file_store(tmp_path: Path) -> tuple[BoundedStore, Path]:
+    path = tmp_path / "rendezvous"
+    raw = FileStore(str(path), 1)
+    raw.set_timeout(timedelta(seconds=TIMEOUT))
+    raw.set("ready", b"1")  # the file exists from here on
+    return BoundedStore(raw, f"file://{path}"), path
+
+
+def test_an_operation_on_a_locked_store_fails_by_its_deadline_naming_the_store(
+    file_store: tuple[BoundedStore, Path],
+) -> None:
+    store, path = file_store
+    with _lock_held(path):
+        started = time.monotonic()
+        with pytest.raises(RpcTimeoutError) as err:
+            store.set("key", b"value", timeout=BOUND)
+        took = time.monotonic() - started
+    assert BOUND <= took < BOUND + SLACK, took
+    text = str(err.value)
+    assert f"file://{path}" in text and "setting 'key'" in text
+    assert "did not answer within 0.5 s" in text and "stopped" in text
+    # Lock released: the store answers again, the abandoned set included.
+    assert store.get("key", timeout=TIMEOUT) == b"value"
+
+
+def test_a_wait_on_a_locked_store_fails_by_its_deadline(
+    file_store: tuple[BoundedStore, Path],
+) -> None:
+    store, path = file_store
+    with _lock_held(path):
+        started = time.monotonic()
+        with pytest.raises(RpcTimeoutError, match="did not answer"):
+            store.wait_for(["never"], time.monotonic() + BOUND)
+        took = time.monotonic() - started
+    assert took < BOUND + SLACK, took
+
+
+def test_a_barrier_on_a_locked_store_fails_by_its_timeout_naming_what_it_waited_for(
+    file_store: tuple[BoundedStore, Path],
+) -> None:
+    store, path = file_store
+    with _lock_held(path):
+        started = time.monotonic()
+        with pytest.raises(RpcTimeoutError) as err:
+            rendezvous.barrier(store, "shutdown", 0, 2, timeout=BOUND, is_gone=lambda r: False,
+                               describe=str, waiter="worker0")
+        took = time.monotonic() - started
+    assert took < BOUND + SLACK, took
+    assert "worker 'worker0' waiting at 'shutdown'" in str(err.value)
+    assert "rendezvous store at file://" in str(err.value)
+
+
+def test_leaving_a_locked_store_is_bounded_and_quiet(
+    file_store: tuple[BoundedStore, Path],
+) -> None:
+    store, path = file_store
+    with _lock_held(path):
+        started = time.monotonic()
+        rendezvous.leave(store, 0, 2, is_gone=lambda r: False, timeout=BOUND)  # never raises
+        took = time.monotonic() - started
+    assert took < BOUND + SLACK, took
+
+
+class _GatedStore:
+    """A stand-in for a torch store whose first ``set`` blocks until ``gate`` opens; it
+    records every call it makes."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.made: list[str] = []
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        if not self.made:
+            self.entered.set()
+            assert self.gate.wait(TIMEOUT)
+        self.made.append(f"set {key}")
+        self.values[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        self.made.append(f"check {keys[0]}")
+        return all(k in self.values for k in keys)
+
+
+def test_operations_given_up_behind_a_stuck_one_are_never_made() -> None:
+    raw = _GatedStore()
+    store = BoundedStore(raw, "a gated store")
+    with pytest.raises(RpcTimeoutError):
+        store.set("first", b"1", timeout=0.05)  # stuck inside the store
+    assert raw.entered.wait(TIMEOUT)
+    for attempt in range(3):  # queued behind it, each given up
+        with pytest.raises(RpcTimeoutError):
+            store.check([f"late{attempt}"], timeout=0.05)
+    raw.gate.set()
+    assert store.check(["first"], timeout=TIMEOUT) is True  # in order, after the stuck one
+    assert raw.made == ["set first", "check first"]
+
+
+def test_an_error_of_the_store_names_the_store_and_the_operation() -> None:
+    class Broken:
+        def get(self, key: str) -> bytes:
+            raise RuntimeError("connection reset by peer")
+
+    store = BoundedStore(Broken(), "tcp://192.0.2.1:1", _prefix="rpcx/s0/")
+    with pytest.raises(RpcError) as err:
+        store.get("name/1", timeout=TIMEOUT)
+    assert not isinstance(err.value, RpcTimeoutError)
+    assert str(err.value) == (
+        "the rendezvous store at tcp://192.0.2.1:1 failed (reading 'name/1' under 'rpcx/s0/'): "
+        "connection reset by peer"
+    )
+
+
+def test_wait_for_skips_gone_ranks_and_reports_the_missing_at_the_deadline(
+    file_store: tuple[BoundedStore, Path],
+) -> None:
+    store, _ = file_store
+    store.set("k/0", b"1", timeout=TIMEOUT)
+    polled: list[list[int]] = []
+    missing = store.wait_for(["k/0", "k/1", "k/2"], time.monotonic() + 0.2,
+                             skip=lambda rank: rank == 2, on_poll=polled.append)
+    assert missing == [1]
+    assert polled and all(seen == [1] for seen in polled)
+    assert store.wait_for(["k/0"], time.monotonic() + TIMEOUT) == []
+
+
+def test_the_caller_thread_ends_when_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_store, "_IDLE_EXIT", 0.05)
+    name = f"rpcx-store-test-{time.monotonic_ns()}"
+    raw = _GatedStore()
+    store = BoundedStore(raw, "a gated store", _caller=_store._Caller(name))
+    with pytest.raises(RpcTimeoutError):
+        store.set("key", b"1", timeout=0.05)
+    assert raw.entered.wait(TIMEOUT)
+    (thread,) = [t for t in threading.enumerate() if t.name == name]  # stuck in the store
+    raw.gate.set()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
+    store.set("again", b"2", timeout=TIMEOUT)  # a new thread starts on demand
+    assert raw.values == {"key": b"1", "again": b"2"}
+
+
+def test_waiting_on_a_tcp_store_prints_nothing(capfd: pytest.CaptureFixture[str]) -> None:
+    # torch's own TCPStore.wait prints two c10d warning lines each time it times out;
+    # rpcx's waits (here several seconds' worth of looks for keys) print none.
+    host = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=TIMEOUT))
+    store = BoundedStore(host, "tcp://127.0.0.1")
+    assert store.wait_for(["never"], time.monotonic() + 1.0) == [0]
+    with pytest.raises(RpcTimeoutError, match="gave up after"):
+        rendezvous.barrier(store, "b", 0, 2, timeout=0.5, is_gone=lambda r: False,
+                           describe=str, waiter="worker0")
+    captured = capfd.readouterr()
+    assert "c10d" not in captured.err and captured.err == "", captured.err
+
+
+_HOST = """
+import sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=60))
+print(store.port, flush=True)
+sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+def test_an_operation_on_a_stopped_store_host_fails_by_its_deadline() -> None:
+    # Rank 0 hosts a tcp:// world's store: stopped, it accepts bytes and answers none.
+    host = subprocess.Popen([sys.executable, "-c", _HOST], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        client = TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=TIMEOUT))
+        store = BoundedStore(client, f"tcp://127.0.0.1:{port}")
+        store.set("key", b"1", timeout=TIMEOUT)
+        os.kill(host.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(RpcTimeoutError, match=f"tcp://127.0.0.1:{port} did not answer"):
+                store.get("key", timeout=BOUND)
+            took = time.monotonic() - started
+            assert took < BOUND + SLACK, took
+        finally:
+            os.kill(host.pid, signal.SIGCONT)
+        assert store.get("key", timeout=TIMEOUT) == b"1"  # answers again once it runs
+    finally:
+        host.kill()
+        host.wait(TIMEOUT)
