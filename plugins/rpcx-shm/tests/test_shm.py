@@ -7,6 +7,7 @@ import errno
 import socket
 import struct
 import threading
+import time
 import tracemalloc
 from datetime import timedelta
 from typing import Any
@@ -318,14 +319,14 @@ def test_replies_to_a_burst_of_requests_leave_in_one_write(monkeypatch: Any) -> 
     # b reads 50 requests in one go; the replies it sends while more are buffered wait
     # for the last one: one write for 50 replies, each arriving, in order.
     writes: list[bytes] = []
-    real_send_all = transport_module._send_all
+    real_send_now = transport_module._send_now
 
-    def counting_send_all(sock: Any, parts: list[Any], fds: list[int]) -> None:
+    def counting_send_now(sock: Any, views: list[memoryview], fds: list[int]) -> list[int]:
         if sock is pair.b._peers[0].sock:
-            writes.append(b"".join(bytes(p) for p in parts))
-        real_send_all(sock, parts, fds)
+            writes.append(b"".join(bytes(v) for v in views))
+        return real_send_now(sock, views, fds)
 
-    monkeypatch.setattr(transport_module, "_send_all", counting_send_all)
+    monkeypatch.setattr(transport_module, "_send_now", counting_send_now)
     pair = _Pair(lambda frame, lane: pair.b.send(0, Frame(b"re:" + frame.header)))
     try:
         _write_at_once(pair, [str(i).encode() for i in range(50)])
@@ -354,14 +355,14 @@ def test_a_frame_that_cannot_be_written_ends_the_connection_on_both_sides(
 ) -> None:
     # A write that fails (here EMSGSIZE) must not lose the frame silently and leave the
     # connection up: both workers report each other lost, so calls fail at once.
-    real_send_all = transport_module._send_all
+    real_send_now = transport_module._send_now
 
-    def failing_send_all(sock: Any, parts: list[Any], fds: list[int]) -> None:
+    def failing_send_now(sock: Any, views: list[memoryview], fds: list[int]) -> list[int]:
         if sock is pair.b._peers[0].sock:
             raise OSError(errno.EMSGSIZE, "Message too long")
-        real_send_all(sock, parts, fds)
+        return real_send_now(sock, views, fds)
 
-    monkeypatch.setattr(transport_module, "_send_all", failing_send_all)
+    monkeypatch.setattr(transport_module, "_send_now", failing_send_now)
     pair = _Pair(lambda frame, lane: None)
     try:
         with pytest.raises(rpcx.PeerLostError, match="Message too long"):
@@ -420,6 +421,99 @@ def test_a_corked_reply_leaves_when_its_lane_moves_to_another_thread() -> None:
         assert pair.wait_replies(2) == [b"re:1", b"re:2"]
     finally:
         pair.close()
+
+
+DEADLINE_S = 0.2  # a short call timeout for sends to a peer that reads nothing
+SLACK_S = 1.0  # a loaded host's scheduling
+
+
+class _Stalled:
+    """A pair whose ``b`` reads nothing after its first frame until :meth:`release`:
+    that frame's handler holds b's receiving thread. Each frame is answered with
+    ``re:`` and its number (the header up to ``|``)."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+        def serve(frame: Frame, lane: ReceiveLane) -> None:
+            number = frame.header.split(b"|")[0]
+            if number == b"0":
+                self.released.wait(TIMEOUT)
+            self.pair.b.send(0, Frame(b"re:" + number))
+
+        self.pair = _Pair(serve)
+        self.sent = 0
+
+    def send(self, deadline: float = 0.0, payload: bytes = bytes(64 << 10)) -> float:
+        """Send the next numbered frame from a to b; how long ``send`` took."""
+        frame = Frame(str(self.sent).encode() + b"|" + payload)
+        frame.deadline = deadline
+        self.sent += 1
+        started = time.monotonic()
+        self.pair.a.send(1, frame)
+        return time.monotonic() - started
+
+    def fill(self) -> None:
+        """Send until a frame is queued for a's writer thread (b's socket is full:
+        ~130 frames of 64 KiB), each returning by its deadline."""
+        peer = self.pair.a._peers[1]
+        while not peer.backlog:
+            assert self.sent < 4096, "the socket never filled"
+            took = self.send(time.monotonic() + DEADLINE_S)
+            assert took < DEADLINE_S + SLACK_S, took
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def test_sends_to_a_peer_that_reads_nothing_return_by_their_deadline_in_order() -> None:
+    # Past the socket's buffer, frames queue for the writer thread: each send returns
+    # by its frame's deadline, without holding the peer's lock, and every frame still
+    # arrives, in order, once the peer reads again.
+    stalled = _Stalled()
+    try:
+        stalled.fill()
+        for _ in range(3):  # queued behind the first: each waits for its deadline only
+            took = stalled.send(time.monotonic() + DEADLINE_S)
+            assert DEADLINE_S / 2 < took < DEADLINE_S + SLACK_S, took
+        assert stalled.pair.a._peers[1].lock.acquire(timeout=SLACK_S)  # not held
+        stalled.pair.a._peers[1].lock.release()
+        stalled.release()
+        stalled.send()  # no deadline: returns once written, after all the others
+        count = stalled.sent
+        assert stalled.pair.wait_replies(count) == [b"re:%d" % i for i in range(count)]
+        assert not stalled.pair.a._peers[1].backlog
+    finally:
+        stalled.release()
+        stalled.pair.close()
+
+
+def test_close_is_bounded_with_frames_queued_for_a_peer_that_reads_nothing() -> None:
+    # A frame without a deadline waits until written, and close() ends that wait: the
+    # writer's write fails when close() shuts the socket down, and so does the send.
+    stalled = _Stalled()
+    failures: list[BaseException] = []
+
+    def send_without_deadline() -> None:
+        try:
+            stalled.send()
+        except rpcx.PeerLostError as exc:
+            failures.append(exc)
+
+    try:
+        stalled.fill()
+        waiting = threading.Thread(target=send_without_deadline)
+        waiting.start()
+        started = time.monotonic()
+        stalled.pair.a.close(DEADLINE_S)
+        assert time.monotonic() - started < DEADLINE_S + SLACK_S
+        waiting.join(SLACK_S)
+        assert not waiting.is_alive() and len(failures) == 1, failures
+        writer = stalled.pair.a._peers[1].writer
+        assert writer is not None and not writer.is_alive()
+    finally:
+        stalled.release()
+        stalled.pair.b.close(TIMEOUT)
 
 
 _FRAME_KINDS = st.sampled_from([transport_module._FRAME, transport_module._FREE,

@@ -30,6 +30,15 @@ buffered are corked: held, in order, and written with the next frame to that pee
 before the receiving thread next waits for input (``_Peer.may_cork``). A burst of small
 calls is answered in a few writes instead of one each.
 
+Writes never wait on the socket (``MSG_DONTWAIT``). What a peer's socket does not take
+at once goes, copied, to that peer's writer thread, and later frames to the peer queue
+behind it (``_Peer.backlog``), in order. A sender waits for its queued frame until the
+frame's deadline at most (a call's timeout: the agent fails the call then, and the
+frame still goes if the peer reads again); frames without one (replies, control) wait
+until written, without the peer's lock. So a stopped peer holds no call past its
+timeout and no other peer's frames at all, and ``close()``, which shuts the sockets
+down after its bounded wait, ends the writers.
+
 ``BYE`` (kind 2) is the last frame a worker sends a peer; a worker that receives one it
 did not expect answers with its own, and each side's receive loop ends on the other's
 ``BYE`` or on end of file. End of file or a reset without ``BYE`` means the peer's
@@ -169,14 +178,40 @@ class _Reader:
             os.close(self.fds.popleft())
 
 
+class _Unwritten:
+    """The rest of a frame the socket did not take at once, queued for the peer's writer.
+
+    Holds nothing that can change under it (byte strings, views of byte strings, copies
+    of tensor memory) and its own duplicates of the descriptors still to travel: the
+    sender may return at its deadline, before the writer gets to it."""
+
+    __slots__ = ("data", "done", "error", "fds")
+
+    def __init__(self, views: list[memoryview], fds: list[int]) -> None:
+        self.data = [v if isinstance(v.obj, bytes) else bytes(v) for v in views]
+        self.fds = [os.dup(fd) for fd in fds]
+        self.done = threading.Event()
+        self.error: OSError | None = None
+
+    def finish(self, error: OSError | None = None) -> None:
+        """Written (or never to be: ``error``); close this job's descriptors."""
+        self.error = error
+        while self.fds:
+            os.close(self.fds.pop())
+        self.done.set()
+
+
 class _Peer:
     """Per-peer state: the socket, the send lock, goodbye flags, the reader and lane,
-    the segments this worker fills for the peer and those the peer fills for it."""
+    the segments this worker fills for the peer and those the peer fills for it, and
+    the frames queued for the peer's writer thread."""
 
-    __slots__ = ("bye_sent", "corked", "ended", "freed", "gone", "lane",
-                 "lock", "pool", "reader", "received", "sock")
+    __slots__ = ("backlog", "bye_sent", "corked", "ended", "freed", "gone", "lane",
+                 "lock", "pool", "reader", "received", "sock", "stopping", "wakeup",
+                 "writer", "writer_name")
 
-    def __init__(self, sock: socket.socket, pool: SendPool, received: ReceivedSegments) -> None:
+    def __init__(self, sock: socket.socket, pool: SendPool, received: ReceivedSegments,
+                 writer_name: str = "rpcx-shm-send") -> None:
         self.sock = sock
         self.lock = threading.Lock()
         self.reader = _Reader(self.flush_corked)
@@ -190,6 +225,14 @@ class _Peer:
         self.gone = False
         self.lane: Any = None  # rpcx._lanes.ReceiveLane when the agent offers lanes
         self.ended = threading.Event()  # the receive loop is over: nothing more arrives
+        # Frames the socket did not take at once, oldest first; while there are any,
+        # later frames queue behind them (per-peer order). The writer thread, started
+        # the first time one is queued, writes them; it waits on ``wakeup`` for more.
+        self.backlog: collections.deque[_Unwritten] = collections.deque()
+        self.wakeup = threading.Condition(self.lock)
+        self.writer: threading.Thread | None = None
+        self.writer_name = writer_name
+        self.stopping = False  # close(): the writer ends once nothing is queued
 
     def may_cork(self) -> bool:
         """May a frame the calling thread sends now wait for the next write?
@@ -203,8 +246,12 @@ class _Peer:
         lane = self.lane
         return lane is not None and lane.held_here() and self.reader.buffered > 0
 
-    def write_locked(self, parts: list[Any], fds: list[int]) -> None:
+    def write_locked(self, parts: list[Any], fds: list[int]) -> _Unwritten | None:
         """Send what is corked, then ``parts`` (and ``fds``); call under ``lock``.
+
+        Never waits: what the socket does not take at once, and everything while frames
+        are queued before it, goes to the peer's writer thread. Returns that queued rest
+        (``None``: all written); the caller waits for it, if at all, without the lock.
 
         ``OSError`` marks the peer gone and shuts the socket down, so that both ends'
         receive loops see the connection end and report each other lost: a frame that
@@ -212,20 +259,77 @@ class _Peer:
         if self.corked:
             parts = [bytes(self.corked), *parts]
             self.corked.clear()
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
         try:
-            _send_all(self.sock, parts, fds)
-        except OSError:
-            self.gone = True
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
+            if not self.backlog:
+                fds = _send_now(self.sock, views, fds)
+                if not views:
+                    return None
+            return self._queue(views, fds)
+        except OSError:  # (from the socket, or out of descriptors to queue with)
+            self._break()
             raise
 
     def flush_corked(self) -> None:
-        """Send the corked replies: the receiving thread is about to wait for input."""
+        """Send the corked replies: the receiving thread is about to wait for input.
+
+        Never waits for the peer to read them (a full socket queues them to the writer):
+        the receiving thread goes on reading, so two workers that both stopped reading
+        while writing to each other cannot wedge."""
         if self.corked:
             with self.lock:
                 if not (self.gone or self.bye_sent):
                     self.write_locked([], [])
+
+    def stop_writer(self) -> None:
+        """Let the writer thread end once nothing is queued (close())."""
+        with self.lock:
+            self.stopping = True
+            self.wakeup.notify_all()
+
+    def _queue(self, views: list[memoryview], fds: list[int]) -> _Unwritten:
+        unwritten = _Unwritten(views, fds)
+        self.backlog.append(unwritten)
+        if self.writer is None:
+            self.writer = threading.Thread(target=self._write_backlog, name=self.writer_name,
+                                           daemon=True)
+            self.writer.start()
+        self.wakeup.notify()
+        return unwritten
+
+    def _write_backlog(self) -> None:
+        """The writer thread: write the queued frames in order, as the peer reads them.
+
+        Writes without the lock (senders queue behind meanwhile); a frame stays first in
+        ``backlog`` until written, so no sender writes past it. A failed write fails
+        every queued frame and breaks the connection, as a failed write in a sender does.
+        """
+        while True:
+            with self.lock:
+                while not self.backlog and not self.stopping:
+                    self.wakeup.wait()
+                if not self.backlog:
+                    return
+                unwritten = self.backlog[0]
+            try:
+                _send_all(self.sock, unwritten.data, unwritten.fds)
+            except OSError as exc:
+                with self.lock:
+                    self._break()
+                    failed = list(self.backlog)
+                    self.backlog.clear()
+                for each in failed:
+                    each.finish(exc)
+                return
+            with self.lock:
+                self.backlog.popleft()
+            unwritten.finish()
+
+    def _break(self) -> None:
+        """A write failed: mark the peer gone and end the connection (call under lock)."""
+        self.gone = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
 
 class ShmTransport:
@@ -253,7 +357,8 @@ class ShmTransport:
                                  ShmRpcBackendOptions.DEFAULT_SHM_POOL_BYTES))
         for rank, sock in _connect_mesh(ctx, host_identity()).items():
             freed = functools.partial(self._segment_freed, rank)
-            self._peers[rank] = _Peer(sock, SendPool(pool_bytes), ReceivedSegments(freed))
+            self._peers[rank] = _Peer(sock, SendPool(pool_bytes), ReceivedSegments(freed),
+                                      f"rpcx-{ctx.names[ctx.rank]}-send-{ctx.names[rank]}")
         self._flusher_thread = threading.Thread(
             target=self._flusher, name=f"rpcx-{ctx.names[ctx.rank]}-shm-free", daemon=True
         )
@@ -269,7 +374,11 @@ class ShmTransport:
     # ------------------------------------------------------------------------- send
 
     def send(self, dst: int, frame: Frame) -> None:
-        """Write ``frame`` to ``dst``'s socket; large buffers go through shared memory."""
+        """Write ``frame`` to ``dst``'s socket; large buffers go through shared memory.
+
+        Returns once the frame is written, or at ``frame.deadline`` with the rest queued
+        for the peer's writer thread (a peer that stopped reading cannot hold a call past
+        its timeout, nor a sender the peer's lock)."""
         peer = self._peers[dst]
         if not frame.buffers:  # most calls and replies: the head and header, one write
             data = _HEAD.pack(_FRAME, 0, len(frame.header)) + frame.header
@@ -280,9 +389,11 @@ class ShmTransport:
                     peer.corked += data
                     return
                 try:
-                    peer.write_locked([data], [])
+                    unwritten = peer.write_locked([data], [])
                 except OSError as exc:
                     raise PeerLostError(f"is unreachable: {exc.strerror or exc}") from None
+            if unwritten is not None:
+                _wait_written(dst, unwritten, frame.deadline)
             return
         buffers = [_as_bytes(b) for b in frame.buffers]
         sizes = [b.numel() for b in buffers]
@@ -292,6 +403,7 @@ class ShmTransport:
         parts: list[Any] = []
         used: dict[int, Segment] = {}  # buffer index -> pooled segment this frame filled
         sent = False
+        unwritten = None
         try:
             # Filling segments needs no lock: a segment is this frame's alone until the
             # peer frees it, which it cannot before receiving the frame.
@@ -332,9 +444,10 @@ class ShmTransport:
                 if retired:  # ahead of the frame: the peer unmaps before it maps anew
                     head = _ids_message(_RETIRE, retired) + head
                 try:
-                    peer.write_locked([head, frame.header, *parts], fds)
+                    unwritten = peer.write_locked([head, frame.header, *parts], fds)
                 except OSError as exc:
                     raise PeerLostError(f"is unreachable: {exc.strerror or exc}") from None
+                # Sent, or queued with copies of the descriptors: in order either way.
                 for segment in used.values():
                     segment.descriptor_sent()
                 sent = True
@@ -344,6 +457,8 @@ class ShmTransport:
                 os.close(fd)
             if not sent:
                 peer.pool.release([s.id for s in used.values()])
+        if unwritten is not None:
+            _wait_written(dst, unwritten, frame.deadline)
 
     def _segment_freed(self, src: int, segment_id: int) -> None:
         """Tensors over a segment ``src`` filled are gone: let ``src`` fill it again.
@@ -369,6 +484,8 @@ class ShmTransport:
                     self._send_ids(peer, _FREE, ids)
 
     def _send_ids(self, peer: _Peer, kind: int, ids: list[int]) -> None:
+        """Send a FREE or RETIRE; never waits (queued behind a peer that reads nothing,
+        it would otherwise hold up the FREEs to every other peer)."""
         message = _ids_message(kind, ids)
         with peer.lock:
             if peer.bye_sent or peer.gone:
@@ -531,9 +648,14 @@ class ShmTransport:
                         ctx.names[ctx.rank], ", ".join(stuck), timeout)
         for peer in self._peers.values():
             # shutdown() wakes a receive loop blocked in recvmsg (it sees end of file)
-            # and a sender blocked on a peer that stopped reading.
+            # and a writer thread blocked on a peer that stopped reading (its queued
+            # frames fail, and so do the sends still waiting for them).
             with contextlib.suppress(OSError):
                 peer.sock.shutdown(socket.SHUT_RDWR)
+            peer.stop_writer()
+        for peer in self._peers.values():
+            if peer.writer is not None:
+                peer.writer.join(max(0.0, deadline - time.monotonic()))
             peer.sock.close()
             peer.pool.close()
             peer.received.close()
@@ -541,24 +663,19 @@ class ShmTransport:
             self._flusher_thread.join(max(0.0, deadline - time.monotonic()))
 
     def _send_bye(self, peer: _Peer, timeout: float) -> None:
-        """Send BYE, waiting at most ``timeout`` for the send lock and the socket."""
+        """Send BYE after every frame sent or queued before it; never waits for the
+        socket, and for the send lock (held only briefly) at most ``timeout``."""
         if not peer.lock.acquire(timeout=timeout):
-            # A sender is stuck on a peer that stopped reading: close() shuts the socket
-            # down after the wait, which also frees that sender.
-            log.debug("goodbye not sent: a send to this peer is blocked")
+            log.debug("goodbye not sent: the send lock stayed taken")
             return
         try:
             if peer.bye_sent:
                 return
             peer.bye_sent = True
             try:
-                # Never blocks: a peer that stopped reading gets no goodbye (close()
-                # shuts the socket down instead). A head this small goes whole or not
-                # at all (the kernel queues it only with room for all of it). Replies
-                # still corked go first (rare: they leave before the next read blocks).
-                data = bytes(peer.corked) + _HEAD.pack(_BYE, 0, 0)
-                peer.corked.clear()
-                peer.sock.send(data, socket.MSG_DONTWAIT)
+                # A peer that reads nothing gets it queued, behind its other frames;
+                # close() shuts the socket down after waiting, which ends the writer.
+                peer.write_locked([_HEAD.pack(_BYE, 0, 0)], [])
             except OSError as exc:
                 log.debug("goodbye not delivered: %s", exc)
         finally:
@@ -708,16 +825,55 @@ def _memory(tensor: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def _send_all(sock: socket.socket, parts: list[Any], fds: list[int]) -> None:
-    """``sendmsg`` every part, the descriptors with the first byte; loops on short writes."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"<{len(fds)}i", *fds))]
-    sent = sock.sendmsg(views, ancillary if fds else [])
-    while True:
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if not views:
-            return
+def _rights(fds: list[int]) -> list[tuple[int, int, bytes]]:
+    """The ancillary data that passes ``fds`` (none for no descriptors)."""
+    if not fds:
+        return []
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"<{len(fds)}i", *fds))]
+
+
+def _advance(views: list[memoryview], sent: int) -> None:
+    """Drop the first ``sent`` bytes of ``views``."""
+    while views and sent >= len(views[0]):
+        sent -= len(views[0])
+        views.pop(0)
+    if sent:
         views[0] = views[0][sent:]
-        sent = sock.sendmsg(views)
+
+
+def _send_now(sock: socket.socket, views: list[memoryview], fds: list[int]) -> list[int]:
+    """Write as much of ``views`` as the socket takes without waiting, the descriptors
+    with the first byte; ``views`` keeps what is left. Returns the descriptors not sent
+    (all of them if no byte went, else none)."""
+    while views:
+        try:
+            sent = sock.sendmsg(views, _rights(fds), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            break
+        fds = []
+        _advance(views, sent)
+    return fds
+
+
+def _send_all(sock: socket.socket, parts: list[Any], fds: list[int]) -> None:
+    """``sendmsg`` every part, the descriptors with the first byte; loops on short
+    writes, waiting for the peer to read."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views, _rights(fds))
+        fds = []
+        _advance(views, sent)
+
+
+def _wait_written(dst: int, unwritten: _Unwritten, deadline: float) -> None:
+    """Wait for the writer thread to write a queued frame, until ``deadline`` (a
+    request's; 0: no deadline, wait until written or the connection ends)."""
+    left = None if not deadline else max(0.0, deadline - time.monotonic())
+    if not unwritten.done.wait(left):
+        # A peer that reads nothing: the agent fails the call on time, the writer
+        # finishes the frame if the peer ever reads again.
+        log.debug("send to rank %d still queued at its deadline", dst)
+        return
+    if unwritten.error is not None:
+        error = unwritten.error
+        raise PeerLostError(f"is unreachable: {error.strerror or error}")
