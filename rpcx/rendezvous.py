@@ -9,6 +9,7 @@ waits poll quietly so they can notice dead peers and report progress.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
@@ -19,7 +20,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
-from torch._C._distributed_c10d import HashStore, TCPStore
+from torch._C._distributed_c10d import FileStore, HashStore, TCPStore
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous as torch_rendezvous
 
@@ -32,6 +33,7 @@ __all__ = [
     "barrier",
     "in_process_store",
     "join_world",
+    "keep_if_file_store",
     "leave",
     "open_store",
     "prefixed",
@@ -89,7 +91,24 @@ def open_store(
     # Blocking store calls that rpcx does not make itself (a transport's address
     # exchange, gloo's process group) are bounded by the join timeout.
     store.set_timeout(store_timeout)
+    keep_if_file_store(store)
     return BoundedStore(store, _describe(init_method))
+
+
+def keep_if_file_store(store: Any) -> None:
+    """Never destroy ``store`` if it is (a view of) a FileStore; a transport calls this
+    for each clone it makes of its store.
+
+    A FileStore's destructor takes the file's lock with no timeout and without letting
+    go of the GIL: dropped while a stopped worker holds that lock, it froze this whole
+    process. Kept, the file stays when the world ends (torch removes it once every
+    worker's store is gone, but asks ``file://`` users to remove it all the same), and
+    a world can start on it again.
+    """
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, FileStore):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
 
 
 def _describe(init_method: str) -> str:

@@ -12,6 +12,9 @@ The fixtures:
 - ``rpcx_backend``: the backend under test (the suite is parametrized over them).
 - ``rpc_world``: a 4-worker world on that backend, shared by a module's tests.
 - ``rpc_world_keeper``: closes that world for a test that needs a world of its own.
+
+It also loads :mod:`rpcx.testing.backstop`: a test hung where pytest-timeout cannot end
+it (inside a C++ call) still ends its process, with every thread's stack printed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import pytest
 
 from rpcx.registry import backend_names, resolve_backend
 from rpcx.testing.world import World, start_world
+
+pytest_plugins = ["rpcx.testing.backstop"]
 
 WORLD_SIZE = 4
 
