@@ -23,10 +23,12 @@ not hold up the others; it keeps ``RECEIVE_DEPTH`` slot receives posted so gloo 
 frames while it is busy. Sends are posted under a per-peer lock (so the messages of one
 frame stay together) and waited for outside it: a gloo send Work only completes when
 waited on, and a sender whose peer has no receive posted waits for one (back-pressure).
-A large frame (more than the kernel's socket buffers take at once), or any frame behind
-one, is waited for by the peer's writer thread instead, the caller waiting only until
-the frame's deadline: a peer that stopped reading cannot hold a call past its timeout
-(gloo cannot cancel a send, and a timed-out gloo wait aborts every pair).
+A frame the peer may not take now is waited for by the peer's writer thread instead,
+the caller waiting only until the frame's deadline: one past what the kernel's socket
+buffers and the peer's posted slot receives take at once, a call's frame with messages
+after its slot (they go only once the peer has read the slot), and any frame behind
+one of those. So a peer that stopped reading cannot hold a call past its timeout (gloo
+cannot cancel a send, and a timed-out gloo wait aborts every pair).
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ log = logging.getLogger("rpcx.backends.gloo")
 SLOT_BYTES = 4096  # small frames (most calls) travel whole in one slot
 # A frame is waited for on the sending thread while the bytes sent to its peer since
 # the peer last sent anything stay under this: the kernel's socket buffers (at least
-# ~144 KiB on Linux) take them whole, so the wait cannot outlast a peer that stopped
+# ~144 KiB on Linux) take them whole, and, each slot being SLOT_BYTES on the wire, they
+# fill fewer slots than the peer keeps receives posted for (gloo writes a message only
+# into a receive the peer posted), so the wait cannot outlast a peer that stopped
 # reading. Past it, frames go to the peer's writer thread (a hand-off costs ~30 us).
 _WAIT_INLINE_BYTES = 96 << 10
 # Slot receives posted per peer (at least half of them at any time). A gloo send
@@ -75,6 +79,7 @@ _WAIT_INLINE_BYTES = 96 << 10
 # may run ahead: 4 gave ~4k small rpc_async/s, 64 gives ~9k (torch: ~9k), for 256 KiB
 # of buffers per peer.
 RECEIVE_DEPTH = 64
+assert _WAIT_INLINE_BYTES // SLOT_BYTES < RECEIVE_DEPTH // 2  # (the ring keeps half posted)
 _HEAD = struct.Struct("<BxxxIQ")  # mode, number of buffers, body length
 _INLINE, _EXTENDED, _BYE, _SPLIT = 1, 2, 3, 4
 _TAG_SLOT, _TAG_DATA = 0, 1
@@ -219,11 +224,14 @@ class GlooTransport:
     # ------------------------------------------------------------------------- send
 
     def send(self, dst: int, frame: Frame) -> None:
-        """Send ``frame`` to ``dst``; returns once gloo has written it.
+        """Send ``frame`` to ``dst``; returns once gloo has written it, or at the
+        frame's deadline.
 
         Waiting matters twice over: gloo sends straight from the tensors' memory, so the
         caller may change them as soon as this returns (arguments are copies), and a
         gloo send Work only completes when waited on, so no other thread can reap it.
+        When the peer may not take the frame now, the peer's writer thread waits for it
+        instead (keeping the memory alive) and the sender only until the deadline.
         """
         peer = self._peers[dst]
         sizes = [b.numel() * b.element_size() for b in frame.buffers]
@@ -263,7 +271,13 @@ class GlooTransport:
             messages += [
                 (_TAG_DATA, _as_bytes(b)) for b, s in zip(frame.buffers, sizes, strict=True) if s
             ]
-        works, job = self._post(dst, peer, messages, nbytes=_HEAD.size + inline_len)
+        # A frame's messages after its slot go only once the peer has read the slot (it
+        # posts their receives then): a call's frame (one with a deadline) must not wait
+        # for that on the caller's thread.
+        works, job = self._post(
+            dst, peer, messages, nbytes=sum(t.numel() for _, t in messages),
+            hand_off=bool(frame.deadline) and len(messages) > 1,
+        )
         if job is None:
             self._wait(works)
             if peer.ring.owed:  # our frame is out: now post the receives this peer is owed
@@ -280,12 +294,12 @@ class GlooTransport:
 
     def _post(
         self, dst: int, peer: _Peer, messages: list[tuple[int, torch.Tensor]],
-        bye: bool = False, nbytes: int = 0,
+        bye: bool = False, nbytes: int = 0, hand_off: bool = False,
     ) -> tuple[list[Any], _Written | None]:
-        """Post ``messages`` (``nbytes`` in all) to ``dst``; the works, and the writer's
-        job if the frame went to the peer's writer: when the peer may not take it whole
-        now (see ``_WAIT_INLINE_BYTES``), or frames before it are still there (waiting
-        inline would wait for those too)."""
+        """Post ``messages`` (``nbytes`` on the wire) to ``dst``; the works, and the
+        writer's job if the frame went to the peer's writer: when ``hand_off`` asks, the
+        peer may not take it whole now (see ``_WAIT_INLINE_BYTES``), or frames before it
+        are still there (waiting inline would wait for those too)."""
         # Posting under the peer's lock keeps the messages of one frame together.
         with peer.lock:
             if peer.bye_sent or (peer.gone and not bye):
@@ -298,7 +312,9 @@ class GlooTransport:
                 peer.bye_sent = True
             peer.unheard += nbytes
             # (Closing: the writers are stopping, so the last frames are waited for here.)
-            if bye or self._closing or not (peer.writing or peer.unheard > _WAIT_INLINE_BYTES):
+            if bye or self._closing or not (
+                hand_off or peer.writing or peer.unheard > _WAIT_INLINE_BYTES
+            ):
                 return works, None
             if peer.writer is None:
                 ctx = self._ctx
