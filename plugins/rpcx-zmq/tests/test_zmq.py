@@ -309,6 +309,40 @@ def test_a_sender_waiting_on_a_full_queue_is_released_by_close() -> None:
         gate.set()
 
 
+def test_sends_to_a_peer_that_reads_nothing_return_by_their_deadline_in_order() -> None:
+    # Past ZeroMQ's queues, messages wait for the peer's writer thread: each send returns
+    # by its frame's deadline, and every frame still arrives, in order, once the peer
+    # reads again.
+    deadline_s, slack_s = 0.2, 1.0
+    with transports(2) as (started, inboxes):
+        gate = threading.Event()
+        inboxes[1].block = gate  # worker1 stops reading after its first frame
+        peer = started[0]._peers[1]
+        sent = 0
+
+        def send(deadline: float = 0.0) -> float:
+            nonlocal sent
+            frame = Frame(str(sent).encode())
+            frame.deadline = deadline
+            sent += 1
+            began = time.monotonic()
+            started[0].send(1, frame)
+            return time.monotonic() - began
+
+        try:
+            while not peer.backlog:  # ~8,200: both ends' queues (4,096 each), the kernel's
+                assert sent < 100_000, "the queues never filled"
+                assert send(time.monotonic() + deadline_s) < deadline_s + slack_s
+            for _ in range(3):  # behind the first: each waits for its deadline only
+                assert deadline_s / 2 < send(time.monotonic() + deadline_s) < deadline_s + slack_s
+        finally:
+            gate.set()
+        send()  # no deadline: returns once ZeroMQ has it, after all the others
+        numbers = [int(inboxes[1].next()[1].header) for _ in range(sent)]
+        assert numbers == list(range(sent))
+        assert not peer.backlog
+
+
 def test_sent_from_the_tensor_memory_kept_alive_by_zeromq() -> None:
     tensor = torch.arange(1 << 18, dtype=torch.int32)
     memory = zmq_transport._memory_of(tensor, tensor.numel() * 4)

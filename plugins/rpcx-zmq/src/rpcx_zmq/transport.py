@@ -14,8 +14,10 @@ Sockets, per peer: a PULL socket (``rx``) bound for that peer alone, read by one
 loop (a receive lane, so requests are served on the receiving thread); a PUSH socket
 (``tx``) connected to the peer's PULL for this worker, written under a per-peer lock, so
 frames leave in the order their ``send`` calls took the lock; and a control PUSH (``ctl``)
-into ``rx``. Same-host peers connect over ``ipc://`` (a private temp directory), others
-over TCP.
+into ``rx``. A send never waits for room in ``tx``'s queue (``_HWM`` messages): a
+message that finds it full, and every later one while any waits, goes to the peer's
+writer thread, and the send waits for it until the frame's deadline at most. Same-host
+peers connect over ``ipc://`` (a private temp directory), others over TCP.
 
 Tensors: a buffer of ``ZERO_COPY_SEND`` bytes or more is sent from the tensor's memory
 (``copy=False``) and ``send`` waits for ZeroMQ's message tracker, which fires once
@@ -39,6 +41,7 @@ into the same event. The monitor marks the peer gone (sends to it fail at once) 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import functools
@@ -83,7 +86,8 @@ ZERO_COPY_SEND = 256 << 10
 # parts may share one receive buffer with other messages, and a copy costs little.
 ZERO_COPY_RECEIVE = 64 << 10
 _HWM = 4096  # messages queued per peer and direction before send waits (back-pressure)
-_SEND_POLL_S = 0.1  # a send waiting for room or for its tracker rechecks the peer this often
+_SEND_POLL_S = 0.1  # a send waiting for its tracker rechecks the peer this often
+_WRITER_POLL_S = 0.02  # a writer waiting for room in a peer's queue retries this often
 _DRAIN_WAIT_MS = 50  # after a loss, how long to wait for frames still on their way
 _BYE_TIMEOUT = 10.0  # answering a peer's goodbye from a receive loop
 _GRACE_S = 0.5  # close: what receive loops told to STOP get past the deadline
@@ -118,13 +122,31 @@ _abandoned: list[zmq.Context[Any]] = []
 _ids = itertools.count()
 
 
+class _Queued:
+    """A message ZeroMQ's queue to a peer had no room for (or that came while others
+    waited), waiting, in order, for the peer's writer thread."""
+
+    __slots__ = ("bye", "done", "error", "parts")
+
+    def __init__(self, parts: list[Any], bye: bool) -> None:
+        self.parts = parts  # keeps any zero-copy part's memory alive until sent
+        self.bye = bye
+        self.done = threading.Event()
+        self.error: PeerLostError | None = None
+
+    def finish(self, error: PeerLostError | None = None) -> None:
+        self.error = error
+        self.done.set()
+
+
 class _Peer:
     """Everything about one peer: its sockets, locks, goodbye flags and receive lane."""
 
     __slots__ = (
-        "bye_received", "bye_sent", "cause", "connected", "ctl", "ctl_lock", "draining", "ended",
-        "endpoint", "gone", "lane", "lock", "name", "rank", "reader", "reported", "rx",
-        "started", "stash", "tx", "tx_lock", "tx_monitor",
+        "backlog", "bye_received", "bye_sent", "cause", "connected", "ctl", "ctl_lock",
+        "draining", "ended", "endpoint", "gone", "lane", "lock", "name", "queued", "rank",
+        "reader", "reported", "rx", "started", "stash", "stopping", "tx", "tx_lock",
+        "tx_monitor", "writer",
     )
 
     def __init__(self, rank: int, name: str) -> None:
@@ -150,6 +172,13 @@ class _Peer:
         self.lane: ReceiveLane | None = None
         self.connected = threading.Event()  # our connection to the peer shook hands
         self.ended = threading.Event()  # the receive loop is over: nothing more arrives
+        # Messages waiting for room in ZeroMQ's queue, oldest first: while there are any,
+        # later ones wait behind them (per-peer order). The writer thread, started the
+        # first time one waits, sends them; ``queued`` guards the three and wakes it.
+        self.backlog: collections.deque[_Queued] = collections.deque()
+        self.queued = threading.Condition()
+        self.writer: threading.Thread | None = None
+        self.stopping = False  # close(): the writer ends
 
 
 class ZmqTransport:
@@ -291,7 +320,7 @@ class ZmqTransport:
         self._tune(tx)
         tx.sndhwm = _HWM
         tx.immediate = True  # queue only on a live connection: a lost peer's sends fail
-        tx.sndtimeo = int(_SEND_POLL_S * 1000)
+        tx.sndtimeo = 0  # sends never wait for room: the peer's writer thread does
         if peer.endpoint.startswith("tcp://["):
             tx.ipv6 = True
         ctx = self._ctx
@@ -343,7 +372,7 @@ class ZmqTransport:
             raise PeerLostError(peer.gone)
         buffers = frame.buffers
         if not buffers:
-            self._post(peer, [_PLAIN_HEAD + frame.header])
+            self._post(peer, [_PLAIN_HEAD + frame.header], until=frame.deadline)
             return
         n = len(buffers)
         # Each buffer's element size (the alignment its dtype needs at the receiver) and
@@ -375,7 +404,9 @@ class ZmqTransport:
             (_HEAD.pack(_DATA, n), sizes, struct.pack(f"<{n}q", *lengths), frame.header,
              *inline)
         )
-        self._post(peer, parts)
+        if not self._post(peer, parts, until=frame.deadline):
+            log.debug("send to rank %d still queued at its deadline", dst)
+            return
         if trackers:
             # libzmq sent copies of our frames (sharing the bytes): the tracker fires
             # once every copy is released, ours included.
@@ -385,43 +416,111 @@ class ZmqTransport:
                     log.debug("send to rank %d still being written at its deadline", dst)
                     return
 
-    def _post(self, peer: _Peer, parts: list[Any], deadline: float | None = None) -> None:
-        """Queue one message to ``peer``, waiting while its queue is full.
+    def _post(self, peer: _Peer, parts: list[Any], deadline: float | None = None,
+              until: float = 0.0) -> bool:
+        """Queue one message to ``peer`` and wait until ZeroMQ has it, or until ``until``
+        (a call's deadline; 0: none); False if that came first.
+
+        Never waits for room under the socket's lock: a message ZeroMQ's queue has no
+        room for, and any that come while one waits, go to the peer's writer thread, in
+        order. So a peer that reads nothing holds no call past its deadline.
 
         ``deadline`` set: this is our goodbye, which goes out even to a peer already gone
         (it may be answering ours) and gives up at the deadline.
         """
         bye = deadline is not None
-        timeout = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-        if not peer.tx_lock.acquire(timeout=timeout):
-            raise PeerLostError("is not reading (our goodbye could not be sent in time)")
-        try:
+        with peer.tx_lock:
+            if peer.bye_sent:
+                raise PeerLostError(peer.gone or "has shut down")
+            if not bye and peer.gone is not None:
+                raise PeerLostError(peer.gone)
             tx = peer.tx
-            while True:
-                if peer.bye_sent:
-                    raise PeerLostError(peer.gone or "has shut down")
-                if not bye and peer.gone is not None:
-                    raise PeerLostError(peer.gone)
-                if tx is None:
-                    raise PeerLostError("cannot be reached: this worker has shut down"
-                                        if self._closed else "was never connected")
-                try:
-                    tx.send_multipart(parts, copy=False)
-                    break
-                except zmq.Again:
-                    # The peer's queue is full: wait (back-pressure), unless it is gone or
-                    # we are leaving.
-                    if bye and time.monotonic() >= deadline:  # type: ignore[operator]
-                        raise PeerLostError("is not reading (goodbye not sent)") from None
-                    if not bye and self._closing:
-                        raise PeerLostError("cannot be reached: this worker is shutting down"
-                                            ) from None
-                except zmq.ZMQError as exc:
-                    raise PeerLostError(f"is unreachable: {exc}") from None
+            if tx is None:
+                raise PeerLostError("cannot be reached: this worker has shut down"
+                                    if self._closed else "was never connected")
+            sent = not peer.backlog and self._send_now(tx, parts)
             if bye:
-                peer.bye_sent = True
-        finally:
-            peer.tx_lock.release()
+                peer.bye_sent = True  # (refuses later frames; the goodbye goes last)
+            if sent:
+                return True
+            queued = self._queue(peer, parts, bye)
+        return self._wait_queued(queued, deadline if deadline is not None else until)
+
+    @staticmethod
+    def _send_now(tx: zmq.Socket[bytes], parts: list[Any]) -> bool:
+        """Hand ``parts`` to ZeroMQ if its queue has room; False if not (call under
+        ``tx_lock``)."""
+        try:
+            tx.send_multipart(parts, copy=False)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            raise PeerLostError(f"is unreachable: {exc}") from None
+
+    def _queue(self, peer: _Peer, parts: list[Any], bye: bool) -> _Queued:
+        """Put a message behind those waiting for ``peer``'s writer (under ``tx_lock``)."""
+        queued = _Queued(parts, bye)
+        with peer.queued:
+            peer.backlog.append(queued)
+            if peer.writer is None:
+                ctx = self._ctx
+                assert ctx is not None
+                peer.writer = threading.Thread(
+                    target=self._write_backlog, args=(peer,), daemon=True,
+                    name=f"rpcx-{ctx.names[ctx.rank]}-send-{peer.name}")
+                peer.writer.start()
+            peer.queued.notify()
+        return queued
+
+    @staticmethod
+    def _wait_queued(queued: _Queued, until: float) -> bool:
+        """Wait for a queued message until ``until`` (0: until sent or failed)."""
+        left = None if not until else max(0.0, until - time.monotonic())
+        if not queued.done.wait(left):
+            if queued.bye:
+                raise PeerLostError("is not reading (goodbye not sent)")
+            return False  # a peer that reads nothing: the call fails on time
+        if queued.error is not None:
+            raise queued.error
+        return True
+
+    def _write_backlog(self, peer: _Peer) -> None:
+        """The writer thread: send ``peer``'s queued messages in order, as its queue
+        drains. It looks for room every ``_WRITER_POLL_S`` (ZeroMQ cannot tell another
+        thread), holding the socket's lock only to try."""
+        while True:
+            with peer.queued:
+                while not peer.backlog and not peer.stopping:
+                    peer.queued.wait()
+                if not peer.backlog:
+                    return
+                queued = peer.backlog[0]
+            error: PeerLostError | None = None
+            try:
+                sent = self._try_queued(peer, queued)
+            except PeerLostError as exc:
+                sent, error = True, exc  # (done with: it fails)
+            if not sent:
+                with peer.queued:  # (a new message or close() wakes it early)
+                    peer.queued.wait(_WRITER_POLL_S)
+                continue
+            with peer.queued:
+                peer.backlog.popleft()
+            queued.finish(error)
+
+    def _try_queued(self, peer: _Peer, queued: _Queued) -> bool:
+        """Try to hand the first waiting message to ZeroMQ; ``PeerLostError`` when it
+        never will be (the peer is gone, or this worker is leaving)."""
+        with peer.tx_lock:
+            tx = peer.tx
+            if tx is None:
+                raise PeerLostError("cannot be reached: this worker has shut down")
+            if not queued.bye and peer.gone is not None:
+                raise PeerLostError(peer.gone)
+            if not queued.bye and self._closing:
+                raise PeerLostError("cannot be reached: this worker is shutting down")
+            return self._send_now(tx, queued.parts)
 
     def _wait_written(self, peer: _Peer, tracker: zmq.MessageTracker, deadline: float) -> bool:
         """Wait until libzmq is done with a buffer sent from the caller's memory; False
@@ -739,6 +838,9 @@ class ZmqTransport:
                     left = max(0.0, min(1.0, deadline - time.monotonic()))
                     peer.tx.close(linger=int(left * 1000))
                     peer.tx = None
+            with peer.queued:  # its writer fails what still waits, then ends
+                peer.stopping = True
+                peer.queued.notify()
             if not peer.started and peer.rx is not None:
                 peer.rx.close(linger=0)
                 peer.rx = None
