@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from rpcx import rendezvous
 from rpcx._lanes import ReceiveLane
 from rpcx._memory import empty_bytes
 from rpcx.errors import (
@@ -567,7 +568,8 @@ def _connect_mesh(ctx: TransportContext, opts: Any) -> Any:
     # (including the teardown of the failed init).
     try:
         store = ctx.store.clone()  # type: ignore[attr-defined]
-    except RuntimeError:  # stores that cannot be cloned (file) do not block one another
+        rendezvous.keep_if_file_store(store)  # (destroying a FileStore may freeze)
+    except RuntimeError:  # stores that cannot be cloned do not block one another
         store = ctx.store
 
     def build() -> None:
