@@ -10,6 +10,7 @@ dead worker fails instead of hanging; shutdown skips it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import threading
@@ -24,6 +25,7 @@ import torch
 import rpcx
 import rpcx.autograd as dist_autograd
 from rpcx import _context
+from rpcx.futures import wait_done
 from rpcx.testing import remote, training
 from rpcx.testing.fixtures import WorldKeeper
 from rpcx.testing.world import World, world
@@ -204,6 +206,81 @@ class TestHungPeer:
         spun = rpcx.rpc_sync(W1, remote.spin, args=(HEARTBEAT_TIMEOUT * 2,), timeout=BOUND)
         assert spun >= HEARTBEAT_TIMEOUT * 2
         assert not _context.current_agent().is_unresponsive(1)
+
+    def test_small_calls_to_a_stopped_worker_fail_on_time_and_hold_up_no_one(
+        self, rpcx_backend: str, rpc_world_keeper: WorldKeeper
+    ) -> None:
+        # Small frames (no tensors) from four threads, until the transport's buffers are
+        # full: calls then wait in rpc_async for room, until their deadline at most.
+        # Measured before the fix, from a single thread: shm's send blocked for good
+        # after ~8 MiB (126 calls of 64 KiB, 1,726 of 4 KiB), zmq's after 4,096 messages,
+        # gloo's after 64 frames of a slot or at the first frame larger than one.
+        # tensorpipe never waits, so the flood ends at `most` calls. Heartbeats are on
+        # (their pings to worker1 pile up too), slow enough to leave the ending to the
+        # calls' own timeouts.
+        threads_count, most = 4, 12 << 10  # 3x zmq's queue; 24 MiB: 3x shm's buffers
+        sizes = (16, 4 << 10)  # a call's argument: half within a gloo slot, then past it
+        slack = 1.0  # a loaded host's scheduling, and thousands of timeouts to fire
+        with _own_world(rpcx_backend, rpc_world_keeper, heartbeat_interval=HEARTBEAT_INTERVAL,
+                        heartbeat_timeout=BOUND / 4):
+            agent = _context.current_agent()
+            pid = rpcx.rpc_sync(W1, remote.process_id)
+            numbers = itertools.count()
+            calls: list[tuple[float, Any]] = []  # (when rpc_async was called, its future)
+            waits: list[float] = []  # rpc_async durations over half the timeout
+            full = threading.Event()  # enough calls waited for room: the buffers are full
+            errors: list[BaseException] = []
+
+            def flood() -> None:
+                _context.bind_agent(agent)
+                mine: list[tuple[float, Any]] = []
+                try:
+                    while not full.is_set() and (number := next(numbers)) < most:
+                        payload = b"x" * sizes[number * len(sizes) // most]
+                        started = time.monotonic()
+                        future = rpcx.rpc_async(W1, len, args=(payload,), timeout=CALL_TIMEOUT)
+                        took = time.monotonic() - started
+                        mine.append((started, future))
+                        if took > CALL_TIMEOUT / 2:
+                            waits.append(took)
+                            if len(waits) >= 2 * threads_count:
+                                full.set()
+                except BaseException as exc:
+                    errors.append(exc)
+                calls.extend(mine)
+
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                threads = [threading.Thread(target=flood) for _ in range(threads_count)]
+                for thread in threads:
+                    thread.start()
+                offered_by = time.monotonic() + BOUND / 4
+                for thread in threads:
+                    thread.join(max(0.0, offered_by - time.monotonic()))
+                assert not any(t.is_alive() for t in threads), \
+                    "rpc_async to a stopped worker blocked past its timeout"
+                assert not errors, errors
+                assert max(waits, default=0.0) < CALL_TIMEOUT + slack, waits
+                # worker1 still stopped, what was offered to it still queued:
+                started = time.monotonic()
+                assert rpcx.rpc_sync(W2, len, args=(b"ab",), timeout=CALL_TIMEOUT) == 2
+                assert time.monotonic() - started < CALL_TIMEOUT
+                # Each call failed by its own deadline (in the order made, each waited
+                # for only until its own deadline and the slack).
+                calls.sort(key=lambda call: call[0])
+                for started, future in calls:
+                    left = started + CALL_TIMEOUT + slack - time.monotonic()
+                    assert wait_done(future, max(0.0, left)), \
+                        f"a call still open {CALL_TIMEOUT + slack:g} s after it was made"
+                    with pytest.raises(rpcx.RpcTimeoutError, match="timed out"):
+                        future.value()
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            # The frames sent late arrive now; worker1 serves them (nobody listens for
+            # the replies any more), then answers again.
+            assert agent.wait_responsive(1, BOUND)
+            assert rpcx.rpc_sync(W1, len, args=(b"abc",), timeout=BOUND) == 3
+            assert rpcx.rpc_sync(W2, len, args=(b"ab",), timeout=BOUND) == 2
 
     def test_a_large_call_to_a_stopped_worker_fails_within_its_timeout(
         self, hang_world: World
