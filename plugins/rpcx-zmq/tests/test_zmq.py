@@ -437,6 +437,10 @@ def test_a_frame_over_max_frame_bytes_is_refused_and_ends_the_connection(ipc: bo
     # ZeroMQ's MAXMSGSIZE on the receiving socket: a part over max_frame_bytes closes the
     # connection before the part is read. The sender sees its connection close and
     # reports the peer lost; the receiver, whose connection back is then closed, too.
+    # Neither can report a protocol error here: ZeroMQ says nothing of why it dropped the
+    # connection (its monitors see the EVENT_DISCONNECTED a peer that exits causes), so
+    # this stays "connection closed". A frame over the limit in parts each within it is
+    # a protocol error (the next test).
     with transports(2, max_frame_bytes=MiB, ipc=ipc) as (started, inboxes):
         started[0].send(1, Frame(b"small", [torch.ones(256, dtype=torch.uint8)]))
         assert inboxes[1].next()[1].header == b"small"  # within the cap: delivered
@@ -451,6 +455,47 @@ def test_a_frame_over_max_frame_bytes_is_refused_and_ends_the_connection(ipc: bo
         assert inboxes[1].frames.empty()  # the big frame never arrived
         with pytest.raises(PeerLostError):
             started[0].send(1, Frame(b"after"))
+
+
+@pytest.mark.parametrize("ipc", [True, False])
+@pytest.mark.parametrize("layout", [
+    [768 << 10, 768 << 10],  # two parts sent from the tensors' memory (zero copy)
+    [(MiB >> 2) - 1] * 4 + [100 << 10],  # five copied parts, each under ZERO_COPY_SEND
+])
+def test_a_frame_over_max_frame_bytes_in_parts_under_it_is_a_protocol_error(
+    ipc: bool, layout: list[int]
+) -> None:
+    # MAXMSGSIZE limits each ZeroMQ part, not the frame: a frame whose parts are each
+    # under max_frame_bytes, but whose total is over it, was delivered. The receiver
+    # refuses it by its total (header plus every buffer, as gloo and shm count) and ends
+    # the connection, reporting a protocol error that names the limit.
+    with transports(3, max_frame_bytes=MiB, ipc=ipc) as (started, inboxes):
+        # Exactly max_frame_bytes (header plus buffers): delivered.
+        at_limit = [MiB >> 1, (MiB >> 1) - 2]
+        started[1].send(0, Frame(b"ok", [torch.ones(k, dtype=torch.uint8) for k in at_limit]))
+        _, frame = inboxes[0].next()
+        assert frame.header == b"ok" and [b.numel() for b in frame.buffers] == at_limit
+        started[1].send(0, Frame(b"big", [torch.ones(k, dtype=torch.uint8) for k in layout]))
+        try:
+            rank, reason = inboxes[0].lost.get(timeout=10)
+        except queue.Empty:
+            pytest.fail(f"a frame of {3 + sum(layout)} bytes over max_frame_bytes ({MiB}) "
+                        f"in parts of {layout} bytes was not refused: "
+                        f"delivered {inboxes[0].frames.qsize()} frame(s)")
+        assert rank == 1, rank
+        assert reason == (f"is unreachable: protocol error: a frame of {3 + sum(layout)} "
+                          f"bytes, over max_frame_bytes ({MiB})"), reason
+        assert inboxes[0].causes == [LostCause.PROTOCOL_ERROR]
+        assert inboxes[0].frames.empty()  # the big frame never arrived
+        with pytest.raises(PeerLostError, match="max_frame_bytes"):
+            started[0].send(1, Frame(b"to a peer that broke the protocol"))
+        # The sender sees its connection end (as with gloo and shm), and sends fail.
+        rank, _ = inboxes[1].lost.get(timeout=10)
+        assert rank == 0
+        with pytest.raises(PeerLostError):
+            started[1].send(0, Frame(b"after"))
+        started[2].send(0, Frame(b"the others still talk"))  # worker 0 serves on
+        assert inboxes[0].next()[1].header == b"the others still talk"
 
 
 def test_close_is_bounded_when_a_peer_does_not_answer() -> None:
@@ -544,16 +589,20 @@ class _NoMoreParts:
     lengths=st.lists(st.one_of(st.integers(-2, 64), st.integers(-(2**63), 2**63 - 1)),
                      max_size=4),
     rest=st.binary(max_size=200),
+    max_frame=st.one_of(st.integers(0, 300), st.just(1 << 62)),
 )
 def test_any_head_unpacks_within_its_own_bytes_or_is_refused(
-    n: int, lengths: list[int], rest: bytes
+    n: int, lengths: list[int], rest: bytes, max_frame: int
 ) -> None:
     # Every byte copied out of a head must lie inside it: lengths a peer writes are
     # checked before ctypes.memmove runs (a wrong one read past the message before).
+    # And a frame unpacked is within max_frame_bytes.
     head = (zmq_transport._HEAD.pack(zmq_transport._DATA, n) + bytes(min(n, 4))
             + struct.pack(f"<{len(lengths)}q", *lengths) + rest)
     try:
-        frame = ZmqTransport._unpack(_NoMoreParts(), head, n)  # type: ignore[arg-type]
+        frame = ZmqTransport._unpack(_NoMoreParts(), head, n,  # type: ignore[arg-type]
+                                     max_frame)
     except ProtocolError:
         return
     assert len(frame.header) + sum(b.numel() for b in frame.buffers) <= len(head)
+    assert len(frame.header) + sum(b.numel() for b in frame.buffers) <= max_frame

@@ -30,6 +30,12 @@ message keeps them alive. Smaller buffers are copied (into the head up to
 buffer's dtype. libzmq puts a large message's bytes 40 bytes into a ``malloc`` block, so
 8-byte aligned: enough for every dtype but ``complex128``, whose buffers are copied.
 
+Size limit (``max_frame_bytes``): a frame (header plus every buffer) over it is refused by
+its total before a byte of it is copied, and the peer reported lost with a protocol
+error, as gloo and shm do. ZeroMQ's ``MAXMSGSIZE`` on each ``rx`` also bounds every part
+to the limit before ZeroMQ allocates it; a part over it makes ZeroMQ drop the connection
+unread without saying why, so that case is reported as a closed connection.
+
 Lost peers: ZeroMQ reconnects silently, so every ``tx`` has a socket monitor, read by one
 monitor thread per worker. A peer process that dies closes its connections, and the
 monitor sees ``EVENT_DISCONNECTED`` on our connection to it at once; ZeroMQ heartbeats
@@ -198,6 +204,7 @@ class ZmqTransport:
         self._closed = False
         self.endpoints: dict[int, str] = {}  # where this worker's tx connect, by peer rank
         self._zap: ThreadAuthenticator | None = None  # checks connections with a world key
+        self._max_frame = DEFAULT_MAX_FRAME_BYTES  # options.max_frame_bytes, from start()
 
     # ------------------------------------------------------------------------ start
 
@@ -205,6 +212,7 @@ class ZmqTransport:
         """Bind one socket per peer, publish the endpoints, connect to every peer's."""
         self._ctx = ctx
         options = ctx.options
+        self._max_frame = int(getattr(options, "max_frame_bytes", self._max_frame))
         limit = options.rpc_timeout or None
         zctx: zmq.Context[Any] = zmq.Context(io_threads=1)
         self._zctx = zctx
@@ -273,9 +281,13 @@ class ZmqTransport:
         rx = zctx.socket(zmq.PULL)
         self._tune(rx)
         rx.rcvhwm = _HWM
-        # A message part over the cap makes ZeroMQ drop the connection, unread.
-        rx.setsockopt(zmq.MAXMSGSIZE, int(getattr(self._ctx.options, "max_frame_bytes",
-                                                  DEFAULT_MAX_FRAME_BYTES)))
+        # The first line of defence: ZeroMQ never allocates a part larger than the whole
+        # frame may be. A part over it makes ZeroMQ drop the connection unread, and tells
+        # no one why: the monitors see the same EVENT_DISCONNECTED as when a peer's
+        # process exits, so both workers report the other's connection closed, not a
+        # protocol error. A frame over max_frame_bytes in parts each within it is
+        # refused by its total, as a protocol error (_unpack).
+        rx.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         ctx = self._ctx
         if ctx.auth is not None:
             rx.zap_domain = _zap_domain(peer.rank).encode()
@@ -637,7 +649,7 @@ class ZmqTransport:
             kind, n = _HEAD.unpack_from(head)
             if kind == _DATA:
                 try:
-                    return self._unpack(rx, head, n), ""
+                    return self._unpack(rx, head, n, self._max_frame), ""
                 except ProtocolError as exc:  # not a frame this format writes: stop
                     reason = f"is unreachable: protocol error: {exc}"
                     log.warning("%s: %s %s", ctx.names[ctx.rank], peer.name, reason)
@@ -655,9 +667,13 @@ class ZmqTransport:
                             ctx.names[ctx.rank], kind, peer.name)
 
     @staticmethod
-    def _unpack(rx: zmq.Socket[bytes], head: bytes, n: int) -> Frame:
-        """The frame whose head part is ``head``; receives its other parts from ``rx``."""
-        if n == 0:
+    def _unpack(rx: zmq.Socket[bytes], head: bytes, n: int, max_frame: int) -> Frame:
+        """The frame whose head part is ``head``; receives its other parts from ``rx``.
+
+        ``ProtocolError`` for a head no sender writes, or a frame (header plus every
+        buffer) over ``max_frame`` bytes (``max_frame_bytes``).
+        """
+        if n == 0:  # the head is all there is, and MAXMSGSIZE kept it within max_frame
             return Frame(head[_HEAD.size:])
         # Every length is checked against the head before any byte is copied out of it:
         # a peer's numbers must never send a copy past the end of the message.
@@ -672,16 +688,30 @@ class ZmqTransport:
         end = len(head) - sum(length for length in lengths if length > 0)
         if end < start:
             raise ProtocolError(f"buffers of {len(head) - end} bytes in a head of {len(head)}")
+        # The frame's size is checked before a byte of it is copied or becomes a tensor:
+        # its header and small buffers (in the head), plus every part. ZeroMQ holds a
+        # message's parts once its first is read (each within MAXMSGSIZE), so taking
+        # them costs no copy; their lengths are the parts' own.
+        total = len(head) - start
+        parts: list[zmq.Frame] = []
+        for length in lengths:
+            if length == _PART:
+                if not rx.getsockopt(zmq.RCVMORE):
+                    raise ProtocolError("a buffer announced as a part of its own, but no part")
+                part = rx.recv(copy=False)
+                total += len(part)
+                parts.append(part)
+        if total > max_frame:
+            raise ProtocolError(f"a frame of {total} bytes, over max_frame_bytes ({max_frame})")
         header = head[start:end]
         address = ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value
         assert address is not None
         address += end
         buffers = []
+        next_part = iter(parts).__next__
         for size, length in zip(sizes, lengths, strict=True):
-            if length == _PART:  # already here: a message's parts arrive together
-                if not rx.getsockopt(zmq.RCVMORE):
-                    raise ProtocolError("a buffer announced as a part of its own, but no part")
-                buffers.append(_as_tensor(rx.recv(copy=False), size))
+            if length == _PART:
+                buffers.append(_as_tensor(next_part(), size))
                 continue
             buffer = torch.empty(length, dtype=torch.uint8)
             if length:
