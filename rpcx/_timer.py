@@ -13,11 +13,17 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["DeadlineTimer", "within"]
+__all__ = ["DeadlineTimer", "remaining", "within"]
 
 log = logging.getLogger("rpcx.timer")
 
 _COMPACT_MIN = 1024
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (a ``time.monotonic()`` value), never negative;
+    ``None`` for no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def within(bound: float | None, left: float | None) -> float | None:

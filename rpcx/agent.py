@@ -31,7 +31,7 @@ from rpcx._pending import CLOSED, PendingCall, PendingCalls, describe_callable
 from rpcx._pool import WorkerPool, blocking, current_pool
 from rpcx._recent import RecentIds
 from rpcx._retransmit import Retransmission
-from rpcx._timer import DeadlineTimer, within
+from rpcx._timer import DeadlineTimer, remaining, within
 from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
 from rpcx.errors import (
@@ -996,7 +996,7 @@ class RpcAgent:
         try:
             if graceful:
                 self._wait_until_idle(waits_end)
-                self.barrier("shutdown", _remaining(waits_end))
+                self.barrier("shutdown", remaining(waits_end))
                 self._drain(waits_end)
         except Exception as exc:
             log.warning("%s: graceful shutdown incomplete: %s", self.name, exc)
@@ -1014,13 +1014,13 @@ class RpcAgent:
         for round_ in range(_DRAIN_ROUNDS):
             sent = 0
             for hook in self.on_drain:
-                sent += hook(_remaining(deadline))
+                sent += hook(remaining(deadline))
             self._wait_until_idle(deadline)
             tag = f"drained/{round_}"
-            self._store.set(f"{tag}/sent/{self.rank}", str(sent), _remaining(deadline))
-            self.barrier(tag, _remaining(deadline))
+            self._store.set(f"{tag}/sent/{self.rank}", str(sent), remaining(deadline))
+            self.barrier(tag, remaining(deadline))
             live = [r for r in range(self.world_size) if not self.is_lost(r)]
-            if all(int(self._store.get(f"{tag}/sent/{r}", _remaining(deadline))) == 0
+            if all(int(self._store.get(f"{tag}/sent/{r}", remaining(deadline))) == 0
                    for r in live):
                 return
         log.warning("%s: services still busy after %d drain rounds", self.name, _DRAIN_ROUNDS)
@@ -1057,7 +1057,7 @@ class RpcAgent:
             )
         # Without a deadline, each teardown step still gets a bound of its own.
         def budget(default: float) -> float:
-            return within(default, _remaining(deadline)) or 0.0
+            return within(default, remaining(deadline)) or 0.0
 
         try:
             self._transport.close(budget(_CLOSE_TIMEOUT))
@@ -1072,7 +1072,7 @@ class RpcAgent:
             self._retransmission.close(budget(_CLOSE_TIMEOUT))
         for hook in self.on_close:
             try:
-                hook(_remaining(deadline))
+                hook(remaining(deadline))
             except Exception:
                 log.exception("%s: close hook failed", self.name)
         rendezvous.leave(
@@ -1097,8 +1097,3 @@ def _settle(future: RpcFuture[Any], value: Any, exception: BaseException | None)
     else:
         future.set_exception(exception)
 
-
-def _remaining(deadline: float | None) -> float | None:
-    if deadline is None:
-        return None
-    return max(0.0, deadline - time.monotonic())

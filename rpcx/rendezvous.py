@@ -25,6 +25,7 @@ from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous as torch_rendezvous
 
 from rpcx._store import BoundedStore
+from rpcx._timer import remaining
 from rpcx.auth import AUTH_KEY_ENV, ValueSeal, is_sealed
 from rpcx.errors import AuthenticationError, RpcError, RpcTimeoutError
 
@@ -247,7 +248,7 @@ def all_gather(
         describe=lambda ranks: "ranks " + ", ".join(map(str, ranks)),
         publish=(f"{tag}/{rank}", value),
     )
-    values = [store.get(f"{tag}/{r}", _left(deadline)) for r in range(world_size)]
+    values = [store.get(f"{tag}/{r}", remaining(deadline)) for r in range(world_size)]
     return [_opened(seal, tag, rank, r, v) for r, v in enumerate(values)]
 
 
@@ -348,7 +349,7 @@ def _wait_for(
 
     try:
         if publish is not None:
-            store.set(*publish, timeout=_left(deadline))
+            store.set(*publish, timeout=remaining(deadline))
         missing = store.wait_for(keys, deadline, skip=is_gone, on_poll=report)
     except RpcError as exc:  # the store itself failed or did not answer
         raise type(exc)(f"{what}: {exc}") from exc
@@ -356,7 +357,3 @@ def _wait_for(
         raise RpcTimeoutError(f"{what}: gave up after {time.monotonic() - started:.1f} s; "
                               f"missing: {describe(missing)}")
 
-
-def _left(deadline: float | None) -> float | None:
-    """Seconds until ``deadline`` (never negative); ``None`` for no deadline."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
