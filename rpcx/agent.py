@@ -374,7 +374,7 @@ class RpcAgent:
 
         def send() -> None:
             try:
-                self.notify(self.workers[rank], MessageKind.HEARTBEAT, PING)
+                self.send_one_way(self.workers[rank], MessageKind.HEARTBEAT, PING)
             finally:
                 with self._lock:
                     self._pinging.discard(rank)
@@ -387,7 +387,7 @@ class RpcAgent:
 
     def _on_heartbeat(self, caller: WorkerInfo, payload: Any) -> None:
         if payload == PING:  # (any frame counts as heard: a pong needs no handling)
-            self.notify(caller, MessageKind.HEARTBEAT, PONG)
+            self.send_one_way(caller, MessageKind.HEARTBEAT, PONG)
 
     def _on_silent(self, rank: int, quiet: float) -> None:
         timeout = float(getattr(self.options, "heartbeat_timeout", 0.0))
@@ -534,7 +534,7 @@ class RpcAgent:
             f"{api}({target}) to worker {dst.name!r}: RPC on worker {self.name!r} has shut down"
         )
 
-    def notify(self, dst: WorkerInfo, kind: MessageKind, payload: Any) -> None:
+    def send_one_way(self, dst: WorkerInfo, kind: MessageKind, payload: Any) -> None:
         """Send a one-way message (no reply, no future); failures are only logged."""
         if self._state == _CLOSED:
             return
@@ -553,7 +553,7 @@ class RpcAgent:
         # (On a lossy transport: a request, so that it is sent again until answered.)
         try:
             future = self.request(dst, kind, payload, timeout=self.timeout_for(None),
-                                  api="notify", target=kind.name, describe_target=str)
+                                  api="send_one_way", target=kind.name, describe_target=str)
         except RpcError as exc:
             log.warning("%s: one-way message to %s not sent: %s", self.name, dst.name, exc)
             return
@@ -758,7 +758,7 @@ class RpcAgent:
         except Exception as exc:
             log.debug("%s: could not decode a late response: %s", self.name, exc)
 
-    def defer(self, fn: Callable[..., Any], *args: Any) -> None:
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` soon on the completion lane (never on the calling thread)."""
         try:
             self._completions.submit(fn, *args)

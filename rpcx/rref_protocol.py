@@ -194,7 +194,7 @@ class RRefService:
                 self._free_if_unused_locked(rref_id, entry, freed)
         self._release(freed)
         for holder, holder_forks in confirm.items():
-            self.agent.notify(self.agent.workers[holder], MessageKind.RREF_CONFIRM, holder_forks)
+            self.agent.send_one_way(self.agent.workers[holder], MessageKind.RREF_CONFIRM, holder_forks)
 
     def remove_forks(self, forks: list[tuple[RRefId, ForkId]]) -> None:
         """Drop references that are gone; free values nobody holds any more."""
@@ -245,7 +245,7 @@ class RRefService:
         if freed:
             with self._lock:
                 self._freeing += 1
-            self.agent.defer(self._free, freed)
+            self.agent.call_soon(self._free, freed)
 
     def _free(self, freed: list[_Entry]) -> None:
         try:
@@ -424,7 +424,7 @@ class RRefService:
         if not acknowledged and not self.agent.lossy:
             with self._notes_lock:
                 self._unacknowledged.add(owner)
-            self.agent.notify(dst, MessageKind.RREF_DELETE, forks)
+            self.agent.send_one_way(dst, MessageKind.RREF_DELETE, forks)
             with self._lock:
                 self._sent += 1
             return

@@ -29,7 +29,7 @@ class StubAgent:
         self.notified = threading.Event()
         self.lossy = False  # a reliable transport: deletions may go one way
 
-    def notify(self, dst: WorkerInfo, kind: int, payload: Any) -> None:
+    def send_one_way(self, dst: WorkerInfo, kind: int, payload: Any) -> None:
         self.sent.append(("notify", dst.id, kind, payload))
         self.notified.set()
 
@@ -42,7 +42,7 @@ class StubAgent:
     def timeout_for(self, timeout: Any) -> float:
         return TIMEOUT
 
-    def defer(self, fn: Any, *args: Any) -> None:
+    def call_soon(self, fn: Any, *args: Any) -> None:
         fn(*args)
 
 

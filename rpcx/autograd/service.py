@@ -212,7 +212,7 @@ class AutogradService:
     def _after_release(self, done: torch.futures.Future[Any], context_id: int) -> None:
         # An internal callback (it must not send): the broadcast goes to the lane.
         if _failed_with(done, PeerLostError) and self.agent.is_running:
-            self.agent.defer(self._broadcast_release, context_id)
+            self.agent.call_soon(self._broadcast_release, context_id)
 
     def _broadcast_release(self, context_id: int) -> None:
         futures = self._send_release(context_id, self._everyone_but(None))
@@ -546,7 +546,7 @@ class AutogradService:
             # If that peer is lost while the chain is there, the driver hears it from
             # here (on_peer_lost), not only when its timeout runs out.
             context.forwarded.add((peer, *chain))
-        self.agent.notify(
+        self.agent.send_one_way(
             self.agent.workers[peer], MessageKind.AUTOGRAD_CHAIN, (context.id, items, chain)
         )
 
@@ -559,7 +559,7 @@ class AutogradService:
             self._settle_chain(token, frontier, lambda _: error)
             return
         info = None if error is None else RemoteErrorInfo.capture(error, self.agent.name)
-        self.agent.notify(self.agent.workers[driver], MessageKind.AUTOGRAD_CHAIN_END,
+        self.agent.send_one_way(self.agent.workers[driver], MessageKind.AUTOGRAD_CHAIN_END,
                           (token, None if frontier is None else sorted(frontier), info))
 
     def _settle_chain(

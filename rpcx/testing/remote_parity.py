@@ -59,7 +59,7 @@ def delay_confirmations(seconds: float) -> None:
     :func:`restore_confirmations`.
     """
     agent = _context.current_agent()
-    original = type(agent).notify.__get__(agent)
+    original = type(agent).send_one_way.__get__(agent)
 
     def notify(dst: Any, kind: MessageKind, payload: Any) -> None:
         if kind != MessageKind.RREF_CONFIRM:
@@ -69,14 +69,14 @@ def delay_confirmations(seconds: float) -> None:
         timer.daemon = True
         timer.start()
 
-    setattr(agent, "notify", notify)  # noqa: B010  (an instance attribute shadows the method)
+    setattr(agent, "send_one_way", notify)  # noqa: B010  (an instance attribute shadows the method)
 
 
 def restore_confirmations() -> None:
     """Undo :func:`delay_confirmations` on this worker."""
     agent = _context.current_agent()
-    if "notify" in vars(agent):
-        delattr(agent, "notify")
+    if "send_one_way" in vars(agent):
+        delattr(agent, "send_one_way")
 
 
 def identity(value: Any) -> Any:
