@@ -43,6 +43,7 @@ from rpcx.errors import (
     RpcTimeoutError,
     SerializationError,
     UnknownWorkerError,
+    lost_reason,
 )
 from rpcx.futures import RpcFuture, add_internal_callback, settle_inline
 from rpcx.messages import CONTROL_KINDS, PING, PONG, MessageKind
@@ -343,7 +344,7 @@ class RpcAgent:
             init_method=self.init_method,
             deliver=(self._on_frame if self.guard is None else self.guard.guarding(
                 self._on_frame,
-                lambda src, why: self._on_peer_lost(src, why, LostCause.PROTOCOL_ERROR))),
+                lambda src, why: self._on_peer_lost(src, LostCause.PROTOCOL_ERROR, why))),
             peer_lost=self._on_peer_lost,
             receive_lane=self._new_lane,
             auth=self._connection_auth,
@@ -909,9 +910,15 @@ class RpcAgent:
         return PeerLostError(f"{pending.call} to worker {pending.dst.name!r} failed: {reason}",
                              cause=cause)
 
-    def _on_peer_lost(self, rank: int, reason: str,
-                      cause: LostCause = LostCause.CONNECTION_LOST) -> None:
+    def _on_peer_lost(self, rank: int, cause: LostCause | str,
+                      detail: str | LostCause = "") -> None:
         # Transports call this from their receiving threads, which must not send.
+        # TRANSITION (issue 26): backends still on the old (rank, reason, cause) form.
+        if isinstance(cause, str):
+            reason = cause
+            cause = detail if isinstance(detail, LostCause) else LostCause.CONNECTION_LOST
+        else:
+            reason = lost_reason(cause, str(detail))
         was_delivering, _delivering.active = _delivering.active, True
         try:
             self._peer_lost(rank, reason, cause)

@@ -224,8 +224,9 @@ class FrameGuard:
         """A ``deliver`` for transports: checks each frame, passes genuine ones on.
 
         A frame that fails is dropped and counted, its source logged (at most once per
-        ``_LOG_EVERY`` seconds each), ``refuse(src, reason)`` is called once per source,
-        and :class:`~rpcx.errors.ProtocolError` is raised, so the transport ends that
+        ``_LOG_EVERY`` seconds each), ``refuse(src, detail)`` is called once per source
+        (a protocol error), and :class:`~rpcx.errors.ProtocolError` is raised, so the
+        transport ends that
         connection. Later frames from that source are refused too.
         """
 
@@ -235,9 +236,9 @@ class FrameGuard:
                 deliver(src, frame)
                 return
             first = self._count(src, problem)
-            reason = f"is unreachable: protocol error: a frame failed authentication ({problem})"
+            detail = f"a frame failed authentication ({problem})"
             if first:
-                refuse(src, reason)
+                refuse(src, detail)
             raise ProtocolError(f"a frame from rank {src} failed authentication ({problem})")
 
         return checked

@@ -15,10 +15,12 @@ import traceback
 from dataclasses import dataclass
 
 __all__ = [
+    "CLOSED_CONNECTION",
     "AuthenticationError",
     "BackendNotFoundError",
     "InvalidWorkerNameError",
     "LostCause",
+    "lost_reason",
     "PeerLostError",
     "ProtocolError",
     "RemoteException",
@@ -71,6 +73,26 @@ class LostCause(enum.Enum):
     """Silent past ``heartbeat_timeout``."""
     PROTOCOL_ERROR = "protocol error"
     """It sent what is no valid frame, or failed authentication."""
+
+
+# What a transport's ``detail`` usually is when a peer's process went away.
+CLOSED_CONNECTION = "closed its connection (its process probably exited or crashed)"
+
+
+def lost_reason(cause: LostCause, detail: str = "") -> str:
+    """How a lost peer is described: the end of "worker 'name' (rank N) ...".
+
+    Transports report ``peer_lost(rank, cause, detail)``; this writes the one sentence
+    every backend's errors share, e.g. ``"has shut down"`` or
+    ``"is unreachable: protocol error: <detail>"``.
+    """
+    if cause is LostCause.DEPARTED:
+        return "has shut down"
+    if cause is LostCause.UNRESPONSIVE:
+        return f"is unresponsive: {detail}" if detail else "is unresponsive"
+    if cause is LostCause.PROTOCOL_ERROR:
+        return f"is unreachable: protocol error: {detail or 'an invalid frame'}"
+    return f"is unreachable: {detail or CLOSED_CONNECTION}"
 
 
 class PeerLostError(RpcError, ConnectionError):

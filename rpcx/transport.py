@@ -92,15 +92,16 @@ class Capabilities:
 
 
 class PeerLost(Protocol):
-    """``peer_lost(rank, reason, cause)``: what a transport calls when a peer is gone.
+    """``peer_lost(rank, cause, detail)``: what a transport calls when a peer is gone.
 
-    ``reason`` completes "worker 'name' (rank N) ...", e.g. ``"has shut down"`` or
-    ``"is unreachable: connection reset"``. ``cause`` classifies it; rpcx decides from
-    it how loudly to log (a peer that departs during shutdown is expected).
+    ``cause`` classifies it (a :class:`LostCause`); ``detail`` says what the transport
+    saw, e.g. ``"connection reset"`` or the protocol rule a frame broke (nothing for a
+    peer that said goodbye). rpcx writes the sentence users read from both
+    (:func:`rpcx.errors.lost_reason`) and decides how loudly to log (a peer that departs
+    during shutdown is expected).
     """
 
-    def __call__(self, rank: int, reason: str,
-                 cause: LostCause = LostCause.CONNECTION_LOST) -> None: ...
+    def __call__(self, rank: int, cause: LostCause, detail: str = "") -> None: ...
 
 
 @dataclass
@@ -116,7 +117,7 @@ class TransportContext:
         init_method: the rendezvous URL in use.
         deliver: call with ``(src_rank, frame)`` for every frame received. It may be called
             from any thread; frames from one source must be delivered in the order sent.
-        peer_lost: call with ``(rank, reason, cause)`` when a peer dies or leaves, once
+        peer_lost: call with ``(rank, cause, detail)`` when a peer dies or leaves, once
             per peer (see :class:`PeerLost`).
         routes: the world's device maps as they apply to this worker (checked at
             ``init_rpc``); a transport that moves device memory configures its routing
