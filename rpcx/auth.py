@@ -226,8 +226,7 @@ class FrameGuard:
         A frame that fails is dropped and counted, its source logged (at most once per
         ``_LOG_EVERY`` seconds each), ``refuse(src, detail)`` is called once per source
         (a protocol error), and :class:`~rpcx.errors.ProtocolError` is raised, so the
-        transport ends that
-        connection. Later frames from that source are refused too.
+        transport ends that connection. Later frames from that source are refused too.
         """
 
         def checked(src: int, frame: Frame) -> None:

@@ -20,7 +20,6 @@ __all__ = [
     "BackendNotFoundError",
     "InvalidWorkerNameError",
     "LostCause",
-    "lost_reason",
     "PeerLostError",
     "ProtocolError",
     "RemoteException",
@@ -31,6 +30,7 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "UnknownWorkerError",
+    "lost_reason",
     "without_cpp_locations",
 ]
 
