@@ -194,7 +194,8 @@ class RRefService:
                 self._free_if_unused_locked(rref_id, entry, freed)
         self._release(freed)
         for holder, holder_forks in confirm.items():
-            self.agent.send_one_way(self.agent.workers[holder], MessageKind.RREF_CONFIRM, holder_forks)
+            self.agent.send_one_way(self.agent.workers[holder], MessageKind.RREF_CONFIRM,
+                                    holder_forks)
 
     def remove_forks(self, forks: list[tuple[RRefId, ForkId]]) -> None:
         """Drop references that are gone; free values nobody holds any more."""
