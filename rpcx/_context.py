@@ -7,8 +7,10 @@ context variable; lookups fall back to the process-wide agent.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from rpcx.errors import RpcNotInitializedError, RpcShutdownError
@@ -18,11 +20,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "bind_agent",
+    "bind_thread_agent",
+    "bound_to",
     "current_agent",
     "forget",
     "maybe_current_agent",
+    "process_agent",
     "register",
     "set_process_agent",
+    "thread_agent",
+    "unbind_thread_agent",
 ]
 
 _thread_agent: contextvars.ContextVar[RpcAgent | None] = contextvars.ContextVar(
@@ -45,6 +52,38 @@ _running: list[RpcAgent] = []  # every running agent of this process, in start o
 def bind_agent(agent: RpcAgent | None) -> None:
     """Make ``agent`` the current worker of the calling thread (``None`` unbinds)."""
     _thread_agent.set(agent)
+
+
+def thread_agent() -> RpcAgent | None:
+    """The agent bound to the calling thread, running or shut down; ``None`` if none is."""
+    return _thread_agent.get()
+
+
+def process_agent() -> RpcAgent | None:
+    """The process-wide agent, running or shut down; ``None`` if there is none."""
+    return _process_agent
+
+
+def bind_thread_agent(agent: RpcAgent | None) -> contextvars.Token[RpcAgent | None]:
+    """Bind ``agent`` to the calling thread until :func:`unbind_thread_agent` is given
+    the returned token (what :func:`bound_to` does, without a context manager)."""
+    return _thread_agent.set(agent)
+
+
+def unbind_thread_agent(token: contextvars.Token[RpcAgent | None]) -> None:
+    """Restore the calling thread's binding from before :func:`bind_thread_agent`."""
+    _thread_agent.reset(token)
+
+
+@contextlib.contextmanager
+def bound_to(agent: RpcAgent | None) -> Iterator[None]:
+    """Run the ``with`` block as worker ``agent`` on this thread, then restore the
+    thread's previous binding."""
+    token = _thread_agent.set(agent)
+    try:
+        yield
+    finally:
+        _thread_agent.reset(token)
 
 
 def set_process_agent(agent: RpcAgent | None) -> None:

@@ -154,13 +154,13 @@ def init_rpc(
 
 
 def _check_not_initialized(name: str, spec: BackendSpec) -> None:
-    bound = _context._thread_agent.get()
+    bound = _context.thread_agent()
     if bound is not None and bound.is_running:
         raise RpcError(
             f"init_rpc({name!r}): this thread is already worker {bound.name!r}; "
             "call rpcx.shutdown() first"
         )
-    process_agent = _context._process_agent
+    process_agent = _context.process_agent()
     if not spec.capabilities.in_process and process_agent is not None and process_agent.is_running:
         raise RpcError(
             f"init_rpc({name!r}): this process is already worker {process_agent.name!r}; "
@@ -406,7 +406,7 @@ def _check_callable(func: Any) -> None:
 
 
 def _shutdown_at_exit() -> None:
-    agent = _context._process_agent
+    agent = _context.process_agent()
     if agent is not None and agent.is_running:
         log.warning(
             "worker %r exits without rpcx.shutdown(); leaving without waiting for peers",

@@ -117,7 +117,7 @@ def _leave_if_running(rank: int) -> None:
     none. Left running, its agent would keep the others' graceful ``shutdown()`` waiting
     for it forever, and its threads blocked in torch at interpreter exit abort the process.
     """
-    agent = _context._thread_agent.get()
+    agent = _context.thread_agent()
     if agent is None or not agent.is_running:
         return
     log.warning(

@@ -587,7 +587,7 @@ def lifecycle_phase() -> str:
 
     if sys.is_finalizing():
         return "exiting"
-    agent = _context._thread_agent.get() or _context._process_agent
+    agent = _context.thread_agent() or _context.process_agent()
     if agent is None:
         return "unbound"
     return "running" if agent.is_running else "closed"
