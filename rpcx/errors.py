@@ -12,6 +12,7 @@ import pickle
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "SerializationError",
     "UnknownWorkerError",
     "lost_reason",
+    "use_exception_pickling",
     "without_cpp_locations",
 ]
 
@@ -179,18 +181,14 @@ class RemoteErrorInfo:
     @classmethod
     def capture(cls, exc: BaseException, worker: str) -> RemoteErrorInfo:
         """Describe ``exc``, raised on ``worker``, for the trip back to the caller."""
-        from rpcx import serialization  # (only the codec pickles; it imports this module)
-
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         return cls(_qualified_name(type(exc)), str(exc), tb, worker,
-                   serialization.pickle_exception(exc))
+                   _exception_pickling.dumps(exc))
 
     def rebuild(self, call: str) -> BaseException:
         """The exception to raise at the caller: the original type if it can be rebuilt."""
-        from rpcx import serialization
-
         exc: BaseException | None = None
-        candidate = serialization.unpickle_exception(self.pickled)
+        candidate = _exception_pickling.loads(self.pickled)
         if candidate is not None and str(candidate) == self.message:
             exc = candidate
         if exc is None:
@@ -198,6 +196,35 @@ class RemoteErrorInfo:
         exc.__cause__ = RemoteTraceback(self.traceback)
         _add_note(exc, f"raised on worker {self.worker!r} while running {call}")
         return exc
+
+
+class _ExceptionPickling:
+    """How :class:`RemoteErrorInfo` pickles an exception on its own, and reads it back.
+
+    Only the codec pickles, and it sits above this module: :mod:`rpcx.serialization`
+    installs its two functions here when it loads (:func:`use_exception_pickling`), so
+    this module imports nothing of rpcx. Until then an error travels by description.
+    """
+
+    __slots__ = ("dumps", "loads")
+
+    def __init__(self) -> None:
+        self.dumps: Callable[[BaseException], bytes | None] = lambda exc: None
+        self.loads: Callable[[bytes | None], BaseException | None] = lambda data: None
+
+
+_exception_pickling = _ExceptionPickling()
+
+
+def use_exception_pickling(
+    dumps: Callable[[BaseException], bytes | None],
+    loads: Callable[[bytes | None], BaseException | None],
+) -> None:
+    """Called by the codec as it loads: ``dumps(exc)`` pickles an exception on its own
+    (``None`` if it cannot be pickled), ``loads(data)`` rebuilds it (``None`` if it
+    cannot be rebuilt here)."""
+    _exception_pickling.dumps = dumps
+    _exception_pickling.loads = loads
 
 
 def _qualified_name(cls: type) -> str:

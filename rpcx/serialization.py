@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rpcx.errors import SerializationError
+from rpcx.errors import SerializationError, use_exception_pickling
 from rpcx.messages import CONTROL_KINDS
 from rpcx.transport import Frame
 
@@ -660,6 +660,10 @@ def unpickle_exception(data: bytes | None) -> BaseException | None:
     except Exception:
         return None
     return candidate if isinstance(candidate, BaseException) else None
+
+
+# RemoteErrorInfo (rpcx.errors, below the codec) pickles the exceptions it carries with these.
+use_exception_pickling(pickle_exception, unpickle_exception)
 
 
 class _ControlUnpickler(pickle.Unpickler):
