@@ -8,23 +8,25 @@ handed in its :class:`TransportContext`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
+from rpcx._memory import copy_of
 from rpcx.errors import LostCause
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
 
-    from rpcx._lanes import ReceiveLane
-    from rpcx.auth import ConnectionAuth
-    from rpcx.devices import DeviceRoutes
     from rpcx.options import RpcBackendOptions
 
-__all__ = ["Capabilities", "Frame", "LostCause", "PeerLost", "Transport", "TransportContext"]
+__all__ = [
+    "Capabilities", "ConnectionAuth", "DeviceRoutes", "Frame", "LostCause", "PeerLost",
+    "ReceiveLane", "Transport", "TransportContext",
+]
 
 
 @dataclass(slots=True)
@@ -56,6 +58,24 @@ class Frame:
     def nbytes(self) -> int:
         """Total size of the header and every buffer, in bytes."""
         return len(self.header) + sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def private_buffers(
+        self, copy: Callable[[torch.Tensor], torch.Tensor] = copy_of
+    ) -> list[torch.Tensor]:
+        """The buffers, each a private copy unless the frame owns it (``owned``).
+
+        What a transport that sends after ``send`` returns (or hands the tensors to
+        another worker in this process) needs: nothing the caller does to its tensors
+        later can change what arrives. ``copy`` makes one copy (default: a plain copy,
+        huge-page backed when large; a device tensor is cloned on its device).
+        """
+        owned = self.owned
+        return [b if i in owned else copy(b) for i, b in enumerate(self.buffers)]
+
+    def private_copy(self) -> Frame:
+        """This frame with :meth:`private_buffers` (every buffer then owned)."""
+        return dataclasses.replace(self, buffers=self.private_buffers(),
+                                   owned=frozenset(range(len(self.buffers))))
 
 
 @dataclass(frozen=True)
@@ -91,6 +111,62 @@ class Capabilities:
         return ", ".join(flags) if flags else "-"
 
 
+class ReceiveLane(Protocol):
+    """The role of receiving one peer's frames, as a transport uses it.
+
+    Run the receive loop between :meth:`enter` and :meth:`leave`; after each delivery
+    ask :meth:`still_held`: ``False`` means another thread took the loop over (the
+    lane's ``resume``), so this one must return. :class:`rpcx.transport_kit.Peers` runs
+    this protocol for a transport.
+    """
+
+    def enter(self) -> None:
+        """The calling thread takes the role (it runs the receive loop from here on)."""
+
+    def still_held(self) -> bool:
+        """After a delivery: does the calling thread still hold the role?"""
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the role now (no side effect)."""
+
+    def leave(self) -> None:
+        """The receive loop ended on the calling thread (the peer is gone)."""
+
+
+class ConnectionAuth(Protocol):
+    """A world key's challenge-response, for connections a transport accepts itself.
+
+    ``purpose`` names the step (e.g. ``"shm connect"``), so a proof for one step never
+    passes for another; ``src`` proves to ``dst``. :func:`rpcx.transport_kit.introduce`
+    and :func:`~rpcx.transport_kit.admit` run the whole exchange on a stream socket.
+    """
+
+    def challenge(self) -> bytes:
+        """A fresh random challenge (``rpcx.auth.NONCE_BYTES`` long)."""
+
+    def proof(self, purpose: str, src: int, dst: int, challenge: bytes = b"") -> bytes:
+        """What ``src`` answers ``dst``'s ``challenge`` with (``rpcx.auth.TAG_BYTES``)."""
+
+    def check(self, purpose: str, src: int, dst: int, challenge: bytes, proof: bytes) -> bool:
+        """Whether ``proof`` is ``src``'s answer to ``challenge``."""
+
+
+class DeviceRoutes(Protocol):
+    """The world's device maps as they apply to this worker (read-only)."""
+
+    @property
+    def outgoing(self) -> Mapping[int, Mapping[torch.device, torch.device]]:
+        """For each peer, where this worker's devices land on it."""
+
+    @property
+    def incoming(self) -> Mapping[int, Mapping[torch.device, torch.device]]:
+        """For each peer, where its devices land on this worker."""
+
+    @property
+    def devices(self) -> Sequence[torch.device]:
+        """This worker's devices that take part."""
+
+
 class PeerLost(Protocol):
     """``peer_lost(rank, cause, detail)``: what a transport calls when a peer is gone.
 
@@ -123,15 +199,15 @@ class TransportContext:
             ``init_rpc``); a transport that moves device memory configures its routing
             from them. The codec already decided where each tensor lands.
         receive_lane: optional, for transports that receive on threads of their own:
-            ``receive_lane(name, resume)`` returns a :class:`~rpcx._lanes.ReceiveLane`
+            ``receive_lane(name, resume)`` returns a :class:`ReceiveLane`
             for one peer's receive loop. Run the loop between ``lane.enter()`` and
             ``lane.leave()`` and stop when ``lane.still_held()`` is false after a
             delivery; ``resume()`` must continue the loop (it is started on another
             thread when a request served on the receiving thread blocks). Requests
             delivered on a lane are served on the receiving thread, saving the hand-off
             to the request pool. Without a lane, they go to the pool.
-        auth: set when the world has a key (:mod:`rpcx.auth`). Frames are already sealed
-            and checked by the core; a transport that accepts connections of its own
+        auth: a :class:`ConnectionAuth`, set when the world has a key. Frames are
+            already sealed and checked by the core; a transport that accepts connections of its own
             should make each new connection prove the key with it (a challenge from each
             end, answered with ``auth.proof``) and close one that fails, before reading
             a frame from it.
