@@ -7,15 +7,16 @@ import contextlib
 import ipaddress
 import logging
 import threading
+import weakref
 from typing import Any, TypeVar
 
-from rpcx import _context, auth, calls, devices, hosts, rendezvous, rref
+from rpcx import _context, auth, calls, hosts, joining, rref
 from rpcx.agent import RpcAgent
 from rpcx.autograd import service as autograd_service
 from rpcx.errors import RpcError, RpcShutdownError
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
-from rpcx.options import RpcBackendOptions, as_rpcx_options
+from rpcx.options import RpcBackendOptions, as_backend_options, as_rpcx_options
 from rpcx.registry import BackendSpec, resolve_backend
 from rpcx.worker import WorkerInfo, validate_worker_name
 
@@ -41,6 +42,8 @@ UNSET_RPC_TIMEOUT = -1.0
 _atexit_lock = threading.Lock()
 _atexit_registered = False
 _exposure_warned = False  # the no-authentication warning is given once per process
+# How each in-process worker joined: its in-process store is released at its shutdown.
+_joined: weakref.WeakKeyDictionary[RpcAgent, joining.Joined] = weakref.WeakKeyDictionary()
 
 
 def is_available() -> bool:
@@ -70,87 +73,66 @@ def init_rpc(
             ``init_method`` and ``rpc_timeout`` (also used as the bound on waiting for
             the other workers to join) apply to every backend. torch's own
             ``TensorPipeRpcBackendOptions`` and ``RpcBackendOptions`` are read into
-            rpcx's (:func:`rpcx.options.as_rpcx_options`).
+            rpcx's (:func:`rpcx.options.as_rpcx_options`); options of another type
+            than the backend's are copied into the backend's, the fields both have kept
+            (:func:`rpcx.options.as_backend_options`).
     """
     validate_worker_name(name)
     spec = resolve_backend(backend, _context.spawn_backend.get())
     _check_not_initialized(name, spec)
-    options = (
-        as_rpcx_options(rpc_backend_options)
-        if rpc_backend_options is not None
-        else spec.options_type()
-    )
-    options.validate()
+    options = _options_for(spec, rpc_backend_options)
     key = auth.resolve_key(options)
-    seal = auth.ValueSeal(key) if key is not None else None
     if key is None:
         _warn_if_exposed(name, options.init_method, spec)
-    rank, world_size = _rank_and_size(spec, options, rank, world_size)
-    join_timeout = options.rpc_timeout or None
-
-    world_key = ""
-    if spec.capabilities.in_process:
-        world_key = _context.spawn_world.get() or options.init_method
-        store = rendezvous.in_process_store(world_key)
-    else:
-        store = rendezvous.open_store(options.init_method, rank, world_size, join_timeout)
-    try:
-        session, names = rendezvous.join_world(
-            store, name, rank, world_size, join_timeout, seal)
-    except Exception as exc:
-        if spec.capabilities.in_process:
-            rendezvous.release_in_process_store(world_key)
-            if isinstance(exc, TimeoutError):
-                raise RpcError(
-                    f"{exc}. The {spec.name!r} backend runs every worker as a thread of one "
-                    "process: start the workers with rpcx.spawn(..., backend="
-                    f"{spec.name!r}) or threads, or pick a multi-process backend"
-                ) from exc
-        raise
-    workers = [WorkerInfo(n, r) for r, n in enumerate(names)]
-    try:
-        routes = devices.exchange_devices(
-            session, rank, name, world_size, options, join_timeout, seal)
-        guard, connections = _authenticate(session, key, seal, rank, names, options,
-                                           join_timeout)
-    except BaseException:
-        if spec.capabilities.in_process:
-            rendezvous.release_in_process_store(world_key)
-        raise
+    world = joining.join(name, spec, options, rank, world_size, key,
+                         spawn_world=_context.spawn_world.get())
     agent = RpcAgent(
-        rank=rank,
-        workers=workers,
-        store=session,
+        rank=world.rank,
+        workers=world.workers,
+        store=world.store,
         transport=spec.factory(),
         backend=spec.name,
-        options=options,
-        init_method=options.init_method,
-        routes=routes,
-        guard=guard,
-        connection_auth=connections,
+        options=world.options,
+        init_method=world.options.init_method,
+        routes=world.routes,
+        guard=world.guard,
+        connection_auth=world.connection_auth,
     )
     try:
         calls.install(agent)
         rref.install(agent)
         autograd_service.install(agent)
         agent.start()
-        agent.barrier("ready", join_timeout)
+        agent.barrier("ready", world.options.rpc_timeout or None)
     except BaseException:
         # Do not leave threads, connections or the in-process store behind.
         with contextlib.suppress(Exception):
             agent.shutdown(graceful=False)
-        if spec.capabilities.in_process:
-            rendezvous.release_in_process_store(world_key)
+        world.leave()
         raise
     _context.register(agent)
     if spec.capabilities.in_process:
         _context.bind_agent(agent)
-        agent.services["world_key"] = world_key
+        _joined[agent] = world  # shutdown() releases its in-process store
     else:
         _context.bind_agent(None)  # drop a stale in-process binding of this thread
         _context.set_process_agent(agent)
         _register_atexit()
-    log.info("worker %r (rank %d of %d) joined on backend %r", name, rank, world_size, spec.name)
+    log.info("worker %r (rank %d of %d) joined on backend %r", name, world.rank,
+             world.world_size, spec.name)
+
+
+def _options_for(spec: BackendSpec, given: object) -> RpcBackendOptions:
+    """The options ``init_rpc`` runs with: ``given`` (validated) as the backend's own
+    options type, or that type's defaults."""
+    if given is None:
+        options = spec.options_type()
+    else:
+        options = as_rpcx_options(given)
+        options.validate()
+        options = as_backend_options(options, spec.options_type)
+    options.validate()
+    return options
 
 
 def _check_not_initialized(name: str, spec: BackendSpec) -> None:
@@ -166,26 +148,6 @@ def _check_not_initialized(name: str, spec: BackendSpec) -> None:
             f"init_rpc({name!r}): this process is already worker {process_agent.name!r}; "
             "call rpcx.shutdown() first"
         )
-
-
-def _rank_and_size(
-    spec: BackendSpec, options: RpcBackendOptions, rank: int, world_size: int | None
-) -> tuple[int, int]:
-    import os
-
-    if options.init_method.startswith("env://"):
-        if rank < 0 and "RANK" in os.environ:
-            rank = int(os.environ["RANK"])
-        if world_size is None and "WORLD_SIZE" in os.environ:
-            world_size = int(os.environ["WORLD_SIZE"])
-    if world_size is None or world_size < 1:
-        raise ValueError(
-            "init_rpc needs world_size >= 1 (or $WORLD_SIZE with env://); "
-            "dynamic membership is not supported yet"
-        )
-    if not 0 <= rank < world_size:
-        raise ValueError(f"init_rpc needs 0 <= rank < world_size={world_size}, got rank={rank}")
-    return rank, world_size
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
@@ -208,9 +170,9 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         return
     if not agent.shutdown(graceful=graceful, timeout=timeout if timeout and timeout > 0 else None):
         return
-    world_key = agent.services.get("world_key")
-    if world_key is not None:
-        rendezvous.release_in_process_store(world_key)
+    world = _joined.pop(agent, None)
+    if world is not None:
+        world.leave()
     # The thread stays bound to the (now shut down) worker, so later calls say so.
     log.info("worker %r shut down", agent.name)
 
@@ -347,28 +309,6 @@ def _call(
     return agent.request(
         dst, MessageKind.CALL, payload, timeout=agent.timeout_for(timeout), api=api, target=func
     )
-
-
-def _authenticate(
-    session: Any, key: bytes | None, seal: auth.ValueSeal | None, rank: int,
-    names: list[str], options: Any, timeout: float | None,
-) -> tuple[auth.FrameGuard | None, auth.ConnectionAuth | None]:
-    """With a key: exchange sealed session nonces, return the frame guard and the proofs
-    transports use on their connections. Without one: ``(None, None)``."""
-    if key is None or seal is None:
-        return None, None
-    nonces = rendezvous.all_gather(
-        session, "auth", rank, len(names), auth.new_nonce(), timeout,
-        what=f"init_rpc: worker {names[rank]!r} (rank {rank}) waiting for session nonces",
-        seal=seal,
-    )
-    for peer, nonce in enumerate(nonces):
-        if len(nonce) != auth.NONCE_BYTES:  # sealed by a key holder: a bug, not an attack
-            raise RpcError(f"init_rpc: rank {peer} published a session nonce of "
-                           f"{len(nonce)} bytes, expected {auth.NONCE_BYTES}")
-    guard = auth.FrameGuard(key, rank, nonces, names,
-                            payload=bool(getattr(options, "auth_payload", False)))
-    return guard, auth.ConnectionAuth(key, nonces)
 
 
 def _exposed_address(init_method: str, spec: BackendSpec) -> str | None:

@@ -1,11 +1,12 @@
-"""Device maps across the world: exchange, validation and the map each message takes.
+"""Device maps across the world: declarations, validation and the map each message takes.
 
 Every worker's ``device_maps`` (``{worker: {local device: remote device}}``) is shared at
-``init_rpc``, checked once against every worker's device count, and turned into
-:class:`DeviceRoutes`: which map a message to a given peer uses. A request uses the
-sender's own map to its destination; a response travels along the *inverse* of the
-caller's map to the responder, so a tensor that went ``cuda:0 -> cuda:1`` comes back
-``cuda:1 -> cuda:0`` without the responder configuring anything.
+``init_rpc`` (by :mod:`rpcx.joining`, as :class:`WorkerDevices`), checked once against
+every worker's device count, and turned into :class:`DeviceRoutes`: which map a message
+to a given peer uses. A request uses the sender's own map to its destination; a response
+travels along the *inverse* of the caller's map to the responder, so a tensor that went
+``cuda:0 -> cuda:1`` comes back ``cuda:1 -> cuda:0`` without the responder configuring
+anything.
 
 Only non-CPU tensors are mapped; CPU tensors always arrive on the CPU. Where no map
 covers a tensor's device the send fails, and the error says which map to set.
@@ -20,9 +21,6 @@ from typing import Any
 
 import torch
 
-from rpcx import rendezvous
-from rpcx.auth import ValueSeal
-from rpcx.errors import RpcError
 from rpcx.options import invert_device_map, normalize_device, normalize_device_map
 
 __all__ = [
@@ -30,7 +28,6 @@ __all__ = [
     "DeviceMap",
     "DeviceRoutes",
     "WorkerDevices",
-    "exchange_devices",
     "plan_routes",
 ]
 
@@ -244,31 +241,3 @@ def _check_device(
             f"worker {owner!r}: {where} names {device}, but worker {holder.name!r} has "
             f"{holder.device_count} CUDA device(s)"
         )
-
-
-def exchange_devices(
-    store: Any, rank: int, name: str, world_size: int, options: Any, timeout: float | None,
-    seal: ValueSeal | None = None,
-) -> DeviceRoutes:
-    """Share this worker's declaration through ``store``; return its checked routes.
-
-    ``seal``: the world key, see :func:`rpcx.rendezvous.all_gather`."""
-    mine = WorkerDevices.of(name, options)
-    gathered = rendezvous.all_gather(
-        store, "devices", rank, world_size, mine.to_bytes(), timeout,
-        what=(f"init_rpc: worker {name!r} (rank {rank}) waiting for every worker's device "
-              "maps (bounded by rpc_timeout)"),
-        seal=seal,
-    )
-    declarations = []
-    for peer, data in enumerate(gathered):
-        try:
-            declarations.append(WorkerDevices.from_bytes(data))
-        except ValueError as exc:
-            raise RpcError(
-                f"init_rpc: worker {name!r} (rank {rank}) read an invalid device declaration "
-                f"for rank {peer} from the rendezvous store ({exc}); is something other than "
-                "rpcx writing to it?"
-            ) from None
-    return plan_routes(rank, declarations)
-

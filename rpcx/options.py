@@ -7,6 +7,7 @@ fields it understands. Device maps are validated here, once, for all backends.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
@@ -19,6 +20,7 @@ __all__ = [
     "DeviceLike",
     "RpcBackendOptions",
     "TensorPipeRpcBackendOptions",
+    "as_backend_options",
     "as_rpcx_options",
     "invert_device_map",
     "normalize_device",
@@ -254,6 +256,28 @@ def as_rpcx_options(options: object) -> RpcBackendOptions:
         "rpcx.TensorPipeRpcBackendOptions(init_method=..., rpc_timeout=...), "
         f"got {type(options).__qualname__}"
     )
+
+
+def as_backend_options(options: RpcBackendOptions, options_type: type[RpcBackendOptions]
+                       ) -> RpcBackendOptions:
+    """``options`` as an object of a backend's own ``options_type``, converted once by
+    ``init_rpc`` so that the agent and the transport read fields that exist.
+
+    An object of that type (or a subclass) is returned unchanged, as is a duck-typed
+    options object (no :class:`RpcBackendOptions`). Any other is copied into a new
+    ``options_type()``: every field both types have keeps the given value (the key too),
+    the backend's own fields get its defaults, and fields only the given type has are
+    left out. So ``TensorPipeRpcBackendOptions`` given to a backend with options of its
+    own keeps its timeouts, device maps and key.
+    """
+    if isinstance(options, options_type) or not isinstance(options, RpcBackendOptions):
+        return options
+    converted = options_type()
+    fields = vars(converted)
+    for name, value in vars(options).items():
+        if name in fields:
+            fields[name] = copy.copy(value)  # (maps and lists: not shared with the user's)
+    return converted
 
 
 def _torch_options_kind(options: object) -> str | None:
