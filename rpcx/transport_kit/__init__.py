@@ -1,0 +1,84 @@
+"""rpcx's public transport kit: what every transport shares, written once.
+
+A transport moves :class:`~rpcx.transport.Frame` objects between ranks (the contract is
+:mod:`rpcx.transport`). Most of what that takes is the same in every backend, and lives
+here, public and stable for plugin authors (a plugin needs nothing private from rpcx):
+
+:class:`Link`, :class:`Peers` (:mod:`~rpcx.transport_kit.links`)
+    The per-peer state (send lock, goodbye flags, lane, stash, ``ended``) and, for every
+    peer, the receive loop that honours the lane protocol, goodbyes, lost-peer reports
+    (``peer_lost(rank, cause, detail)``) and ``close`` with its "no goodbye from" warning.
+:class:`Backlog`, :class:`Pending` (:mod:`~rpcx.transport_kit.writer`)
+    The per-peer writer thread that lets ``send`` return by ``frame.deadline`` when a
+    peer stops reading.
+:class:`StreamTransport`, :class:`SocketLink`, :class:`SocketReader`, :func:`introduce`,
+:func:`admit`, :func:`connect_stream_mesh` (:mod:`~rpcx.transport_kit.sockets`)
+    A transport over stream sockets: a new socket backend writes ``connect``,
+    ``read_one`` and ``pack``, and the kit does the rest (the handshake, with a world
+    key's challenge-response, included).
+Sentences, checks, views, options (:mod:`~rpcx.transport_kit.basics`)
+    ``SHUT_DOWN``, ``CLOSED_CONNECTION``, :func:`unreachable`, :func:`classify`,
+    :func:`check_frame_size`, :func:`check_count`, :func:`as_bytes`, :func:`memory_of`,
+    :func:`empty_bytes`, :func:`copy_of`, :func:`options_as`, :func:`run_bounded`,
+    :func:`connect_timeout`, and the host facts of :mod:`rpcx.hosts`.
+
+See ``docs/plugins.md`` for a walk-through.
+"""
+
+from rpcx.errors import LostCause, PeerLostError, ProtocolError, lost_reason
+from rpcx.hosts import address_towards, host_identity
+from rpcx.transport import (
+    Capabilities,
+    ConnectionAuth,
+    Frame,
+    ReceiveLane,
+    Transport,
+    TransportContext,
+)
+from rpcx.transport_kit.basics import (
+    CLOSED_CONNECTION,
+    SHUT_DOWN,
+    as_bytes,
+    check_count,
+    check_frame_size,
+    classify,
+    connect_limit,
+    connect_timeout,
+    copy_of,
+    describe,
+    empty_bytes,
+    lost_error,
+    memory_of,
+    options_as,
+    owning_memory,
+    run_bounded,
+    unreachable,
+    without_cpp_locations,
+)
+from rpcx.transport_kit.links import BYE_TIMEOUT, Link, Peers
+from rpcx.transport_kit.sockets import (
+    HANDSHAKE_TIMEOUT,
+    SocketLink,
+    SocketReader,
+    StreamTransport,
+    admit,
+    connect_stream_mesh,
+    hello,
+    introduce,
+    receive_exactly,
+    send_all,
+    send_now,
+)
+from rpcx.transport_kit.writer import Backlog, Pending
+
+__all__ = [
+    "BYE_TIMEOUT", "CLOSED_CONNECTION", "HANDSHAKE_TIMEOUT", "SHUT_DOWN", "Backlog",
+    "Capabilities", "ConnectionAuth", "Frame", "Link", "LostCause", "PeerLostError",
+    "Peers", "Pending", "ProtocolError", "ReceiveLane", "SocketLink", "SocketReader",
+    "StreamTransport", "Transport", "TransportContext", "address_towards", "admit",
+    "as_bytes", "check_count", "check_frame_size", "classify", "connect_limit",
+    "connect_stream_mesh", "connect_timeout", "copy_of", "describe", "empty_bytes",
+    "hello", "host_identity", "introduce", "lost_error", "lost_reason", "memory_of",
+    "options_as", "owning_memory", "receive_exactly", "run_bounded", "send_all",
+    "send_now", "unreachable", "without_cpp_locations",
+]

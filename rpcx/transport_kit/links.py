@@ -1,0 +1,288 @@
+"""Per-peer links and what happens to them: the receive loop, goodbyes, loss, close.
+
+A :class:`Link` is one peer's state every transport keeps; :class:`Peers` holds the
+links to every peer and runs, for the transport, the parts every transport shares:
+
+* the **receive loop** that honours the lane protocol (:class:`rpcx.transport.ReceiveLane`):
+  enter, read one frame (the transport's ``read_one``), deliver it, ask ``still_held``,
+  leave. Reading is under ``link.reading``; a thread that read a frame after its role
+  moved on leaves it in ``link.stash`` for the new holder, so nothing is read twice,
+  lost, or delivered out of order.
+* **goodbyes**: a worker that leaves sends ``BYE`` (the transport's ``write_bye``) as its
+  last frame to each peer; one that receives a goodbye it did not expect answers with
+  its own, so the peer's receive loop ends too, and reports the peer ``DEPARTED``.
+* **loss**: a receive loop that ends on an error reports the peer once, with the cause
+  and detail :func:`~rpcx.transport_kit.basics.classify` reads from the error, and ends
+  the connection on a protocol error (the transport's ``end``) so the peer sees it.
+* **close**: goodbye to every peer, a bounded wait for theirs, and the warning
+  ``"<me>: no goodbye from <peers> within <t> s; closing anyway"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Generic, TypeVar
+
+from rpcx.errors import LostCause, PeerLostError, ProtocolError
+from rpcx.transport import Frame, ReceiveLane, TransportContext
+from rpcx.transport_kit.basics import SHUT_DOWN, classify
+from rpcx.transport_kit.writer import Backlog
+
+__all__ = ["BYE_TIMEOUT", "Link", "Peers"]
+
+log = logging.getLogger("rpcx.transport_kit")
+
+BYE_TIMEOUT = 10.0  # seconds answering a peer's goodbye may wait for the send lock
+
+
+class Link:
+    """One peer, as every transport keeps it.
+
+    Attributes:
+        rank, name: the peer's.
+        lock: the send lock: frames to the peer are written under it, one at a time, so
+            they leave in order. The goodbye flags below are read and set under it.
+        bye_sent: this worker's goodbye went (or is queued): nothing more may follow.
+        gone: the peer said goodbye or its connection broke: sends fail.
+        lane: the receive loop's role, when the agent offers lanes (else ``None``).
+        reading: held by the thread reading the peer's frames.
+        stash: a frame read by a thread whose role moved on, for the next holder.
+        ended: set when the receive loop is over: nothing more arrives.
+        reported: ``peer_lost`` was called for the peer (or is not to be).
+        backlog: the peer's writer (:class:`~rpcx.transport_kit.writer.Backlog`), for
+            transports whose writes can wait on the peer; set by the transport.
+
+    Subclass it for the transport's own per-peer state (a socket, a ring of receives);
+    give the subclass ``__slots__`` too.
+    """
+
+    __slots__ = ("backlog", "bye_sent", "ended", "gone", "lane", "lock", "name", "rank",
+                 "reading", "reported", "stash")
+
+    def __init__(self, rank: int, name: str) -> None:
+        self.rank = rank
+        self.name = name
+        self.lock = threading.Lock()
+        self.bye_sent = False
+        self.gone = False
+        self.lane: ReceiveLane | None = None
+        self.reading = threading.Lock()
+        self.stash: Frame | None = None
+        self.ended = threading.Event()
+        self.reported = False
+        self.backlog: Backlog | None = None
+
+    def check_open(self) -> None:
+        """Raise ``PeerLostError("has shut down")`` if nothing may be sent to the peer
+        (call under ``lock``)."""
+        if self.bye_sent or self.gone:
+            raise PeerLostError(SHUT_DOWN)
+
+
+L = TypeVar("L", bound=Link)
+
+
+class Peers(Generic[L]):
+    """The links to every peer, and the receive loops, goodbyes and close they share.
+
+    Args:
+        ctx: the transport's context.
+        links: a started link per peer rank (every rank but this worker's).
+        read_one: ``read_one(link)`` reads the peer's next frame, blocking: the frame,
+            or ``None`` for the peer's goodbye. It raises when the connection ends
+            (``EOFError``, ``OSError``) or the peer sent what is no frame
+            (``ProtocolError``). It may handle messages of the transport's own (and
+            read on) before returning a frame.
+        write_bye: ``write_bye(link)`` writes the goodbye, called under ``link.lock``;
+            it must not wait for the peer (queue it on the backlog instead).
+        end: ``end(link)``: end the connection at once, so the peer's receive loop sees
+            it end (after a protocol error; e.g. ``socket.shutdown``). Optional.
+        ended: ``ended(link)``: the receive loop is over, on its thread (release what
+            only it used). Optional.
+    """
+
+    def __init__(
+        self,
+        ctx: TransportContext,
+        links: Mapping[int, L],
+        read_one: Callable[[L], Frame | None],
+        write_bye: Callable[[L], None],
+        end: Callable[[L], None] | None = None,
+        ended: Callable[[L], None] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.links: dict[int, L] = dict(links)
+        self.closing = False  # close() began: losses are expected, not reported
+        self._read_one = read_one
+        self._write_bye = write_bye
+        self._end = end
+        self._ended = ended
+
+    # --------------------------------------------------------------------- access
+
+    def __getitem__(self, rank: int) -> L:
+        return self.links[rank]
+
+    def __iter__(self) -> Iterator[L]:
+        return iter(self.links.values())
+
+    def __len__(self) -> int:
+        return len(self.links)
+
+    def thread_name(self, link: Link, role: str) -> str:
+        """``"rpcx-<me>-<role>-<peer>"``: how rpcx names a transport's threads."""
+        return f"rpcx-{self.ctx.names[self.ctx.rank]}-{role}-{link.name}"
+
+    # -------------------------------------------------------------------- receive
+
+    def start_receiving(self) -> None:
+        """Give every link its lane (when the agent offers lanes) and start its receive
+        loop on a thread of its own."""
+        ctx = self.ctx
+        for link in self.links.values():
+            name = self.thread_name(link, "recv")
+            if ctx.receive_lane is not None:
+                link.lane = ctx.receive_lane(name, functools.partial(self.receive_loop,
+                                                                     link.rank))
+            threading.Thread(target=self.receive_loop, args=(link.rank,), name=name,
+                             daemon=True).start()
+
+    def receive_loop(self, rank: int) -> None:
+        """Receive and deliver the peer's frames, in order, until its goodbye or loss.
+
+        Runs on whichever thread holds the peer's lane: it returns early, leaving the
+        loop to that thread (``resume``), when a request it served moved the role.
+        """
+        link = self.links[rank]
+        lane = link.lane
+        deliver = self.ctx.deliver
+        if lane is not None:
+            lane.enter()
+        while True:
+            with link.reading:
+                if link.ended.is_set():  # the loop ended while this thread waited
+                    if lane is not None:
+                        lane.leave()
+                    return
+                frame, link.stash = link.stash, None
+                if frame is None:
+                    try:
+                        frame = self._read_one(link)
+                    except BaseException as exc:  # the connection ended, or is no use
+                        self._finish(link, exc)
+                        return
+                    if frame is None:  # the peer's goodbye
+                        self._finish(link, None)
+                        return
+                if lane is not None and not lane.held_here() and not lane.still_held():
+                    link.stash = frame  # the new holder delivers it, first thing
+                    return
+            try:
+                deliver(rank, frame)
+            except ProtocolError as exc:  # refused above the transport (authentication)
+                with link.reading:
+                    self._finish(link, exc)
+                return
+            except Exception:
+                log.exception("%s: delivering a frame from %s failed",
+                              self.ctx.names[self.ctx.rank], link.name)
+            del frame
+            if lane is not None and not lane.still_held():
+                return  # a follower receives from here on
+
+    def _finish(self, link: L, exc: BaseException | None) -> None:
+        """The receive loop is over (under ``link.reading``): a goodbye (``exc`` None)
+        or an error; report the peer, release, mark ended."""
+        try:
+            if exc is None:
+                self.goodbye_received(link)
+            else:
+                self.broken(link, exc)
+        finally:
+            if self._ended is not None:
+                try:
+                    self._ended(link)
+                except Exception:
+                    log.exception("ending the receive loop for %s", link.name)
+            if link.lane is not None:
+                link.lane.leave()
+            link.ended.set()
+
+    # ------------------------------------------------------------------ goodbyes
+
+    def goodbye_received(self, link: L) -> None:
+        """The peer said goodbye: answer with ours if we had not said it (so its
+        receive loop for us ends too) and report it ``DEPARTED`` (not while closing)."""
+        with link.lock:
+            link.gone = True
+            answer = not link.bye_sent
+        if answer:
+            self.send_bye(link, BYE_TIMEOUT)
+        self.lost(link, LostCause.DEPARTED)
+
+    def send_bye(self, link: L, timeout: float) -> None:
+        """Send our goodbye after every frame sent or queued before it, once; waits for
+        the send lock (held only briefly) at most ``timeout`` seconds."""
+        if not link.lock.acquire(timeout=max(0.0, timeout)):
+            log.debug("goodbye to %s not sent: the send lock stayed taken", link.name)
+            return
+        try:
+            if link.bye_sent:
+                return
+            link.bye_sent = True
+            try:
+                self._write_bye(link)
+            except (OSError, PeerLostError) as exc:
+                log.debug("goodbye to %s not delivered: %s", link.name, exc)
+        finally:
+            link.lock.release()
+
+    # ---------------------------------------------------------------------- loss
+
+    def broken(self, link: L, exc: BaseException) -> None:
+        """The peer's connection ended with ``exc``: mark it gone and report it with the
+        cause and detail :func:`~rpcx.transport_kit.basics.classify` reads. A protocol
+        error also ends the connection, so the peer sees it end."""
+        cause, detail = classify(exc)
+        if cause is LostCause.PROTOCOL_ERROR and not self.closing:
+            log.warning("%s: protocol error from %s: %s", self.ctx.names[self.ctx.rank],
+                        link.name, detail)
+            if self._end is not None:
+                with contextlib.suppress(OSError):
+                    self._end(link)
+        self.lost(link, cause, detail)
+
+    def lost(self, link: L, cause: LostCause, detail: str = "") -> None:
+        """Mark the peer gone (sends fail from now on) and call ``peer_lost`` once,
+        unless this worker is closing (its peers' goodbyes and losses are expected)."""
+        with link.lock:
+            link.gone = True
+            report = not link.reported
+            link.reported = True
+        if report and not self.closing:
+            self.ctx.peer_lost(link.rank, cause, detail)
+
+    # --------------------------------------------------------------------- close
+
+    def close(self, timeout: float, then: str = "closing anyway") -> list[L]:
+        """Say goodbye to every peer and wait, until ``timeout`` at most, for every
+        receive loop to end (on the peers' goodbyes). Returns the links whose loops did
+        not end, after the warning ``"<me>: no goodbye from <names> within <t> s;
+        <then>"``. The transport then releases its connections."""
+        self.closing = True
+        deadline = time.monotonic() + timeout
+        for link in self.links.values():
+            self.send_bye(link, deadline - time.monotonic())
+        for link in self.links.values():
+            link.ended.wait(max(0.0, deadline - time.monotonic()))
+        stuck = [link for link in self.links.values() if not link.ended.is_set()]
+        if stuck:
+            log.warning("%s: no goodbye from %s within %.1f s; %s",
+                        self.ctx.names[self.ctx.rank], ", ".join(each.name for each in stuck),
+                        timeout, then)
+        return stuck

@@ -1,0 +1,494 @@
+"""Stream sockets: a buffered reader, a link that never waits to write, the handshake,
+the mesh, and :class:`StreamTransport`, with which a socket backend writes only
+``connect``, ``read_one`` and ``pack``.
+
+Writes never wait on the socket (``MSG_DONTWAIT``): what a peer's socket does not take at
+once goes, copied, to the peer's writer (:class:`~rpcx.transport_kit.writer.Backlog`),
+and a sender waits for it until its frame's deadline at most. Descriptors
+(``SCM_RIGHTS``, Unix sockets) may travel with a frame's first byte.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from rpcx import auth as _auth
+from rpcx.errors import AuthenticationError, RpcTimeoutError
+from rpcx.options import DEFAULT_MAX_FRAME_BYTES
+from rpcx.transport import Capabilities, Frame, TransportContext
+from rpcx.transport_kit.basics import connect_limit, lost_error
+from rpcx.transport_kit.links import Link, Peers
+from rpcx.transport_kit.writer import Backlog, Pending
+
+__all__ = [
+    "HANDSHAKE_TIMEOUT", "SocketLink", "SocketReader", "StreamTransport", "admit",
+    "connect_stream_mesh", "hello", "introduce", "receive_exactly", "send_all", "send_now",
+]
+
+log = logging.getLogger("rpcx.transport_kit")
+
+HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection may take to introduce itself
+READ_CHUNK = 256 << 10  # bytes asked for per read: many small frames per system call
+MAX_FDS = 64  # descriptors one read may carry
+_HELLO = struct.Struct("<16sI")  # magic (the transport's label), rank of the connecting worker
+_NONCE, _PROOF = _auth.NONCE_BYTES, _auth.TAG_BYTES
+
+Buffer = bytes | bytearray | memoryview
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class SocketReader:
+    """One peer's incoming byte stream, buffered, and the descriptors that came with it.
+
+    Only the thread reading the peer (holding ``link.reading``) uses it. ``fill(n)``
+    reads until ``n`` unread bytes are buffered (``EOFError`` at end of file), ``take(n)``
+    returns the next ``n`` of them (a view valid until the next ``fill``). Memory follows
+    the bytes received, never what a peer merely announced.
+    """
+
+    __slots__ = ("before_wait", "buffer", "end", "fds", "recent", "sock", "start")
+
+    def __init__(self, sock: socket.socket,
+                 before_wait: Callable[[], None] | None = None) -> None:
+        self.sock = sock
+        self.buffer = bytearray(READ_CHUNK)
+        self.start = 0  # first unread byte
+        self.end = 0  # one past the last received byte
+        self.fds: collections.deque[int] = collections.deque()
+        self.recent: collections.deque[Any] = collections.deque(maxlen=3)  # for errors
+        self.before_wait = before_wait  # runs before each read that may block
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet taken."""
+        return self.end - self.start
+
+    def fill(self, needed: int) -> None:
+        """Read until ``needed`` unread bytes are buffered; ``EOFError`` if the peer left."""
+        while self.end - self.start < needed:
+            if self.before_wait is not None:
+                self.before_wait()
+            if len(self.buffer) - self.start < max(needed, READ_CHUNK // 2) and self.start:
+                unread = self.end - self.start  # move what is unread to the front
+                self.buffer[:unread] = self.buffer[self.start : self.end]
+                self.start, self.end = 0, unread
+            if self.end == len(self.buffer):  # full: grow by what arrived so far at most
+                missing = needed - (self.end - self.start)
+                self.buffer.extend(bytes(min(missing, max(READ_CHUNK, len(self.buffer)))))
+            with memoryview(self.buffer) as whole, whole[self.end :] as view:
+                count, ancillary, flags, _ = self.sock.recvmsg_into(
+                    [view], socket.CMSG_SPACE(MAX_FDS * 4))
+            if flags & socket.MSG_CTRUNC:
+                # Descriptors were dropped (this process is out of them, most likely):
+                # they pair with frames by order, so the stream cannot go on.
+                raise OSError("descriptors lost in transit (MSG_CTRUNC); raise the "
+                              "open-file limit (ulimit -n)")
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    usable = len(data) - len(data) % 4
+                    self.fds.extend(struct.unpack(f"<{usable // 4}i", data[:usable]))
+            if count == 0:
+                raise EOFError
+            self.end += count
+
+    def take(self, count: int) -> memoryview:
+        """The next ``count`` buffered bytes (valid until the next :meth:`fill`)."""
+        view = memoryview(self.buffer)[self.start : self.start + count]
+        self.start += count
+        return view
+
+    def close(self) -> None:
+        """Close descriptors that arrived but were never used."""
+        while self.fds:
+            os.close(self.fds.popleft())
+
+
+# --------------------------------------------------------------------------- writing
+
+
+class _Unwritten:
+    """The rest of a frame the socket did not take at once: copies of its bytes and
+    duplicates of the descriptors still to travel (the sender may return first)."""
+
+    __slots__ = ("data", "fds")
+
+    def __init__(self, views: list[memoryview], fds: Sequence[int]) -> None:
+        self.data = [v if isinstance(v.obj, bytes) else memoryview(bytes(v)) for v in views]
+        self.fds = [os.dup(fd) for fd in fds]
+
+    def release(self) -> None:
+        while self.fds:
+            os.close(self.fds.pop())
+
+
+def _rights(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:
+    if not fds:
+        return []
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"<{len(fds)}i", *fds))]
+
+
+def _advance(views: list[memoryview], sent: int) -> None:
+    """Drop the first ``sent`` bytes of ``views``."""
+    while views and sent >= len(views[0]):
+        sent -= len(views[0])
+        views.pop(0)
+    if sent:
+        views[0] = views[0][sent:]
+
+
+def send_now(sock: socket.socket, views: list[memoryview], fds: Sequence[int]) -> Sequence[int]:
+    """Write as much of ``views`` as the socket takes without waiting, the descriptors
+    with the first byte; ``views`` keeps what is left. Returns the descriptors not sent."""
+    while views:
+        try:
+            sent = sock.sendmsg(views, _rights(fds), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            break
+        fds = ()
+        _advance(views, sent)
+    return fds
+
+
+def send_all(sock: socket.socket, views: list[memoryview], fds: Sequence[int]) -> None:
+    """Write every byte of ``views`` (and ``fds`` with the first), waiting for the peer."""
+    views = list(views)
+    while views:
+        sent = sock.sendmsg(views, _rights(fds))
+        fds = ()
+        _advance(views, sent)
+
+
+class SocketLink(Link):
+    """A peer reached over one stream socket: its reader, corked replies, and writer.
+
+    Replies sent on the peer's receiving thread while more of its frames are already
+    buffered may be *corked* (:meth:`send`'s ``cork``): held, in order, and written with
+    the next frame to the peer or before the receiving thread next waits for input. A
+    burst of small calls is then answered in a few writes instead of one each.
+    """
+
+    __slots__ = ("corked", "reader", "sock")
+
+    def __init__(self, rank: int, name: str, sock: socket.socket, writer_name: str) -> None:
+        super().__init__(rank, name)
+        self.sock = sock
+        self.reader = SocketReader(sock, self.flush_corked)
+        self.corked = bytearray()  # one byte string: a write takes at most 1,024 pieces
+        self.backlog = Backlog(self.lock, self._write_all, writer_name, on_error=self._break)
+
+    def send(self, parts: Sequence[Buffer], fds: Sequence[int] = (), deadline: float = 0.0,
+             cork: int = 0) -> None:
+        """Write one frame's ``parts`` (and ``fds``) in order; returns once written, or at
+        ``deadline`` with the rest queued. ``cork``: at most this many bytes may wait
+        corked (see the class); ``PeerLostError`` if the peer is gone."""
+        with self.lock:
+            self.check_open()
+            if cork and not fds and self.may_cork():
+                size = sum(len(p) for p in parts)
+                if len(self.corked) + size <= cork:
+                    for part in parts:
+                        self.corked += part
+                    return
+            try:
+                pending = self.write_locked(parts, fds)
+            except OSError as exc:
+                raise lost_error(exc) from None
+        if pending is not None:
+            self.wait(pending, deadline)
+
+    def wait(self, pending: Pending, deadline: float) -> None:
+        """Wait for a queued frame until ``deadline`` (0: until written or failed)."""
+        if not pending.wait(deadline):
+            # A peer that reads nothing: the agent fails the call on time; the writer
+            # finishes the frame if the peer ever reads again.
+            log.debug("send to %s still queued at its deadline", self.name)
+
+    def may_cork(self) -> bool:
+        """May a frame sent now by the calling thread wait for the next write? Yes when
+        it holds the peer's lane and more of the peer's frames are buffered (call under
+        ``lock``: the next holder of the lane flushes under it too)."""
+        lane = self.lane
+        return lane is not None and lane.held_here() and self.reader.buffered > 0
+
+    def write_locked(self, parts: Sequence[Buffer], fds: Sequence[int] = ()) -> Pending | None:
+        """Write what is corked, then ``parts``; call under ``lock``. Never waits: the
+        rest goes to the writer (everything, while frames are queued before it). Returns
+        that queued rest (``None``: all written). ``OSError`` marks the peer gone and
+        shuts the socket down, so both ends see the connection end."""
+        if self.corked:
+            parts = [bytes(self.corked), *parts]
+            self.corked.clear()
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        assert self.backlog is not None
+        try:
+            if not self.backlog:
+                fds = send_now(self.sock, views, fds)
+                if not views:
+                    return None
+            return self.backlog.put(_Unwritten(views, fds))
+        except OSError as exc:  # (from the socket, or out of descriptors to queue with)
+            self._break(exc)
+            raise
+
+    def flush_corked(self) -> None:
+        """Write the corked replies (the receiving thread is about to wait for input);
+        never waits for the peer to read them."""
+        if self.corked:
+            with self.lock:
+                if not (self.gone or self.bye_sent):
+                    with contextlib.suppress(OSError):
+                        self.write_locked([])
+
+    def shutdown(self) -> None:
+        """End the connection both ways: wakes a reader blocked on it (end of file) and
+        a writer blocked on a peer that reads nothing (its queued frames fail)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _write_all(self, job: _Unwritten) -> None:
+        send_all(self.sock, job.data, job.fds)
+
+    def _break(self, exc: BaseException) -> None:
+        """A write failed (under ``lock``): mark the peer gone, end the connection."""
+        self.gone = True
+        self.shutdown()
+
+
+# ------------------------------------------------------------------------- handshake
+
+
+def _magic(label: str) -> bytes:
+    return f"rpcx-{label}".encode()[:16]
+
+
+def receive_exactly(sock: socket.socket, count: int) -> bytes:
+    """Read exactly ``count`` bytes; ``EOFError`` if the connection closes first."""
+    data = bytearray()
+    while len(data) < count:
+        chunk = sock.recv(count - len(data))
+        if not chunk:
+            raise EOFError("connection closed during the handshake")
+        data += chunk
+    return bytes(data)
+
+
+def introduce(sock: socket.socket, ctx: TransportContext, rank: int, label: str) -> None:
+    """This worker's side of a new connection to ``rank``: its hello and, with a world
+    key, a mutual challenge-response (``rank`` proves the key first).
+    ``AuthenticationError`` if ``rank`` fails."""
+    sock.sendall(_HELLO.pack(_magic(label), ctx.rank))
+    if ctx.auth is None:
+        return
+    challenge = ctx.auth.challenge()
+    sock.sendall(challenge)
+    answer = receive_exactly(sock, _NONCE + _PROOF)
+    theirs, proof = answer[:_NONCE], answer[_NONCE:]
+    if not ctx.auth.check(f"{label} accept", rank, ctx.rank, challenge, proof):
+        raise AuthenticationError(
+            f"init_rpc: worker {ctx.names[ctx.rank]!r} (rank {ctx.rank}): the {label} "
+            f"connection to rank {rank} failed authentication (its socket is not that "
+            "worker's)")
+    sock.sendall(ctx.auth.proof(f"{label} connect", ctx.rank, rank, theirs))
+
+
+def admit(conn: socket.socket, ctx: TransportContext, label: str,
+          expected: Callable[[int], bool]) -> int | None:
+    """The rank of a connection this worker accepted, or ``None`` (logged: "refused an
+    <label> connection ...") for one that is no ``expected`` rank's or, with a world key,
+    fails the challenge-response. A stranger that sends nothing is given up on after
+    ``HANDSHAKE_TIMEOUT`` seconds."""
+    me = ctx.names[ctx.rank]
+    conn.settimeout(HANDSHAKE_TIMEOUT)
+    try:
+        magic, rank = _HELLO.unpack(receive_exactly(conn, _HELLO.size))
+        rank = int(rank)
+        if magic != _magic(label).ljust(16, b"\0") or not expected(rank):
+            log.warning("%s: refused an %s connection that is no expected worker's", me, label)
+            return None
+        if ctx.auth is not None:
+            challenge = ctx.auth.challenge()
+            theirs = receive_exactly(conn, _NONCE)
+            conn.sendall(challenge + ctx.auth.proof(f"{label} accept", ctx.rank, rank, theirs))
+            proof = receive_exactly(conn, _PROOF)
+            if not ctx.auth.check(f"{label} connect", rank, ctx.rank, challenge, proof):
+                log.warning("%s: refused an %s connection claiming to be rank %d: it failed "
+                            "authentication", me, label, rank)
+                return None
+    except (OSError, EOFError) as exc:
+        log.warning("%s: refused an %s connection: %s", me, label, exc)
+        return None
+    return rank
+
+
+def hello(ctx: TransportContext, label: str, rank: int | None = None) -> bytes:
+    """The hello a worker of rank ``rank`` (default: this one) opens a connection with."""
+    return _HELLO.pack(_magic(label), ctx.rank if rank is None else rank)
+
+
+# ------------------------------------------------------------------------------ mesh
+
+
+def connect_stream_mesh(
+    ctx: TransportContext,
+    listener: socket.socket,
+    address: Any,
+    dial: Callable[[Any, float | None], socket.socket],
+    label: str,
+    check: Callable[[dict[int, Any]], None] | None = None,
+) -> dict[int, socket.socket]:
+    """One connected, introduced stream socket per peer, bounded by ``rpc_timeout``.
+
+    ``listener`` is bound and listening; ``address`` (anything JSON can write) is how
+    peers reach it, published in the store as ``"<label>/<rank>"``. ``check(addresses)``
+    may refuse the world (raise) once every peer's address is known. Each worker dials
+    the lower ranks (``dial(address, timeout)`` returns a connected socket) and accepts
+    the higher ones; each connection runs :func:`introduce` / :func:`admit`. The sockets
+    are returned blocking (no timeout); the caller closes the listener.
+    """
+    limit = connect_limit(ctx)
+    ctx.store.set(f"{label}/{ctx.rank}", json.dumps(address))
+    addresses = {rank: json.loads(ctx.store.get(f"{label}/{rank}"))
+                 for rank in range(ctx.world_size) if rank != ctx.rank}
+    if check is not None:
+        check(addresses)
+    sockets: dict[int, socket.socket] = {}
+    try:
+        for rank in range(ctx.rank):
+            sock = sockets[rank] = dial(addresses[rank], limit)
+            sock.settimeout(limit)
+            introduce(sock, ctx, rank, label)
+        listener.settimeout(limit)
+        while len(sockets) < ctx.world_size - 1:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                missing = [ctx.names[r] for r in range(ctx.rank + 1, ctx.world_size)
+                           if r not in sockets]
+                raise RpcTimeoutError(
+                    f"init_rpc: worker {ctx.names[ctx.rank]!r} (rank {ctx.rank}): no {label} "
+                    f"connection from {', '.join(missing)} within {limit:g} s (rpc_timeout)"
+                ) from None
+            admitted = admit(conn, ctx, label,
+                             lambda r: ctx.rank < r < ctx.world_size and r not in sockets)
+            if admitted is None:
+                conn.close()
+            else:
+                sockets[admitted] = conn
+    except BaseException:
+        for sock in sockets.values():
+            sock.close()
+        raise
+    for sock in sockets.values():
+        sock.settimeout(None)
+    return sockets
+
+
+# ------------------------------------------------------------------------- transport
+
+
+class StreamTransport:
+    """A transport over one stream socket per pair of workers, most of it written.
+
+    A subclass sets ``capabilities``, ``label`` (names store keys, the handshake and
+    messages, e.g. ``"shm"``) and ``bye`` (the bytes of its goodbye), and writes:
+
+    * ``connect(ctx)``: one connected socket per peer rank (usually through
+      :func:`connect_stream_mesh`);
+    * ``read_one(link)``: the peer's next frame from ``link.reader`` (``fill``, ``take``),
+      ``None`` for the goodbye; raise ``ProtocolError`` for what is no frame (check
+      announced sizes with :func:`~rpcx.transport_kit.basics.check_frame_size` against
+      ``self.max_frame`` before reading them);
+    * ``pack(frame)``: the bytes that carry one frame (views of the tensors are fine:
+      what is not written at once is copied).
+
+    The kit does the rest: links, receive loops on lanes, goodbyes, lost peers, sends
+    that never wait past ``frame.deadline``, corked replies, and ``close``.
+    """
+
+    capabilities: ClassVar[Capabilities]
+    label: ClassVar[str]
+    bye: ClassVar[bytes]
+    cork_bytes: ClassVar[int] = 64 << 10  # replies corked at most (0: never cork)
+
+    def __init__(self) -> None:
+        self._ctx: TransportContext | None = None
+        self.peers: Peers[SocketLink] | None = None
+        self.max_frame = DEFAULT_MAX_FRAME_BYTES
+
+    # ----------------------------------------------------------- what a backend writes
+
+    def connect(self, ctx: TransportContext) -> dict[int, socket.socket]:
+        raise NotImplementedError
+
+    def read_one(self, link: SocketLink) -> Frame | None:
+        raise NotImplementedError
+
+    def pack(self, frame: Frame) -> list[Buffer]:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------- hooks, if it needs
+
+    def make_link(self, rank: int, sock: socket.socket) -> SocketLink:
+        """The link for ``rank`` over ``sock`` (override to add state of its own)."""
+        ctx = self._ctx
+        assert ctx is not None
+        me = ctx.names[ctx.rank]
+        return SocketLink(rank, ctx.names[rank], sock, f"rpcx-{me}-send-{ctx.names[rank]}")
+
+    def loop_ended(self, link: SocketLink) -> None:
+        """A receive loop is over, on its thread: release what only it used."""
+        link.reader.close()
+
+    def released(self, timeout: float) -> None:
+        """After ``close`` closed the sockets: release anything else (bounded)."""
+
+    # ---------------------------------------------------------------- the contract
+
+    def start(self, ctx: TransportContext) -> None:
+        """Connect to every peer (``connect``) and start receiving."""
+        self._ctx = ctx
+        self.max_frame = int(getattr(ctx.options, "max_frame_bytes", self.max_frame))
+        links = {rank: self.make_link(rank, sock) for rank, sock in self.connect(ctx).items()}
+        self.peers = Peers(ctx, links, self.read_one, self.write_bye,
+                           end=SocketLink.shutdown, ended=self.loop_ended)
+        self.peers.start_receiving()
+
+    def send(self, dst: int, frame: Frame) -> None:
+        """Write ``frame`` to ``dst``; returns once written, or at ``frame.deadline``
+        with the rest queued for the peer's writer."""
+        assert self.peers is not None
+        self.peers[dst].send(self.pack(frame), deadline=frame.deadline,
+                             cork=0 if frame.buffers else self.cork_bytes)
+
+    def write_bye(self, link: SocketLink) -> None:
+        """Write the goodbye (under ``link.lock``; queued behind a peer that reads
+        nothing: ``close`` shuts the socket down after waiting, which ends the writer)."""
+        link.write_locked([self.bye])
+
+    def close(self, timeout: float) -> None:
+        """Goodbye to every peer, a bounded wait for theirs, then close the sockets."""
+        peers = self.peers
+        if peers is None:
+            return
+        deadline = time.monotonic() + timeout
+        peers.close(timeout)
+        for link in peers:
+            link.shutdown()
+            assert link.backlog is not None
+            link.backlog.stop()
+        for link in peers:
+            assert link.backlog is not None
+            link.backlog.join(deadline - time.monotonic())
+            link.sock.close()
+        self.released(max(0.0, deadline - time.monotonic()))

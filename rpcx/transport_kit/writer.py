@@ -1,0 +1,165 @@
+"""A per-peer writer thread, so that ``send`` honours ``Frame.deadline``.
+
+A peer that stops reading fills its connection; a ``send`` that then waits for room
+would hold a call past its timeout, and the peer's lock (so every other sender to it)
+with it. The rule every transport follows instead: write what the connection takes at
+once, *never waiting*, and queue the rest on the peer's :class:`Backlog`, whose writer
+thread writes it in order as the peer reads. Later frames to the peer queue behind it
+while anything is queued (per-peer order). The sender waits for its queued frame
+(:meth:`Pending.wait`) until its ``frame.deadline`` at most, without the lock: the
+agent fails the call on time, and the frame still goes if the peer reads again.
+
+How a transport uses it, under its per-peer lock::
+
+    with link.lock:
+        if not link.backlog and write_now(...) left nothing:   # the common case
+            return
+        pending = link.backlog.put(rest_of_the_frame)          # copies, not views
+    pending.wait(frame.deadline)
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rpcx.transport_kit.basics import lost_error
+
+__all__ = ["Backlog", "Pending"]
+
+log = logging.getLogger("rpcx.transport_kit")
+
+
+class Pending:
+    """One queued job: what the writer writes, and whether it was (``done``, ``error``).
+
+    ``job`` is the transport's own (whatever its ``write`` takes). It must hold nothing
+    the sender may change after ``send`` returns: bytes, copies, descriptors of its own.
+    A job with a ``release()`` method has it called once, when done with (written or
+    failed): close its descriptors there.
+    """
+
+    __slots__ = ("done", "error", "job")
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Written (or never to be: ``error``)."""
+        job, self.job = self.job, None
+        release = getattr(job, "release", None)
+        if release is not None:
+            release()
+        self.error = error
+        self.done.set()
+
+    def wait(self, deadline: float = 0.0) -> bool:
+        """Wait until written, or until ``deadline`` (a ``time.monotonic()`` value; 0:
+        none). ``False`` if the deadline came first (the writer still writes it later);
+        ``PeerLostError`` if it will never be written."""
+        left = None if not deadline else max(0.0, deadline - time.monotonic())
+        if not self.done.wait(left):
+            return False
+        if self.error is not None:
+            raise lost_error(self.error)
+        return True
+
+
+class Backlog:
+    """The jobs a peer's connection did not take at once, written in order by one
+    writer thread (started the first time a job is queued).
+
+    Args:
+        lock: the peer's send lock; :meth:`put` and ``bool(backlog)`` are called under it.
+        write: writes one job, waiting for the peer as long as it takes (called on the
+            writer thread, without the lock). Raises when the connection broke.
+        name: the writer thread's name.
+        on_error: called, under ``lock``, when ``write`` raised: end the connection
+            (every queued job fails with the same error).
+        after: called on the writer thread after each job written (optional).
+    """
+
+    __slots__ = ("_after", "_jobs", "_on_error", "_stopping", "_thread", "_wakeup", "_write",
+                 "lock", "name")
+
+    def __init__(self, lock: threading.Lock, write: Callable[[Any], None], name: str,
+                 on_error: Callable[[BaseException], None] | None = None,
+                 after: Callable[[], None] | None = None) -> None:
+        self.lock = lock
+        self.name = name
+        self._write = write
+        self._on_error = on_error
+        self._after = after
+        self._jobs: collections.deque[Pending] = collections.deque()
+        self._wakeup = threading.Condition(lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def __bool__(self) -> bool:
+        """Whether jobs are queued (later frames must queue behind them)."""
+        return bool(self._jobs)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def put(self, job: Any) -> Pending:
+        """Queue ``job`` behind the others (call under ``lock``)."""
+        pending = Pending(job)
+        self._jobs.append(pending)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        self._wakeup.notify()
+        return pending
+
+    def stop(self) -> None:
+        """Let the writer end once nothing is queued (at close). A writer blocked on a
+        peer that reads nothing ends when the connection is shut down."""
+        with self.lock:
+            self._stopping = True
+            self._wakeup.notify_all()
+
+    def join(self, timeout: float) -> None:
+        """Wait for the writer thread to end, at most ``timeout`` seconds."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, timeout))
+
+    def _run(self) -> None:
+        """Write the queued jobs in order. A job stays first in the queue until written,
+        so no sender writes past it; a failed write fails every queued job."""
+        while True:
+            with self.lock:
+                while not self._jobs and not self._stopping:
+                    self._wakeup.wait()
+                if not self._jobs:
+                    return
+                pending = self._jobs[0]
+            try:
+                self._write(pending.job)
+            except BaseException as exc:
+                with self.lock:
+                    failed = list(self._jobs)
+                    self._jobs.clear()
+                    if self._on_error is not None:
+                        try:
+                            self._on_error(exc)
+                        except Exception:
+                            log.exception("%s: ending the connection failed", self.name)
+                for each in failed:
+                    each.finish(exc)
+                return
+            with self.lock:
+                self._jobs.popleft()
+            pending.finish()
+            if self._after is not None:
+                try:
+                    self._after()
+                except Exception:  # the writer must outlive it
+                    log.exception("%s: after a frame", self.name)
