@@ -20,14 +20,16 @@ A minimal backend plugin::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import pluggy
 
 if TYPE_CHECKING:
-    from rpcx.registry import BackendRegistry
+    from rpcx.options import RpcBackendOptions
+    from rpcx.transport import Capabilities, Transport
 
-__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
+__all__ = ["PROJECT_NAME", "Register", "hookimpl", "hookspec"]
 
 PROJECT_NAME = "rpcx"
 
@@ -37,8 +39,24 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 """Marks a plugin's implementation of an rpcx hook (``rpcx_register_backends``)."""
 
 
+class Register(Protocol):
+    """The ``register`` object a ``rpcx_register_backends`` hook is given
+    (:class:`rpcx.registry.BackendRegistry` is the one rpcx passes)."""
+
+    def __call__(
+        self,
+        name: str,
+        factory: Callable[[], Transport],
+        *,
+        description: str = "",
+        options_type: type[RpcBackendOptions] = ...,
+        capabilities: Capabilities | None = None,
+    ) -> None:
+        """Register backend ``name``; see :func:`rpcx_register_backends`."""
+
+
 @hookspec
-def rpcx_register_backends(register: BackendRegistry) -> None:
+def rpcx_register_backends(register: Register) -> None:
     """Register transports.
 
     Call ``register(name, factory, *, description="", options_type=RpcBackendOptions,

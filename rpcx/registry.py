@@ -17,10 +17,11 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pluggy
 
-from rpcx import hookspecs
+from rpcx import faulty, hookspecs
 from rpcx.errors import BackendNotFoundError
 from rpcx.options import RpcBackendOptions
 from rpcx.transport import Capabilities, Transport
@@ -99,6 +100,10 @@ class BackendRegistry:
     def specs(self) -> dict[str, BackendSpec]:
         """Every registered backend, by name."""
         return dict(self._specs)
+
+
+if TYPE_CHECKING:  # (checked by mypy: a BackendRegistry is what hooks are told they get)
+    _IS_A_REGISTER: hookspecs.Register = BackendRegistry()
 
 
 _lock = threading.Lock()
@@ -218,8 +223,8 @@ def resolve_backend(backend: object = None, spawned: str | None = None) -> Backe
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a name such as 'gloo', got {type(backend).__name__}")
     specs = _load()
-    if backend.lower().startswith("faulty:"):
-        return _faulty(resolve_backend(backend[len("faulty:"):]))
+    if backend.lower().startswith(faulty.PREFIX):
+        return _faulty(resolve_backend(backend[len(faulty.PREFIX):]))
     spec = specs.get(backend.lower())
     if spec is None:
         installed = ", ".join(sorted(specs)) or "none"
@@ -231,8 +236,6 @@ def resolve_backend(backend: object = None, spawned: str | None = None) -> Backe
 
 def _faulty(inner: BackendSpec) -> BackendSpec:
     """``faulty:<inner>``: ``inner`` with injected faults (see :mod:`rpcx.faulty`)."""
-    from rpcx import faulty  # (imports the codec: only when asked for)
-
     capabilities = dataclasses.replace(inner.capabilities, lossy=True)
     return BackendSpec(
         name=faulty.PREFIX + inner.name,
