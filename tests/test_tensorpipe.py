@@ -15,7 +15,7 @@ import torch
 
 tensorpipe = pytest.importorskip("rpcx.backends.tensorpipe")
 
-from rpcx.errors import LostCause  # noqa: E402
+from rpcx.errors import LostCause, lost_reason  # noqa: E402
 from rpcx.transport import Frame  # noqa: E402
 
 
@@ -140,8 +140,8 @@ def test_nothing_is_delivered_after_a_goodbye_or_a_loss() -> None:
     lost: list[tuple[int, str]] = []
     transport = _transport(delivered)
     causes: list[LostCause] = []
-    transport._ctx.peer_lost = lambda rank, reason, cause: (lost.append((rank, reason)),
-                                                             causes.append(cause))
+    transport._ctx.peer_lost = lambda rank, cause, detail="": (
+        lost.append((rank, lost_reason(cause, detail))), causes.append(cause))
     transport._watches = {}
     transport._send_seq[1] = iter(range(100))
     transport._arrive(1, 0, Frame(b"f0"))

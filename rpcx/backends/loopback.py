@@ -16,8 +16,7 @@ import threading
 import uuid
 from typing import Any, ClassVar
 
-from rpcx._memory import copy_of
-from rpcx.errors import LostCause, PeerLostError, ProtocolError
+from rpcx.errors import LostCause, PeerLostError, ProtocolError, lost_reason
 from rpcx.hookspecs import hookimpl
 from rpcx.transport import Capabilities, Frame, TransportContext
 
@@ -56,17 +55,14 @@ class LoopbackTransport:
         assert ctx is not None
         peer = self._peers.get(dst) or self._resolve(dst)
         if peer is None or peer._closed or dst in self._gone:
-            raise PeerLostError("has shut down")
+            raise PeerLostError(lost_reason(LostCause.DEPARTED))
         # Tensors are copied, as a network would, except those the codec copied already.
-        copy = Frame(frame.header, [
-            buffer if i in frame.owned else copy_of(buffer)
-            for i, buffer in enumerate(frame.buffers)
-        ])
+        copy = Frame(frame.header, frame.private_buffers())
         try:
             peer._deliver(ctx.rank, copy)
         except ProtocolError as exc:  # the peer refused the frame and ended the link
             log.debug("%s: %s", ctx.names[ctx.rank], exc)
-            self._peer_gone(dst, f"ended the connection: {exc}", LostCause.PROTOCOL_ERROR)
+            self._peer_gone(dst, LostCause.PROTOCOL_ERROR, f"ended the connection: {exc}")
 
     def close(self, timeout: float) -> None:
         """Leave the world; peers still running see this worker as gone."""
@@ -95,14 +91,14 @@ class LoopbackTransport:
     def _deliver(self, src: int, frame: Frame) -> None:
         ctx = self._ctx
         if ctx is None or self._closed:
-            raise PeerLostError("has shut down")
+            raise PeerLostError(lost_reason(LostCause.DEPARTED))
         ctx.deliver(src, frame)
 
-    def _peer_gone(self, rank: int, reason: str = "has shut down",
-                   cause: LostCause = LostCause.DEPARTED) -> None:
+    def _peer_gone(self, rank: int, cause: LostCause = LostCause.DEPARTED,
+                   detail: str = "") -> None:
         if rank not in self._gone and self._ctx is not None:
             self._gone.add(rank)
-            self._ctx.peer_lost(rank, reason, cause)
+            self._ctx.peer_lost(rank, cause, detail)
 
 
 @hookimpl

@@ -48,19 +48,17 @@ import torch.distributed.autograd
 import torch.distributed.rpc as torch_rpc
 import torch.distributed.rpc.api
 
-from rpcx._environ import environment_variable
-from rpcx._memory import copy_of
 from rpcx.errors import (
     LostCause,
     PeerLostError,
     ProtocolError,
     RpcError,
-    without_cpp_locations,
 )
 from rpcx.hookspecs import hookimpl
 from rpcx.hosts import address_towards, interface_with
 from rpcx.options import DEFAULT_NUM_WORKER_THREADS, TensorPipeRpcBackendOptions
 from rpcx.transport import Capabilities, Frame, TransportContext
+from rpcx.transport_kit import SHUT_DOWN, copy_of, describe, environment_variable, unreachable
 
 __all__ = ["TensorPipeTransport"]
 
@@ -309,7 +307,7 @@ class TensorPipeTransport:
     def send(self, dst: int, frame: Frame) -> None:
         """Send ``frame``: as the reply to ``dst``'s open call if it answers one."""
         if dst in self._gone:
-            raise PeerLostError("has shut down")
+            raise PeerLostError(SHUT_DOWN)
         if self._closed or dst in self._goodbye_sent:
             raise PeerLostError(f"cannot be reached: worker {self._me()!r} has shut down")
         reply = None
@@ -331,7 +329,7 @@ class TensorPipeTransport:
             try:
                 reply.set_result((seq, frame.header, buffers))
             except Exception as exc:  # the number is spent: the pair cannot go on
-                self._lose(dst, _describe(exc))
+                self._lose(dst, LostCause.CONNECTION_LOST, _detail(exc))
                 raise PeerLostError(_describe(exc)) from exc
             return
         self._call(dst, seq, frame.header, buffers, frame.request_id)
@@ -351,7 +349,8 @@ class TensorPipeTransport:
                 raise PeerLostError(f"cannot be reached: worker {self._me()!r} has shut down"
                                     ) from exc
             reason = _describe(exc)
-            self._lose(dst, reason)  # its sequence is broken: treat it as gone
+            # its sequence is broken: treat it as gone
+            self._lose(dst, LostCause.CONNECTION_LOST, _detail(exc))
             raise PeerLostError(reason) from exc
         future.add_done_callback(lambda done: self._on_reply(dst, done))
         return future
@@ -367,13 +366,12 @@ class TensorPipeTransport:
         # codec made for this frame alone (``owned``). Device memory that torch's maps do
         # not route (a gradient on its way back, say) goes through the host; rpcx's codec
         # puts it on its device at the receiver.
-        return [
-            b if i in owned and (b.device.type == "cpu" or (mapped and b.device in mapped))
-            else copy_of(b) if b.device.type == "cpu"
-            else b.clone() if mapped is not None and b.device in mapped
-            else b.cpu()
-            for i, b in enumerate(buffers)
-        ]
+        def routed(b: torch.Tensor) -> bool:
+            return b.device.type == "cpu" or (mapped is not None and b.device in mapped)
+
+        private = Frame(b"", buffers, owned=owned).private_buffers(
+            lambda b: copy_of(b) if routed(b) else b.cpu())
+        return [b if routed(b) else b.cpu() for b in private]
 
     # -------------------------------------------------------------------- receiving
 
@@ -382,7 +380,7 @@ class TensorPipeTransport:
             value = done.value()
         except Exception as exc:
             if not self._closed:
-                self._lose(dst, _describe(exc))
+                self._lose(dst, LostCause.CONNECTION_LOST, _detail(exc))
             return
         if value is not None:
             seq, header, buffers = value
@@ -441,13 +439,12 @@ class TensorPipeTransport:
                     inbox.next += 1
                 if ready.header == _GOODBYE.header:
                     # ends the inbox: the loop stops
-                    self._lose(src, "has shut down", LostCause.DEPARTED)
+                    self._lose(src, LostCause.DEPARTED)
                     continue
                 try:
                     ctx.deliver(src, ready)
                 except ProtocolError as exc:  # refused (authentication): nothing more
-                    self._lose(src, f"is unreachable: protocol error: {exc}",
-                               LostCause.PROTOCOL_ERROR)
+                    self._lose(src, LostCause.PROTOCOL_ERROR, str(exc))
                 except Exception:
                     log.exception("%s: delivering a frame from rank %d failed",
                                   ctx.names[ctx.rank], src)
@@ -456,8 +453,8 @@ class TensorPipeTransport:
                 inbox.delivering = False
             raise
 
-    def _lose(self, rank: int, reason: str,
-              cause: LostCause = LostCause.CONNECTION_LOST) -> None:
+    def _lose(self, rank: int, cause: LostCause = LostCause.CONNECTION_LOST,
+              detail: str = "") -> None:
         """``rank`` left or died: nothing more comes from it, answer what it waits for."""
         ctx = self._ctx
         inbox = self._inboxes.get(rank)
@@ -476,7 +473,7 @@ class TensorPipeTransport:
             if not future.done():
                 future.set_result(None)
         self._say_goodbye(rank)  # a peer that leaves alone gets an answer at once
-        ctx.peer_lost(rank, reason, cause)
+        ctx.peer_lost(rank, cause, detail)
 
 
 @torch_rpc.functions.async_execution  # type: ignore[untyped-decorator]
@@ -510,11 +507,14 @@ def _wait_for_arrival(buffers: list[torch.Tensor]) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def _detail(exc: BaseException) -> str:
+    """What torch's error says: its first line, C++ source locations removed."""
+    return describe(exc)
+
+
 def _describe(exc: BaseException) -> str:
-    """A peer-lost reason from torch's error: first line, C++ source locations removed."""
-    lines = str(exc).strip().splitlines()
-    text = without_cpp_locations(lines[0]) if lines else ""
-    return f"is unreachable: {text or type(exc).__name__}"
+    """A ``PeerLostError``'s reason from torch's error (``"is unreachable: <detail>"``)."""
+    return unreachable(_detail(exc))
 
 
 @hookimpl

@@ -20,7 +20,8 @@ Sentences, checks, views, options (:mod:`~rpcx.transport_kit.basics`)
     ``SHUT_DOWN``, ``CLOSED_CONNECTION``, :func:`unreachable`, :func:`classify`,
     :func:`check_frame_size`, :func:`check_count`, :func:`as_bytes`, :func:`memory_of`,
     :func:`empty_bytes`, :func:`copy_of`, :func:`options_as`, :func:`run_bounded`,
-    :func:`connect_timeout`, and the host facts of :mod:`rpcx.hosts`.
+    :func:`connect_timeout`, :func:`environment_variable` (a variable set for a block,
+    for libraries that read the environment), and the host facts of :mod:`rpcx.hosts`.
 
 See ``docs/plugins.md`` for a walk-through.
 """
@@ -47,6 +48,7 @@ from rpcx.transport_kit.basics import (
     copy_of,
     describe,
     empty_bytes,
+    environment_variable,
     lost_error,
     memory_of,
     options_as,
@@ -78,7 +80,8 @@ __all__ = [
     "StreamTransport", "Transport", "TransportContext", "address_towards", "admit",
     "as_bytes", "check_count", "check_frame_size", "classify", "connect_limit",
     "connect_stream_mesh", "connect_timeout", "copy_of", "describe", "empty_bytes",
-    "hello", "host_identity", "introduce", "lost_error", "lost_reason", "memory_of",
+    "environment_variable", "hello", "host_identity", "introduce", "lost_error",
+    "lost_reason", "memory_of",
     "options_as", "owning_memory", "receive_exactly", "run_bounded", "send_all",
     "send_now", "unreachable", "without_cpp_locations",
 ]

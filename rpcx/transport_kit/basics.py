@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from rpcx._environ import environment_variable
 from rpcx._memory import copy_of, empty_bytes
 from rpcx.errors import (
     CLOSED_CONNECTION,
@@ -30,8 +31,8 @@ from rpcx.transport import TransportContext
 __all__ = [
     "CLOSED_CONNECTION", "SHUT_DOWN", "as_bytes", "check_count", "check_frame_size",
     "classify", "connect_limit", "connect_timeout", "copy_of", "describe", "empty_bytes",
-    "lost_error", "lost_reason", "memory_of", "options_as", "owning_memory", "run_bounded",
-    "unreachable", "without_cpp_locations",
+    "environment_variable", "lost_error", "lost_reason", "memory_of", "options_as",
+    "owning_memory", "run_bounded", "unreachable", "without_cpp_locations",
 ]
 
 # ------------------------------------------------------------------------ sentences

@@ -108,6 +108,11 @@ class Backlog:
     def __len__(self) -> int:
         return len(self._jobs)
 
+    @property
+    def writer(self) -> threading.Thread | None:
+        """The writer thread, once started."""
+        return self._thread
+
     def put(self, job: Any) -> Pending:
         """Queue ``job`` behind the others (call under ``lock``)."""
         pending = Pending(job)

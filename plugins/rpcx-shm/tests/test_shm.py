@@ -25,10 +25,11 @@ from rpcx_shm.transport import _connect_mesh
 import rpcx
 from rpcx._context import current_agent
 from rpcx._lanes import ReceiveLane
-from rpcx.errors import LostCause, ProtocolError
+from rpcx.errors import LostCause, ProtocolError, lost_reason
 from rpcx.registry import available_backends
 from rpcx.testing.world import world
 from rpcx.transport import Frame, TransportContext
+from rpcx.transport_kit import sockets as kit_sockets
 
 TIMEOUT = 30.0
 
@@ -166,7 +167,7 @@ def _context(rank: int, store: Any) -> TransportContext:
     return TransportContext(
         rank=rank, world_size=2, names=["alpha", "beta"], store=store,
         options=ShmRpcBackendOptions(rpc_timeout=TIMEOUT), init_method="file://unused",
-        deliver=lambda src, frame: None, peer_lost=lambda rank, reason, cause: None,
+        deliver=lambda src, frame: None, peer_lost=lambda rank, cause, detail="": None,
     )
 
 
@@ -280,9 +281,9 @@ class _Pair:
         self.a, self.b = ShmTransport(), ShmTransport()
         contexts = [
             dataclasses.replace(_context(0, store), deliver=on_reply,
-                                peer_lost=lambda rank, reason, cause: self.lost[0].set()),
+                                peer_lost=lambda rank, cause, detail="": self.lost[0].set()),
             dataclasses.replace(_context(1, store), receive_lane=new_lane,
-                                peer_lost=lambda rank, reason, cause: self.lost[1].set(),
+                                peer_lost=lambda rank, cause, detail="": self.lost[1].set(),
                                 deliver=lambda src, frame: self.lanes[0].serve(serve, frame,
                                                                       self.lanes[0])),
         ]
@@ -319,14 +320,14 @@ def test_replies_to_a_burst_of_requests_leave_in_one_write(monkeypatch: Any) -> 
     # b reads 50 requests in one go; the replies it sends while more are buffered wait
     # for the last one: one write for 50 replies, each arriving, in order.
     writes: list[bytes] = []
-    real_send_now = transport_module._send_now
+    real_send_now = kit_sockets.send_now
 
     def counting_send_now(sock: Any, views: list[memoryview], fds: list[int]) -> list[int]:
         if sock is pair.b._peers[0].sock:
             writes.append(b"".join(bytes(v) for v in views))
         return real_send_now(sock, views, fds)
 
-    monkeypatch.setattr(transport_module, "_send_now", counting_send_now)
+    monkeypatch.setattr(kit_sockets, "send_now", counting_send_now)
     pair = _Pair(lambda frame, lane: pair.b.send(0, Frame(b"re:" + frame.header)))
     try:
         _write_at_once(pair, [str(i).encode() for i in range(50)])
@@ -355,14 +356,14 @@ def test_a_frame_that_cannot_be_written_ends_the_connection_on_both_sides(
 ) -> None:
     # A write that fails (here EMSGSIZE) must not lose the frame silently and leave the
     # connection up: both workers report each other lost, so calls fail at once.
-    real_send_now = transport_module._send_now
+    real_send_now = kit_sockets.send_now
 
     def failing_send_now(sock: Any, views: list[memoryview], fds: list[int]) -> list[int]:
         if sock is pair.b._peers[0].sock:
             raise OSError(errno.EMSGSIZE, "Message too long")
         return real_send_now(sock, views, fds)
 
-    monkeypatch.setattr(transport_module, "_send_now", failing_send_now)
+    monkeypatch.setattr(kit_sockets, "send_now", failing_send_now)
     pair = _Pair(lambda frame, lane: None)
     try:
         with pytest.raises(rpcx.PeerLostError, match="Message too long"):
@@ -390,10 +391,12 @@ def test_bytes_that_are_no_frame_end_the_connection_on_both_sides(
     reasons: list[str] = []
     causes: list[LostCause] = []
     pair = _Pair(lambda frame, lane: None)
-    pair.b._max_frame = 16 << 20  # what start() reads from options.max_frame_bytes
-    pair.b._ctx = dataclasses.replace(  # type: ignore[arg-type]
-        pair.b._ctx, peer_lost=lambda rank, reason, cause: (
-            reasons.append(reason), causes.append(cause), pair.lost[1].set()))
+    pair.b.max_frame = 16 << 20  # what start() reads from options.max_frame_bytes
+    assert pair.b.peers is not None
+    pair.b.peers.ctx = pair.b._ctx = dataclasses.replace(  # type: ignore[arg-type]
+        pair.b._ctx, peer_lost=lambda rank, cause, detail="": (
+            reasons.append(lost_reason(cause, detail)), causes.append(cause),
+            pair.lost[1].set()))
     try:
         with pair.a._peers[1].lock:
             pair.a._peers[1].sock.sendall(head)
@@ -509,7 +512,9 @@ def test_close_is_bounded_with_frames_queued_for_a_peer_that_reads_nothing() -> 
         assert time.monotonic() - started < DEADLINE_S + SLACK_S
         waiting.join(SLACK_S)
         assert not waiting.is_alive() and len(failures) == 1, failures
-        writer = stalled.pair.a._peers[1].writer
+        backlog = stalled.pair.a._peers[1].backlog
+        assert backlog is not None
+        writer = backlog.writer
         assert writer is not None and not writer.is_alive()
     finally:
         stalled.release()
@@ -546,9 +551,10 @@ def test_any_bytes_read_as_frames_or_end_the_connection_within_bounds(wire: byte
     # "closed its connection" (EOFError, OSError) or "protocol error" (ProtocolError,
     # KeyError, IndexError). Never MemoryError, and memory follows the bytes received.
     transport = ShmTransport()
-    transport._max_frame = 1 << 30
+    transport.max_frame = 1 << 30
     ours, theirs = socket.socketpair()
-    peer = transport_module._Peer(ours, SendPool(1 << 20), ReceivedSegments(lambda _: None))
+    peer = transport_module._Peer(1, "beta", ours, "rpcx-test-send", SendPool(1 << 20),
+                                  ReceivedSegments(lambda _: None))
     try:
         theirs.sendall(wire)
         theirs.shutdown(socket.SHUT_WR)
@@ -562,7 +568,7 @@ def test_any_bytes_read_as_frames_or_end_the_connection_within_bounds(wire: byte
         finally:
             _, peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
-        assert peak < 4 * len(wire) + 2 * transport_module._READ_CHUNK + (1 << 20), peak
+        assert peak < 4 * len(wire) + 2 * kit_sockets.READ_CHUNK + (1 << 20), peak
     finally:
         peer.reader.close()
         ours.close()

@@ -1,7 +1,8 @@
 """With a world key, each shm connection proves the key both ways before a frame is read.
 
 Both ends of the handshake run here, on a Unix socket pair: the connecting side
-(``_introduce``) and the accepting side (``_admit``), as ``_connect_mesh`` runs them.
+(``introduce``) and the accepting side (``admit``), as rpcx's transport kit runs them
+for shm's mesh (``connect_stream_mesh``).
 """
 
 from __future__ import annotations
@@ -13,13 +14,20 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from rpcx_shm import transport as transport_module
-from rpcx_shm.transport import _HELLO, _MAGIC, _admit, _introduce
 
 import rpcx
 from rpcx import auth
 from rpcx.errors import AuthenticationError
 from rpcx.transport import TransportContext
+from rpcx.transport_kit import admit, hello, introduce
+from rpcx.transport_kit import sockets as kit_sockets
+
+LABEL = "shm"  # the shm backend's label: its handshake's magic and proof purposes
+
+
+def _admit(conn: socket.socket, ctx: TransportContext) -> int | None:
+    """The accepting side as shm's mesh runs it (higher ranks only, each once)."""
+    return admit(conn, ctx, LABEL, lambda rank: ctx.rank < rank < ctx.world_size)
 
 KEY = b"shm-handshake-test-key-012345678"
 NONCES = [auth.new_nonce() for _ in range(3)]
@@ -30,7 +38,7 @@ def _ctx(rank: int, key: bytes | None = KEY, nonces: list[bytes] = NONCES) -> Tr
     return TransportContext(
         rank=rank, world_size=3, names=["w0", "w1", "w2"], store=dist.HashStore(),
         options=rpcx.RpcBackendOptions(), init_method="file:///unused",
-        deliver=lambda src, frame: None, peer_lost=lambda rank, why, cause: None,
+        deliver=lambda src, frame: None, peer_lost=lambda rank, cause, detail="": None,
         auth=None if key is None else auth.ConnectionAuth(key, nonces),
     )
 
@@ -45,7 +53,7 @@ def _handshake(acceptor: TransportContext, connector: TransportContext
 
     def connect() -> None:
         try:
-            _introduce(theirs, connector, acceptor.rank)
+            introduce(theirs, connector, acceptor.rank, LABEL)
         except BaseException as exc:
             raised.append(exc)
         finally:
@@ -54,7 +62,7 @@ def _handshake(acceptor: TransportContext, connector: TransportContext
     thread = threading.Thread(target=connect, daemon=True)
     thread.start()
     try:
-        admitted = _admit(ours, acceptor, {})
+        admitted = _admit(ours, acceptor)
     finally:
         ours.close()
     thread.join(BOUND)
@@ -89,25 +97,25 @@ def test_a_stray_claiming_a_rank_without_a_proof_is_refused(
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_bytes_are_refused(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transport_module, "_HANDSHAKE_TIMEOUT", 0.5)
+    monkeypatch.setattr(kit_sockets, "HANDSHAKE_TIMEOUT", 0.5)
     rng = random.Random(seed)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
-        hello = _HELLO.pack(_MAGIC, 2) if seed % 2 else b""
-        theirs.sendall(hello + rng.randbytes(rng.randrange(0, 200)))
+        greeting = hello(_ctx(2), LABEL) if seed % 2 else b""
+        theirs.sendall(greeting + rng.randbytes(rng.randrange(0, 200)))
         if seed % 4 == 1:
             theirs.shutdown(socket.SHUT_WR)  # and hang up; the others go silent
-        assert _admit(ours, _ctx(0), {}) is None
+        assert _admit(ours, _ctx(0)) is None
 
 
 def test_a_silent_connection_is_dropped_after_the_handshake_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(transport_module, "_HANDSHAKE_TIMEOUT", 0.2)
+    monkeypatch.setattr(kit_sockets, "HANDSHAKE_TIMEOUT", 0.2)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
         admitted: list[Any] = []
-        thread = threading.Thread(target=lambda: admitted.append(_admit(ours, _ctx(0), {})))
+        thread = threading.Thread(target=lambda: admitted.append(_admit(ours, _ctx(0))))
         thread.start()
         thread.join(BOUND)
         assert admitted == [None]
