@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from rpcx.agent import Deferred, RpcAgent, describe_callable
 from rpcx.functions import is_async_execution
 from rpcx.messages import MessageKind
+from rpcx.service_host import Deferred, ServiceHost, describe_callable
 from rpcx.worker import WorkerInfo
 
 __all__ = ["install", "run_user_function"]
@@ -32,6 +32,6 @@ def _handle_call(caller: WorkerInfo, payload: Any) -> Any:
     return run_user_function(func, args, kwargs)
 
 
-def install(agent: RpcAgent) -> None:
+def install(agent: ServiceHost) -> None:
     """Serve ``CALL`` requests on ``agent``."""
     agent.register_handler(MessageKind.CALL, _handle_call)

@@ -27,18 +27,19 @@ import torch
 
 from rpcx import _context
 from rpcx._pool import blocking
-from rpcx.agent import Deferred, RpcAgent, describe_callable
 from rpcx.errors import RpcError, RpcShutdownError, RpcTimeoutError
 from rpcx.functions import async_execution, is_async_execution
 from rpcx.futures import RpcFuture, add_internal_callback, wait, wait_done
 from rpcx.messages import MessageKind
-from rpcx.rref_protocol import ForkId, RRefId, RRefService
+from rpcx.rref_fork import ForkId, ForkState, RRefId
+from rpcx.rref_protocol import RRefService
 from rpcx.serialization import (
     EncodeContext,
     ReduceError,
     current_decode_context,
     register_extension,
 )
+from rpcx.service_host import Deferred, ServiceHost, describe_callable
 from rpcx.worker import WorkerInfo
 
 __all__ = ["RRef", "create_remote", "install", "service"]
@@ -50,7 +51,7 @@ _CONFIRM_WAIT = 60.0  # bound on waiting for an owner's confirmation when calls 
 log = logging.getLogger("rpcx.rref")
 
 
-def service(agent: RpcAgent) -> RRefService:
+def service(agent: ServiceHost) -> RRefService:
     """The RRef service of ``agent``."""
     svc: RRefService = agent.services[_SERVICE]
     return svc
@@ -64,23 +65,20 @@ class RRef(Generic[T]):
     as long as any RRef to it exists on any worker.
     """
 
-    _agent: RpcAgent
-    _id: RRefId
-    _owner: WorkerInfo
-    _fork: ForkId | None
+    _agent: ServiceHost
+    _fork_state: ForkState
     _created: RpcFuture[Any] | None
-    _confirmed: threading.Event
 
     def __init__(self, value: T, type_hint: type | None = None) -> None:
         agent = _context.current_agent()
         rref_id, fork = service(agent).create_local(value)
         self._bind(agent, rref_id, agent.info, fork, None, confirmed=True)
-        service(agent).register_object(fork, self)
+        service(agent).register_object(self._fork_state)
 
     @classmethod
     def _make(
         cls,
-        agent: RpcAgent,
+        agent: ServiceHost,
         rref_id: RRefId,
         owner: WorkerInfo,
         fork: ForkId,
@@ -89,13 +87,13 @@ class RRef(Generic[T]):
     ) -> RRef[Any]:
         rref: RRef[Any] = cls.__new__(cls)
         rref._bind(agent, rref_id, owner, fork, created, confirmed)
-        if service(agent).register_object(fork, rref):
-            rref._mark_confirmed()
+        if service(agent).register_object(rref._fork_state):
+            rref._fork_state.confirm()
         return rref
 
     def _bind(
         self,
-        agent: RpcAgent,
+        agent: ServiceHost,
         rref_id: RRefId,
         owner: WorkerInfo,
         fork: ForkId,
@@ -103,23 +101,27 @@ class RRef(Generic[T]):
         confirmed: bool,
     ) -> None:
         self._agent = agent
-        self._id = rref_id
-        self._owner = owner
-        self._fork = fork
+        self._fork_state = ForkState(rref_id, owner, fork, confirmed)
         self._created = created  # the remote() call that creates the value, if we made it
-        self._confirmed = threading.Event()
-        if confirmed:
-            self._confirmed.set()
-        elif created is not None:
+        if not confirmed and created is not None:
             add_internal_callback(created, self._on_created)
 
     def __del__(self) -> None:
         try:
             svc = self._agent.services.get(_SERVICE)
-            if svc is not None and self._fork is not None:
-                svc.schedule_delete(self._owner.id, self._id, self._fork)
+            state = self._fork_state
+            if svc is not None:
+                svc.schedule_delete(state.owner.id, state.rref_id, state.fork)
         except Exception:  # interpreter shutdown, half-built object: nothing to release
             pass
+
+    @property
+    def _id(self) -> RRefId:
+        return self._fork_state.rref_id
+
+    @property
+    def _owner(self) -> WorkerInfo:
+        return self._fork_state.owner
 
     # ------------------------------------------------------------------- identity
 
@@ -135,17 +137,13 @@ class RRef(Generic[T]):
         """The owner's name."""
         return self._owner.name
 
-    # Set (with _confirmed, to wake waiters) when no confirmation can come any more:
-    # the owner is gone, or this worker shut down.
-    _unconfirmable = False
-
     def confirmed_by_owner(self) -> bool:
         """True once the owner is known to have registered this reference."""
-        return self._confirmed.is_set() and not self._unconfirmable
+        return self._fork_state.confirmed
 
     def _wait_confirmed(self, timeout: float) -> bool:
         """Block until confirmed (for tests and debugging); False after ``timeout``."""
-        return self._confirmed.wait(timeout) and not self._unconfirmable
+        return self._fork_state.wait(timeout)
 
     def _await_confirmation(self) -> None:
         """Before a request that carried this RRef runs: wait for the owner's word.
@@ -156,25 +154,18 @@ class RRef(Generic[T]):
         bounded (the default RPC timeout) and ends at once if the owner is lost; the
         call then runs with the RRef unconfirmed.
         """
-        if self._confirmed.is_set():
+        if self._fork_state.settled:
             return
         bound = self._agent.timeout_for(None) or _CONFIRM_WAIT
         with blocking():
-            confirmed = self._confirmed.wait(bound)
+            confirmed = self._fork_state.wait_settled(bound)
         if not confirmed:
             log.warning("%s: %r not confirmed by its owner within %g s; running the call "
                         "that carried it anyway", self._agent.name, self, bound)
 
-    def _mark_unconfirmable(self) -> None:
-        self._unconfirmable = True
-        self._confirmed.set()
-
-    def _mark_confirmed(self) -> None:
-        self._confirmed.set()
-
     def _on_created(self, created: torch.futures.Future[Any]) -> None:
         if not _failed(created):
-            self._confirmed.set()
+            self._fork_state.confirm()
 
     def __repr__(self) -> str:
         kind = "OwnerRRef" if self.is_owner() else "UserRRef"
@@ -213,7 +204,7 @@ class RRef(Generic[T]):
                 wait_done(self._created, bound)
             self._raise_if_creation_failed()
             raise
-        self._confirmed.set()  # the owner answered for this reference
+        self._fork_state.confirm()  # the owner answered for this reference
         return value
 
     def _fetch(self, timeout: float) -> RpcFuture[Any]:
@@ -441,7 +432,7 @@ def _forward(source: torch.futures.Future[Any], target: torch.futures.Future[Any
 
 
 def create_remote(
-    agent: RpcAgent,
+    agent: ServiceHost,
     dst: WorkerInfo,
     func: Any,
     args: Any,
@@ -469,7 +460,7 @@ def create_remote(
 # ------------------------------------------------------------------- request handlers
 
 
-def _handle_remote_call(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
+def _handle_remote_call(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
     svc = service(agent)
 
     def handle(caller: WorkerInfo, payload: Any) -> Any:
@@ -508,7 +499,9 @@ def _handle_remote_call(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
     return handle
 
 
-def _remote_call_undecodable(agent: RpcAgent) -> Callable[[WorkerInfo, Any, BaseException], None]:
+def _remote_call_undecodable(
+    agent: ServiceHost,
+) -> Callable[[WorkerInfo, Any, BaseException], None]:
     svc = service(agent)
 
     def settle(caller: WorkerInfo, payload: Any, error: BaseException) -> None:
@@ -522,7 +515,7 @@ def _remote_call_undecodable(agent: RpcAgent) -> Callable[[WorkerInfo, Any, Base
     return settle
 
 
-def _handle_fetch(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
+def _handle_fetch(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
     svc = service(agent)
 
     def handle(caller: WorkerInfo, rref_id: Any) -> Any:
@@ -531,7 +524,7 @@ def _handle_fetch(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
     return handle
 
 
-def _handle_forks(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
+def _handle_forks(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
     svc = service(agent)
 
     def handle(caller: WorkerInfo, forks: Any) -> None:
@@ -540,7 +533,7 @@ def _handle_forks(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
     return handle
 
 
-def _handle_delete(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
+def _handle_delete(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
     svc = service(agent)
 
     def handle(caller: WorkerInfo, forks: Any) -> None:
@@ -549,7 +542,7 @@ def _handle_delete(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
     return handle
 
 
-def _handle_confirm(agent: RpcAgent) -> Callable[[WorkerInfo, Any], Any]:
+def _handle_confirm(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
     svc = service(agent)
 
     def handle(caller: WorkerInfo, forks: Any) -> None:
@@ -597,14 +590,14 @@ def _rebuild_rref(
     rref_id: RRefId, owner_rank: int, owner_name: str, fork: ForkId, from_owner: bool
 ) -> RRef[Any]:
     ctx = current_decode_context()
-    agent: RpcAgent = ctx.agent
+    agent: ServiceHost = ctx.agent
     confirmed = from_owner or owner_rank == agent.rank
     owner = agent.workers[owner_rank] if 0 <= owner_rank < agent.world_size else None
     if owner is None or owner.name != owner_name:
         owner = WorkerInfo(owner_name, owner_rank)
     rref = RRef._make(agent, (rref_id[0], rref_id[1]), owner, (fork[0], fork[1]), None,
                       confirmed)
-    if not rref._confirmed.is_set():  # forked by a third worker: the owner confirms
+    if not rref._fork_state.settled:  # forked by a third worker: the owner confirms
         if ctx.before_serve is None:
             ctx.before_serve = []
         ctx.before_serve.append(rref._await_confirmation)
@@ -614,7 +607,7 @@ def _rebuild_rref(
 register_extension(RRef, _reduce_rref)
 
 
-def install(agent: RpcAgent) -> None:
+def install(agent: ServiceHost) -> None:
     """Give ``agent`` its RRef service and serve RRef requests."""
     svc = RRefService(agent)
     agent.services[_SERVICE] = svc

@@ -50,7 +50,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -58,17 +58,13 @@ from rpcx._timer import within
 from rpcx.errors import PeerLostError, RpcError, RpcShutdownError
 from rpcx.futures import add_internal_callback, wait_done
 from rpcx.messages import MessageKind
-
-if TYPE_CHECKING:
-    from rpcx.agent import RpcAgent
-    from rpcx.rref import RRef
+from rpcx.rref_fork import ForkId, ForkState, RRefId
+from rpcx.service_host import ServiceHost
+from rpcx.worker import WorkerInfo
 
 __all__ = ["ForkId", "RRefId", "RRefService"]
 
 log = logging.getLogger("rpcx.rref")
-
-RRefId = tuple[int, int]  # (creating rank, counter), unique in the world
-ForkId = tuple[int, int]  # (rank that made the fork, counter)
 
 _FREED_IDS_KEPT = 65536  # recently freed ids remembered, to answer late calls
 _CONFIRMED_EARLY_KEPT = 65536  # confirmations parked for RRefs not decoded yet
@@ -86,10 +82,22 @@ class _Entry:
     created: bool = False  # the value exists, or its creating call has started
 
 
+class Announced(Protocol):
+    """What :meth:`RRefService.announce` reads of the RRef whose fork it announces."""
+
+    @property
+    def _id(self) -> RRefId:
+        """The RRef's id."""
+
+    @property
+    def _owner(self) -> WorkerInfo:
+        """The RRef's owner."""
+
+
 class RRefService:
     """One worker's side of the protocol: its owner table and its references."""
 
-    def __init__(self, agent: RpcAgent) -> None:
+    def __init__(self, agent: ServiceHost) -> None:
         self.agent = agent
         self.rank = agent.rank
         self._counter = itertools.count(1)
@@ -97,7 +105,8 @@ class RRefService:
         self._freeing = 0  # batches of freed values handed to the completion lane
         self._all_freed = threading.Condition(self._lock)
         self._entries: dict[RRefId, _Entry] = {}
-        self._objects: weakref.WeakValueDictionary[ForkId, RRef[Any]] = (
+        # The fork state of every live RRef object here (each lives as long as its RRef).
+        self._objects: weakref.WeakValueDictionary[ForkId, ForkState] = (
             weakref.WeakValueDictionary()
         )
         self._confirmed_early: collections.OrderedDict[ForkId, None] = collections.OrderedDict()
@@ -224,7 +233,7 @@ class RRefService:
                 else:
                     self._free_if_unused_locked(rref_id, entry, freed)
         self._release(freed)
-        self._wake_unconfirmed(lambda rref: rref._owner.id == rank)
+        self._wake_unconfirmed(lambda state: state.owner.id == rank)
         for entry in orphans:
             if not entry.value.done():
                 entry.value.set_exception(
@@ -283,37 +292,43 @@ class RRefService:
 
     # ------------------------------------------------------------------- user side
 
-    def register_object(self, fork: ForkId, rref: RRef[Any]) -> bool:
-        """Track a live RRef object; returns True if its owner already confirmed it."""
+    def register_object(self, state: ForkState) -> bool:
+        """Track a live RRef object's fork state; returns True if its owner already
+        confirmed it."""
         with self._lock:
-            self._objects[fork] = rref
-            return self._confirmed_early.pop(fork, False) is None
+            self._objects[state.fork] = state
+            return self._confirmed_early.pop(state.fork, False) is None
 
-    def _wake_unconfirmed(self, which: Callable[[RRef[Any]], bool]) -> None:
+    def _wake_unconfirmed(self, which: Callable[[ForkState], bool]) -> None:
         """RRefs waiting for a confirmation that cannot come now: stop their waits."""
-        for rref in list(self._objects.values()):
-            if not rref._confirmed.is_set() and which(rref):
-                rref._mark_unconfirmable()
+        for state in list(self._objects.values()):
+            if not state.settled and which(state):
+                state.give_up()
 
     def confirm(self, forks: list[ForkId]) -> None:
         """The owner registered these forks."""
         confirmed = []
         with self._lock:
             for fork in forks:
-                rref = self._objects.get(fork)
-                if rref is not None:
-                    confirmed.append(rref)
+                state = self._objects.get(fork)
+                if state is not None:
+                    confirmed.append(state)
                 else:
                     # Not decoded here yet, or already dropped: park it, boundedly (a
                     # confirmation for an RRef that is already gone is never claimed).
                     self._confirmed_early[fork] = None
                     if len(self._confirmed_early) > _CONFIRMED_EARLY_KEPT:
                         self._confirmed_early.popitem(last=False)
-        for rref in confirmed:
-            rref._mark_confirmed()
+        for state in confirmed:
+            state.confirm()
 
-    def announce(self, rref: RRef[Any], fork: ForkId, holder: int) -> None:
-        """Register a new fork of ``rref`` for ``holder`` with its owner (before sending)."""
+    def announce(self, rref: Announced, fork: ForkId, holder: int) -> None:
+        """Register a new fork of ``rref`` for ``holder`` with its owner (before sending).
+
+        The announcement holds ``rref`` (so its own fork) until the owner answers. It
+        reads the RRef's id and owner only (``_id``, ``_owner``: tests hand it a
+        stand-in with just those); its confirmation is driven through its ForkState.
+        """
         owner = rref._owner.id
         if owner == self.rank:
             self.add_forks([(rref._id, fork, holder)], self.rank)
@@ -495,8 +510,8 @@ class RRefService:
                 "owned": len(self._entries),
                 "owned_values": sum(1 for e in self._entries.values() if e.created),
                 "references_to_owned": sum(len(e.forks) for e in self._entries.values()),
-                "user_rrefs": sum(1 for r in objects if r._owner.id != self.rank),
-                "owner_rrefs": sum(1 for r in objects if r._owner.id == self.rank),
+                "user_rrefs": sum(1 for r in objects if r.owner.id != self.rank),
+                "owner_rrefs": sum(1 for r in objects if r.owner.id == self.rank),
                 "pending_forks": self._inflight_forks,
                 "pending_deletes": len(self._deletions) + len(self._inflight)
                 - self._inflight_forks + noted,
@@ -508,7 +523,7 @@ class RRefService:
         and 5) and release every owned value."""
         self._closed = True
         self._wake.put(False)
-        self._wake_unconfirmed(lambda rref: True)
+        self._wake_unconfirmed(lambda state: True)
         if self._deleter is not threading.current_thread():
             self._deleter.join(within(5.0, left))
         with self._lock:
