@@ -16,7 +16,7 @@ different numbers of calls) runs once per round; backward functions are linear i
 their incoming gradient, so the sums are still torch's, and passes keep the graph
 (``retain_graph=True``) until the context is released to allow it.
 
-A recv node accepts a gradient only while a pass runs (``service.active_pass``), and a
+A recv node accepts a gradient only while a pass runs (:attr:`LocalEngine.active`), and a
 CPU gradient only on that pass's own thread (torch runs CUDA nodes on its per-device
 threads): a plain ``loss.backward()`` that reaches one raises and says to use
 ``rpcx.autograd.backward``; an edge recorded in another context drops its gradient,
@@ -34,20 +34,27 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from rpcx.autograd.service import AutogradService
-
-__all__ = ["ActivePass", "OnOutboxFull", "Outbox", "Pass", "find_leaves", "make_recv", "run_pass"]
+__all__ = ["ActivePass", "Collector", "LocalEngine", "OnOutboxFull", "Outbox", "Pass",
+           "find_leaves"]
 
 log = logging.getLogger("rpcx.autograd")
 
 # Gradients a pass owes its peers: rank -> [(send tag, index, gradient)]; a gradient
 # bound for a device rather than the CPU travels as a ``Placed``.
 Outbox = dict[int, list[tuple[int, int, Any]]]
+
+
+class Collector(Protocol):
+    """Where a recv node's gradient goes (the autograd service): it checks the gradient
+    against the running pass and adds it to that pass's outbox."""
+
+    def collect(self, peer: int, context_id: int, tag: int, index: int, grad: torch.Tensor,
+                source: torch.device | None = None) -> None:
+        """A recv node's gradient, owed to ``peer`` for send ``tag``, position ``index``."""
 
 
 class _RecvBackward(torch.autograd.Function):
@@ -69,31 +76,9 @@ class _RecvBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None, None]:
         if grad is not None:
-            service, peer, context_id, tag, index, source = ctx.origin
-            service.collect(peer, context_id, tag, index, grad, source)
+            collector, peer, context_id, tag, index, source = ctx.origin
+            collector.collect(peer, context_id, tag, index, grad, source)
         return None, None, None
-
-
-def make_recv(
-    service: AutogradService,
-    anchor: torch.Tensor,
-    received: torch.Tensor,
-    peer: int,
-    context_id: int,
-    tag: int,
-    index: int,
-    source: torch.device | None = None,
-) -> torch.Tensor:
-    """``received`` as the output of a recv node whose gradient goes back to ``peer``.
-
-    ``source`` is the device the tensor was on at ``peer`` (``None`` for CPU); the
-    gradient goes back there.
-    """
-    with torch.enable_grad():
-        out: torch.Tensor = _RecvBackward.apply(  # type: ignore[no-untyped-call]
-            anchor, received, (service, peer, context_id, tag, index, source)
-        )
-    return out
 
 
 def find_leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -142,7 +127,7 @@ OnOutboxFull = Callable[[Outbox], None]
 
 @dataclass
 class ActivePass:
-    """The pass running on a worker (``service.active_pass``): what recv nodes check."""
+    """The pass running on a worker (:attr:`LocalEngine.active`): what recv nodes check."""
 
     thread: int
     context_id: int
@@ -151,62 +136,99 @@ class ActivePass:
     on_full: OnOutboxFull | None
 
 
-def run_pass(
-    service: AutogradService,
-    context_id: int,
-    tensors: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    earlier: Sequence[torch.Tensor] = (),
-    on_full: OnOutboxFull | None = None,
-) -> Pass:
-    """Run the local engine from ``tensors`` with ``grads``.
+class LocalEngine:
+    """One worker's local side of distributed backward: the leaf every recv node hangs
+    from, and the pass running now (:attr:`active`, which only :meth:`run_pass` sets).
 
-    Returns ``(found, rewritten, outbox)``: the gradients this pass produced for the
-    leaves it reached, to be added to the context; the gradients written during the
-    pass into leaves of ``earlier`` (leaves given gradients by earlier passes of this
-    context) that it did not reach, which replace the context's; and the gradients owed
-    to peers. ``.grad`` is left as it was.
-
-    Only a hook can write a leaf's gradient without the pass reaching the leaf: DDP
-    does, when the last of its buckets becomes ready in this pass, writing every
-    parameter's all-reduced gradient, also of parameters an earlier pass reached (its
-    bucket holds their gradients since). That written value is the whole gradient, so
-    it replaces what the context has, as torch's DDP does to a torch context.
-
-    ``on_full(outbox)`` runs on this thread, inside the engine, as soon as every recv
-    node the pass can reach has given its gradient: the driver of a backward pass hands
-    a chain on from there, so its peers work while its own engine still runs the rest
-    (DDP's all-reduce, say). It never runs if a reachable recv node gives no gradient.
-
-    The caller holds ``service.grad_lock`` (taken with ``rpcx._pool.holding``), for the
-    pass and for what it does with the result.
+    Recv nodes send their gradients to ``collector`` (the autograd service).
     """
-    found_leaves, recvs = _explore(tensors)
-    leaves = [leaf for leaf in found_leaves if leaf is not service.anchor]
-    if earlier:
-        reached = {id(leaf) for leaf in leaves}
-        others = [leaf for leaf in earlier if id(leaf) not in reached]
-    else:
-        others = []
-    saved = [leaf.grad for leaf in leaves]
-    saved_others = [leaf.grad for leaf in others]
-    for leaf in leaves:
-        leaf.grad = None
-    for leaf in others:
-        leaf.grad = None
-    outbox: Outbox = {}
-    # (CPU nodes run on this thread, CUDA nodes on torch's device threads; recv
-    # nodes check what they can, see AutogradService.collect.)
-    service.active_pass = ActivePass(
-        threading.get_ident(), context_id, outbox, recvs, on_full
-    )
-    try:
-        torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
-    finally:
-        service.active_pass = None
-        found = _take_grads(leaves, saved)
-        rewritten = _take_grads(others, saved_others)
-    return found, rewritten, outbox
+
+    def __init__(self, collector: Collector) -> None:
+        self._collector = collector
+        # Every recv node hangs from this leaf, so that torch records the node at all.
+        self.anchor = torch.empty(0, requires_grad=True)
+        self._active: ActivePass | None = None
+
+    @property
+    def active(self) -> ActivePass | None:
+        """The pass running on this worker now, or ``None``."""
+        return self._active
+
+    def make_recv(
+        self,
+        received: torch.Tensor,
+        peer: int,
+        context_id: int,
+        tag: int,
+        index: int,
+        source: torch.device | None = None,
+    ) -> torch.Tensor:
+        """``received`` as the output of a recv node whose gradient goes back to ``peer``.
+
+        ``source`` is the device the tensor was on at ``peer`` (``None`` for CPU); the
+        gradient goes back there.
+        """
+        with torch.enable_grad():
+            out: torch.Tensor = _RecvBackward.apply(  # type: ignore[no-untyped-call]
+                self.anchor, received, (self._collector, peer, context_id, tag, index, source)
+            )
+        return out
+
+    def run_pass(
+        self,
+        context_id: int,
+        tensors: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        earlier: Sequence[torch.Tensor] = (),
+        on_full: OnOutboxFull | None = None,
+    ) -> Pass:
+        """Run the local engine from ``tensors`` with ``grads``.
+
+        Returns ``(found, rewritten, outbox)``: the gradients this pass produced for the
+        leaves it reached, to be added to the context; the gradients written during the
+        pass into leaves of ``earlier`` (leaves given gradients by earlier passes of this
+        context) that it did not reach, which replace the context's; and the gradients
+        owed to peers. ``.grad`` is left as it was.
+
+        Only a hook can write a leaf's gradient without the pass reaching the leaf: DDP
+        does, when the last of its buckets becomes ready in this pass, writing every
+        parameter's all-reduced gradient, also of parameters an earlier pass reached (its
+        bucket holds their gradients since). That written value is the whole gradient, so
+        it replaces what the context has, as torch's DDP does to a torch context.
+
+        ``on_full(outbox)`` runs on this thread, inside the engine, as soon as every recv
+        node the pass can reach has given its gradient: the driver of a backward pass
+        hands a chain on from there, so its peers work while its own engine still runs
+        the rest (DDP's all-reduce, say). It never runs if a reachable recv node gives no
+        gradient.
+
+        The caller holds the service's ``grad_lock`` (taken with
+        ``rpcx._pool.holding``), for the pass and for what it does with the result.
+        """
+        found_leaves, recvs = _explore(tensors)
+        leaves = [leaf for leaf in found_leaves if leaf is not self.anchor]
+        if earlier:
+            reached = {id(leaf) for leaf in leaves}
+            others = [leaf for leaf in earlier if id(leaf) not in reached]
+        else:
+            others = []
+        saved = [leaf.grad for leaf in leaves]
+        saved_others = [leaf.grad for leaf in others]
+        for leaf in leaves:
+            leaf.grad = None
+        for leaf in others:
+            leaf.grad = None
+        outbox: Outbox = {}
+        # (CPU nodes run on this thread, CUDA nodes on torch's device threads; recv
+        # nodes check what they can, see AutogradService.collect.)
+        self._active = ActivePass(threading.get_ident(), context_id, outbox, recvs, on_full)
+        try:
+            torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
+        finally:
+            self._active = None
+            found = _take_grads(leaves, saved)
+            rewritten = _take_grads(others, saved_others)
+        return found, rewritten, outbox
 
 
 def _take_grads(leaves: Sequence[torch.Tensor], saved: Sequence[torch.Tensor | None]) -> Grads:

@@ -26,12 +26,12 @@ import torch
 
 from rpcx._pool import holding
 from rpcx._timer import within
-from rpcx.agent import Deferred, RpcAgent
-from rpcx.autograd.engine import ActivePass, Outbox, make_recv, run_pass
+from rpcx.autograd.engine import LocalEngine, Outbox
 from rpcx.errors import PeerLostError, RemoteErrorInfo, RpcError, RpcTimeoutError
 from rpcx.futures import RpcFuture, add_internal_callback, all_done, wait, wait_done
 from rpcx.messages import MessageKind
 from rpcx.serialization import DecodeContext, EncodeContext, Placed, set_scope_hooks
+from rpcx.service_host import Deferred, ServiceHost
 from rpcx.worker import WorkerInfo
 
 __all__ = ["AutogradContext", "AutogradService", "current_context_id", "install", "service"]
@@ -100,7 +100,7 @@ class AutogradContext:
             return list(self.grads)
 
 
-def service(agent: RpcAgent) -> AutogradService:
+def service(agent: ServiceHost) -> AutogradService:
     """The autograd service of ``agent``."""
     svc: AutogradService = agent.services[_SERVICE]
     return svc
@@ -109,7 +109,7 @@ def service(agent: RpcAgent) -> AutogradService:
 class AutogradService:
     """Distributed autograd for one worker; also the agent's message scope."""
 
-    def __init__(self, agent: RpcAgent) -> None:
+    def __init__(self, agent: ServiceHost) -> None:
         self.agent = agent
         self._contexts: dict[int, AutogradContext] = {}
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -123,10 +123,8 @@ class AutogradService:
         self.passes = 0  # local passes run here, ever (debug_info shows it)
         # One local pass at a time on this worker (see rpcx.autograd.engine).
         self.grad_lock = threading.RLock()
-        # The pass running now (see rpcx.autograd.engine.run_pass).
-        self.active_pass: ActivePass | None = None
-        # Every recv node hangs from this leaf, so that torch records the node at all.
-        self.anchor = torch.empty(0, requires_grad=True)
+        # Local passes, the pass running now and the recv nodes' anchor leaf.
+        self.engine = LocalEngine(self)
 
     # ----------------------------------------------------------------------- contexts
 
@@ -315,8 +313,8 @@ class AutogradService:
         ctx.scope_count += 1
         if self._joined(ctx.scope, ctx.peer) is None:  # released: a plain leaf
             return tensor.requires_grad_(True)
-        return make_recv(self, self.anchor, tensor, ctx.peer, ctx.scope, ctx.scope_tag, index,
-                         ctx.source_device)
+        return self.engine.make_recv(tensor, ctx.peer, ctx.scope, ctx.scope_tag, index,
+                                     ctx.source_device)
 
     # ------------------------------------------------------------------------ passes
 
@@ -330,7 +328,7 @@ class AutogradService:
         source: torch.device | None = None,
     ) -> None:
         """A recv node's gradient, to be sent to ``peer`` when the running pass ends."""
-        running = self.active_pass
+        running = self.engine.active
         # torch runs CPU nodes on the thread that called backward, so a CPU gradient on
         # another thread comes from someone else's plain backward. CUDA nodes run on
         # torch's per-device threads: for those, a pass in progress is all we can check.
@@ -498,8 +496,8 @@ class AutogradService:
         # on early that comes back here) must see this pass's leaves among the earlier
         # ones, or it would miss gradients DDP rewrites in it.
         with holding(self.grad_lock):
-            found, rewritten, outbox = run_pass(
-                self, context.id, tensors, grads, context.leaves(), on_full
+            found, rewritten, outbox = self.engine.run_pass(
+                context.id, tensors, grads, context.leaves(), on_full
             )
             self.passes += 1
             context.accumulate(found, rewritten)
@@ -661,7 +659,7 @@ def _describe_context(context_id: Any) -> str:
     return f"context {context_id}"
 
 
-def install(agent: RpcAgent) -> None:
+def install(agent: ServiceHost) -> None:
     """Give ``agent`` distributed autograd: its service, scope and handlers."""
     svc = AutogradService(agent)
     agent.services[_SERVICE] = svc
