@@ -16,8 +16,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["PeerBudget"]
+from rpcx._pool import blocking
+from rpcx.errors import RpcTimeoutError
+
+__all__ = ["BackPressure", "BytesInFlight", "PeerBudget"]
 
 
 class PeerBudget:
@@ -88,3 +92,70 @@ class PeerBudget:
     def _fits(self, dst: int, nbytes: int) -> bool:
         used = self._in_flight[dst]
         return used == 0 or used + nbytes <= self.limit
+
+
+class BackPressure:
+    """The call path's back-pressure policy; this default holds nothing back.
+
+    The call path asks :meth:`admit` before it registers a request (never on a thread
+    that delivers frames, never for rpcx's control messages), :meth:`give` back a
+    completed request's bytes, and :meth:`wake` waiters when a peer is lost or the
+    worker closes.
+    """
+
+    def admit(self, dst: int, dst_name: str, nbytes: int, timeout: float | None,
+              call: str, gone: Callable[[], bool]) -> tuple[int, BaseException | None]:
+        """Count a request's bytes to ``dst``: ``(bytes counted, error to fail it with)``."""
+        return 0, None
+
+    def give(self, dst: int, nbytes: int) -> None:
+        """A request of ``nbytes`` to ``dst`` completed."""
+
+    def wake(self) -> None:
+        """Wake every waiter to look again (a peer was lost, or the worker closes)."""
+
+    def report(self, names: list[str]) -> dict[str, Any]:
+        """``bytes_in_flight`` (by peer name, where not zero) and ``calls_held_back``."""
+        return {"bytes_in_flight": {}, "calls_held_back": 0}
+
+
+class BytesInFlight(BackPressure):
+    """Back-pressure on: at most ``limit`` bytes of requests in flight to each peer."""
+
+    def __init__(self, world_size: int, limit: int) -> None:
+        self.budget = PeerBudget(world_size, limit)
+
+    def admit(self, dst: int, dst_name: str, nbytes: int, timeout: float | None,
+              call: str, gone: Callable[[], bool]) -> tuple[int, BaseException | None]:
+        """Count the bytes, waiting within the call's timeout for room. A wait that ends
+        because ``gone()`` (the peer was lost, the worker closed) counts nothing and
+        returns no error: registering the call then refuses it with the usual one."""
+        budget = self.budget
+        if budget.try_take(dst, nbytes):
+            return nbytes, None
+        with blocking():  # (a request thread waiting here lets the pool grow)
+            taken = budget.take(dst, nbytes, timeout, gone)
+        if taken:
+            return nbytes, None
+        if gone():
+            return 0, None
+        return 0, RpcTimeoutError(
+            f"{call} to worker {dst_name!r}: not sent within its timeout "
+            f"({timeout:g} s): {budget.in_flight(dst) / 2**20:.1f} MiB of calls "
+            f"to it are still unanswered, and this one ({nbytes / 2**20:.1f} MiB) would pass "
+            f"max_bytes_in_flight ({budget.limit / 2**20:.1f} MiB)")
+
+    def give(self, dst: int, nbytes: int) -> None:
+        """A request of ``nbytes`` to ``dst`` completed: room for others."""
+        self.budget.give(dst, nbytes)
+
+    def wake(self) -> None:
+        """Wake every waiter to look again."""
+        self.budget.wake()
+
+    def report(self, names: list[str]) -> dict[str, Any]:
+        """``bytes_in_flight`` (by peer name, where not zero) and ``calls_held_back``."""
+        budget = self.budget
+        return {"bytes_in_flight": {name: budget.in_flight(rank)
+                                    for rank, name in enumerate(names) if budget.in_flight(rank)},
+                "calls_held_back": budget.waits}

@@ -36,6 +36,8 @@ class Heartbeat:
         timeout: seconds of quiet after which ``on_silent(rank, seconds)`` is called,
             once; ``on_heard(rank, seconds)`` follows when a frame arrives again.
         ping: sends a ping to a rank; must not block (the agent hands it to its pool).
+        heard: the per-rank count of frames received that the receiving side bumps
+            (one of ``world_size`` zeros if not given).
     """
 
     def __init__(
@@ -49,8 +51,10 @@ class Heartbeat:
         ping: Callable[[int], None],
         on_silent: Callable[[int, float], None],
         on_heard: Callable[[int, float], None],
+        heard: list[int] | None = None,
     ) -> None:
-        self.heard = [0] * world_size  # bumped by the agent per frame received
+        # Frames received per rank, bumped by the receiving side (``heard``, if given).
+        self.heard = heard if heard is not None else [0] * world_size
         self._peers = list(peers)
         self._interval = interval
         self._timeout = timeout

@@ -13,14 +13,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from rpcx.futures import RpcFuture
 from rpcx.worker import WorkerInfo
 
-__all__ = ["CLOSED", "PendingCall", "PendingCalls", "describe_callable"]
+__all__ = ["PendingCall", "PendingCalls", "Refused", "describe_callable"]
 
-CLOSED = object()  # returned by PendingCalls.add once the table is closed
+
+class Refused(NamedTuple):
+    """Why :meth:`PendingCalls.register` refused a call."""
+
+    closed: bool
+    """The worker closed (its table refuses every call)."""
+    reason: str
+    """Otherwise: why the destination is lost or unresponsive."""
+
+
+_CLOSED = Refused(True, "")
 
 
 def describe_callable(func: Any) -> str:
@@ -78,16 +88,16 @@ class PendingCalls:
     def __contains__(self, rid: object) -> bool:
         return rid in self._calls
 
-    def add(self, rid: int, call: PendingCall) -> object | str | None:
-        """Register ``call``: ``None``, or why it was refused (the peer's lost reason,
-        or :data:`CLOSED`)."""
+    def register(self, rid: int, call: PendingCall) -> Refused | None:
+        """Register ``call`` as request ``rid``; ``None``, or why it was refused."""
         with self._lock:
             if self._closed:
-                return CLOSED
-            refused = self._lost.get(call.dst.id) or self._silent.get(call.dst.id)
-            if refused is None:
+                return _CLOSED
+            reason = self._lost.get(call.dst.id) or self._silent.get(call.dst.id)
+            if reason is None:
                 self._calls[rid] = call
-            return refused
+                return None
+            return Refused(False, reason)
 
     def get(self, rid: int) -> PendingCall | None:
         """The call waiting for reply ``rid``, still registered."""

@@ -33,7 +33,7 @@ from rpcx._timer import DeadlineTimer
 from rpcx.messages import MessageKind
 from rpcx.transport import Frame
 
-__all__ = ["ACKED_KINDS", "RETRIED_KINDS", "ReplyCache", "Resender",
+__all__ = ["ACKED_KINDS", "RETRIED_KINDS", "NoRetransmission", "ReplyCache", "Resender",
            "Retransmission", "copy_of_frame"]
 
 # Requests sent again until answered, and one-way messages sent as such requests.
@@ -141,12 +141,52 @@ class ReplyCache:
             self._replies[src].clear()
 
 
-class Retransmission:
-    """Both ends of a worker's bookkeeping on a lossy transport: what the agent calls.
+class NoRetransmission:
+    """The call path's policy on a reliable transport: nothing is kept or sent again.
+
+    :class:`Retransmission` is the one for lossy transports; the call path calls the
+    same methods on either, so its hot path has no branch for the lossy case.
+    """
+
+    lossy = False
+
+    @property
+    def resent(self) -> int:
+        """Copies of requests sent again so far."""
+        return 0
+
+    @staticmethod
+    def acknowledges(kind: int) -> bool:
+        """Whether a one-way message of ``kind`` goes as an acknowledged request: no."""
+        return False
+
+    def sent(self, kind: int, rid: int, dst: int, frame: Frame) -> None:
+        """Request ``rid`` is being sent."""
+
+    def received(self, src: int, kind: int, rid: int) -> None:
+        """Request ``rid`` from ``src`` arrived for the first time."""
+
+    def copy_received(self, src: int, rid: int) -> None:
+        """A copy of request ``rid`` from ``src`` arrived (a duplicating transport)."""
+
+    def answered(self, src: int, rid: int, frame: Frame) -> None:
+        """The reply to ``src``'s request ``rid`` is being sent."""
+
+    def forget(self, rank: int) -> None:
+        """Worker ``rank`` is gone."""
+
+    def close(self, timeout: float) -> None:
+        """The worker closes."""
+
+
+class Retransmission(NoRetransmission):
+    """Both ends of a worker's bookkeeping on a lossy transport: what the call path calls.
 
     ``send_copy(dst, frame)`` sends a spare copy without waiting (the agent hands it to
     its request pool).
     """
+
+    lossy = True
 
     def __init__(self, name: str, world_size: int, send_copy: Callable[[int, Frame], None],
                  is_pending: Callable[[int], bool], on_thread_start: Callable[[], None]) -> None:

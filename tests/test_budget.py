@@ -76,12 +76,12 @@ def test_a_call_refused_after_taking_its_bytes_gives_them_back() -> None:
     with world("loopback", size=2, max_bytes_in_flight=3 * MiB // 2):
         agent = _context.current_agent()
         # What the heartbeat reports (it does not run on loopback: threads cannot hang apart).
-        agent._on_silent(1, 5.0)
+        agent._health.on_silent(1, 5.0)
         refused = rpcx.rpc_async("worker1", remote.tensor_sum, args=(megabyte,), timeout=BOUND)
         with pytest.raises(rpcx.PeerLostError, match="unresponsive"):
             refused.wait()
         assert rpcx.debug_info()["bytes_in_flight"] == {}
-        agent._on_heard_again(1, 5.0)
+        agent._health.on_heard_again(1, 5.0)
         assert agent.wait_responsive(1, BOUND)
         for _ in range(2):
             assert rpcx.rpc_sync("worker1", remote.tensor_sum, args=(megabyte,),

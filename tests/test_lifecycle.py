@@ -15,7 +15,7 @@ import pytest
 
 import rpcx
 from rpcx import _context
-from rpcx import agent as agent_module
+from rpcx import _shutdown as shutdown_module
 from rpcx.registry import resolve_backend
 from rpcx.testing import remote
 from rpcx.testing.world import LOG_LEVEL_ENV, free_port, world
@@ -202,7 +202,7 @@ def test_graceful_shutdown_timeout_bounds_the_wait(
                 pending.wait()
             # It waited for the call until the bound less the share kept for the teardown
             # (a quarter of it: 0.375 s of 0.5 s).
-            waited = 0.5 * (1 - agent_module._TEARDOWN_SHARE)
+            waited = 0.5 * (1 - shutdown_module._TEARDOWN_SHARE)
             assert elapsed >= waited - 0.03, \
                 f"shutdown did not wait for the call at all ({elapsed:.2f} s)"
             # Room for a loaded machine; the call itself would have held shutdown for 60 s.

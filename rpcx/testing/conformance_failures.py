@@ -401,7 +401,7 @@ class TestBackPressure:
         # Worker1 holds four; each thread waits at worker0 until worker2 opens the gate.
         assert rpcx.rpc_sync(W2, remote.call_with, args=(
             rpcx.rpc_sync, W1, remote.wait_for_tally, (key, 4, BOUND))) == 4
-        assert agent._budget is not None and agent._budget.wait_for_waiting(3, BOUND)
+        assert agent._back_pressure.budget.wait_for_waiting(3, BOUND)
         rpcx.rpc_sync(W2, remote.call_with, args=(rpcx.rpc_sync, W1, remote.release, (key,)))
         for thread in threads:
             thread.join(BOUND)

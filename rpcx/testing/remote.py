@@ -696,7 +696,7 @@ def forge_reply(to_rank: int, request_id: int, value: Any) -> None:
     ctx = EncodeContext(to_rank, agent=agent, routes=agent.routes, response=True)
     frame = encode(MessageKind.RESULT, request_id, value, ctx)
     frame.reply_to = request_id
-    agent._send(to_rank, frame)
+    agent.send_frame(to_rank, frame)
 
 
 def send_noted_frame(to_rank: int, kind: int, payload: Any, notes: bytes) -> None:
@@ -711,7 +711,7 @@ def send_noted_frame(to_rank: int, kind: int, payload: Any, notes: bytes) -> Non
     body = plain.header[codec._ENVELOPE.size :]
     header = b"".join((codec._ENVELOPE.pack(kind | codec._NOTED, 0),
                        codec._NOTES_LEN.pack(len(notes)), notes, body))
-    agent._send(to_rank, Frame(header, plain.buffers))
+    agent.send_frame(to_rank, Frame(header, plain.buffers))
 
 
 def send_code_as(to_rank: int, kind: int, marker: str) -> None:

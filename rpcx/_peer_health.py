@@ -1,0 +1,203 @@
+"""Peer health: lost peers, silent peers, and the heartbeat that finds the silent ones.
+
+A transport reports a peer gone (``peer_lost(rank, cause, detail)``); a heartbeat
+(:mod:`rpcx._heartbeat`, multi-process backends) reports one silent past
+``heartbeat_timeout``. Either way every call pending to it fails at once with an error
+that names the worker, the call and why; a lost peer stays lost, a silent one is
+accepted again when it answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from rpcx._heartbeat import Heartbeat
+from rpcx._pending import PendingCall, PendingCalls
+from rpcx._pool import WorkerPool
+from rpcx._shutdown import Lifecycle
+from rpcx.errors import LostCause, PeerLostError, RpcShutdownError, lost_reason
+from rpcx.messages import PING, PONG, MessageKind
+from rpcx.worker import WorkerInfo
+
+__all__ = ["PeerHealth"]
+
+log = logging.getLogger("rpcx.agent")
+
+
+class PeerHealth:
+    """What this worker knows of its peers' health, and what it does about it.
+
+    Args:
+        name: this worker's name; ``workers``: every worker, by rank.
+        lifecycle: this worker's state (a peer leaving while it stops is expected).
+        pending: the calls waiting for replies (it also records lost and silent peers).
+        fail: ``fail(rids, error)`` settles those calls with ``error(pending)``.
+        on_forget: run with a rank when it is lost (policies drop what they keep for it).
+        heartbeat_timeout: the option's value, for messages.
+    """
+
+    def __init__(
+        self, *, name: str, workers: list[WorkerInfo], lifecycle: Lifecycle,
+        pending: PendingCalls,
+        fail: Callable[[list[int], Callable[[PendingCall], BaseException]], None],
+        on_forget: list[Callable[[int], None]], heartbeat_timeout: float,
+    ) -> None:
+        self._name = name
+        self._workers = workers
+        self._life = lifecycle
+        self._pending = pending
+        self._fail = fail
+        self._on_forget = on_forget
+        self.on_peer_lost: list[Callable[[int], None]] = []  # services' hooks
+        self._lock = threading.Lock()
+        self._lost_handled: set[int] = set()  # lost peers whose hooks ran
+        self._lost_causes: dict[int, LostCause] = {}  # why each lost peer is gone
+        self._lost_cond = threading.Condition(self._lock)
+        self._heard_again = threading.Condition(self._lock)
+        self._heartbeat: Heartbeat | None = None
+        self._heartbeat_timeout = heartbeat_timeout
+        self._pinging: set[int] = set()  # peers with a ping on its way
+        # Frames received per peer, bumped by the call path; the heartbeat reads it.
+        self.heard = [0] * len(workers)
+
+    # ------------------------------------------------------------------ lost
+
+    def peer_lost(self, rank: int, cause: LostCause, detail: str = "") -> None:
+        """A transport says worker ``rank`` is gone (``TransportContext.peer_lost``)."""
+        self.lost(rank, lost_reason(cause, detail), cause)
+
+    def lost(self, rank: int, reason: str, cause: LostCause) -> None:
+        """Worker ``rank`` is gone for ``reason``: fail its calls, run the hooks; once."""
+        text = f"worker {self._workers[rank].name!r} (rank {rank}) {reason}"
+        self._lost_causes.setdefault(rank, cause)  # (before the calls fail: they read it)
+        if self._heartbeat is not None:
+            self._heartbeat.forget(rank)
+        for forget in self._on_forget:
+            forget(rank)
+        victims = self._pending.lose(rank, text)
+        if victims is None:
+            return  # already known
+        # A peer that leaves while we shut down is expected; one that dies never is.
+        expected = not self._life.running and cause is LostCause.DEPARTED
+        level = logging.DEBUG if expected else logging.WARNING
+        log.log(level, "%s: %s; failing %d pending calls", self._name, text, len(victims))
+        self._fail(victims, lambda p: self.lost_error(p, text))
+        for hook in self.on_peer_lost:
+            try:
+                hook(rank)
+            except Exception:
+                log.exception("%s: peer-lost hook failed", self._name)
+        with self._lock:
+            self._lost_handled.add(rank)
+            self._lost_cond.notify_all()
+
+    def lost_error(self, pending: PendingCall, reason: str) -> BaseException:
+        """The error of ``pending``, whose peer is lost or silent for ``reason``."""
+        rank = pending.dst.id
+        cause = self._lost_causes.get(rank) or (
+            LostCause.UNRESPONSIVE if self._pending.is_silent(rank) else None)
+        return PeerLostError(f"{pending.call} to worker {pending.dst.name!r} failed: {reason}",
+                             cause=cause)
+
+    def is_lost(self, rank: int) -> bool:
+        """Whether worker ``rank`` is known to be gone (died, or left the world)."""
+        return self._pending.lost_reason(rank) is not None
+
+    def error_for(self, rank: int, call: str) -> PeerLostError:
+        """The error of ``call`` to worker ``rank``, known gone: worded as every call's."""
+        name = self._workers[rank].name
+        why = self._pending.lost_reason(rank) or f"worker {name!r} is gone"
+        return PeerLostError(f"{call} to worker {name!r} failed: {why}",
+                             cause=self._lost_causes.get(rank))
+
+    def wait_lost(self, rank: int, timeout: float | None) -> bool:
+        """Wait until worker ``rank`` is known gone and handled; False after ``timeout``."""
+        with self._lock:
+            return self._lost_cond.wait_for(lambda: rank in self._lost_handled, timeout)
+
+    def lost_causes(self) -> dict[str, LostCause]:
+        """Workers known to be gone, with the cause their transport reported, by name."""
+        return {self._workers[r].name: cause for r, cause in self._lost_causes.items()
+                if self._pending.lost_reason(r) is not None}
+
+    def lost_peers(self) -> dict[str, str]:
+        """Workers known to be gone, with the reason, by name."""
+        return {self._workers[r].name: why for r, why in self._pending.lost().items()}
+
+    # ---------------------------------------------------------------- silent
+
+    def start_heartbeat(self, rank: int, interval: float,
+                        send_one_way: Callable[[WorkerInfo, MessageKind, Any], None],
+                        pool: WorkerPool) -> None:
+        """Ping quiet peers every ``interval`` s; report those silent past the timeout."""
+
+        def ping(peer: int) -> None:
+            """Ping ``peer`` from the pool (a send may wait); one ping in flight each."""
+            with self._lock:
+                if peer in self._pinging or not self._life.running:
+                    return
+                self._pinging.add(peer)
+
+            def send() -> None:
+                try:
+                    send_one_way(self._workers[peer], MessageKind.HEARTBEAT, PING)
+                finally:
+                    with self._lock:
+                        self._pinging.discard(peer)
+
+            try:
+                pool.submit(send)
+            except RpcShutdownError:
+                with self._lock:
+                    self._pinging.discard(peer)
+
+        self._heartbeat = Heartbeat(
+            self._name, [w.id for w in self._workers if w.id != rank], len(self._workers),
+            interval=interval, timeout=self._heartbeat_timeout, ping=ping, on_silent=self.on_silent,
+            on_heard=self.on_heard_again, heard=self.heard,
+        )
+        self._heartbeat.start()
+
+    def stop_heartbeat(self) -> None:
+        """Peers leave now: silence is no news."""
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+
+    @staticmethod
+    def on_heartbeat(send_one_way: Callable[[WorkerInfo, MessageKind, Any], None],
+                     caller: WorkerInfo, payload: Any) -> None:
+        """A heartbeat message: answer a ping (any frame counts as heard)."""
+        if payload == PING:
+            send_one_way(caller, MessageKind.HEARTBEAT, PONG)
+
+    def on_silent(self, rank: int, quiet: float) -> None:
+        """Worker ``rank`` was silent for ``quiet`` s: fail its calls, refuse new ones."""
+        text = (f"worker {self._workers[rank].name!r} (rank {rank}) is unresponsive: silent "
+                f"for {quiet:.1f} s (heartbeat_timeout {self._heartbeat_timeout:g} s)")
+        victims = self._pending.silence(rank, text)
+        if victims is None:
+            return
+        log.warning("%s: %s; failing %d pending calls; calls to it fail until it answers",
+                    self._name, text, len(victims))
+        self._fail(victims, lambda p: self.lost_error(p, text))
+
+    def on_heard_again(self, rank: int, quiet: float) -> None:
+        """Worker ``rank`` answers again after ``quiet`` s: calls to it are accepted."""
+        if self._pending.hear(rank):
+            log.warning("%s: worker %r (rank %d) answers again after %.1f s of silence",
+                        self._name, self._workers[rank].name, rank, quiet)
+        with self._lock:
+            self._heard_again.notify_all()
+
+    def wait_responsive(self, rank: int, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until worker ``rank`` is not marked unresponsive."""
+        with self._lock:
+            return self._heard_again.wait_for(lambda: not self._pending.is_silent(rank),
+                                              timeout)
+
+    def is_unresponsive(self, rank: int) -> bool:
+        """Whether worker ``rank`` is silent past ``heartbeat_timeout`` right now."""
+        return self._pending.is_silent(rank)
