@@ -15,7 +15,6 @@ from rpcx.agent import RpcAgent
 from rpcx.autograd import service as autograd_service
 from rpcx.errors import RpcError, RpcShutdownError
 from rpcx.futures import RpcFuture
-from rpcx.messages import MessageKind
 from rpcx.options import RpcBackendOptions, as_backend_options, as_rpcx_options
 from rpcx.registry import BackendSpec, resolve_backend
 from rpcx.worker import WorkerInfo, validate_worker_name
@@ -37,7 +36,7 @@ __all__ = [
 log = logging.getLogger("rpcx")
 
 T = TypeVar("T")
-UNSET_RPC_TIMEOUT = -1.0
+UNSET_RPC_TIMEOUT = calls.UNSET_RPC_TIMEOUT
 """A call's ``timeout`` when not given: the worker's default (``rpc_timeout``) applies."""
 _atexit_lock = threading.Lock()
 _atexit_registered = False
@@ -256,7 +255,7 @@ def rpc_async(
     ``timeout`` in seconds: unset uses the default (``rpc_timeout``), ``0`` means none.
     Arguments and results are copied (pickled, tensors out of band), never shared.
     """
-    return _call("rpc_async", to, func, args, kwargs, timeout)
+    return calls.call("rpc_async", to, func, args, kwargs, timeout)
 
 
 def rpc_sync(
@@ -272,7 +271,7 @@ def rpc_sync(
     rebuilt here (else as :class:`rpcx.RemoteException`); its ``__cause__`` holds the
     remote traceback and a note names the worker.
     """
-    return _call("rpc_sync", to, func, args, kwargs, timeout).wait()
+    return calls.call("rpc_sync", to, func, args, kwargs, timeout).wait()
 
 
 def remote(
@@ -288,26 +287,9 @@ def remote(
     RRef's next use (``to_here``, a proxy call).
     """
     agent = _context.current_agent()
-    _check_callable(func)
+    calls.check_callable(func)
     return rref.create_remote(
         agent, agent.resolve(to), func, tuple(args or ()), dict(kwargs or {}), timeout
-    )
-
-
-def _call(
-    api: str,
-    to: str | int | WorkerInfo,
-    func: Any,
-    args: tuple[Any, ...] | list[Any] | None,
-    kwargs: dict[str, Any] | None,
-    timeout: float,
-) -> RpcFuture[Any]:
-    agent = _context.current_agent()
-    _check_callable(func)
-    dst = agent.resolve(to)
-    payload = (func, tuple(args or ()), dict(kwargs or {}))
-    return agent.request(
-        dst, MessageKind.CALL, payload, timeout=agent.timeout_for(timeout), api=api, target=func
     )
 
 
@@ -338,11 +320,6 @@ def _warn_if_exposed(name: str, init_method: str, spec: BackendSpec) -> None:
         "worker %r runs without authentication: any process that can reach %s can "
         "make it run code, as with torch.distributed.rpc. Set %s to a shared secret on "
         "every worker (docs/security.md).", name, address, auth.AUTH_KEY_ENV)
-
-
-def _check_callable(func: Any) -> None:
-    if not callable(func):
-        raise TypeError(f"func must be callable, got {type(func).__name__}")
 
 
 def _shutdown_at_exit() -> None:

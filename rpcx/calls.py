@@ -1,4 +1,9 @@
-"""The call service: running a caller's function on this worker (``CALL`` messages)."""
+"""The call service: calls to another worker's function (``CALL`` messages), both ends.
+
+The caller's side (:func:`call`, and :func:`rpc_sync` / :func:`rpc_async` for services
+such as ``RemoteModule`` and the optimizer; :mod:`rpcx.api` gives users the same) and the
+callee's (:func:`install`: run the function, or hand back its future).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,72 @@ from typing import Any
 
 import torch
 
+from rpcx import _context
 from rpcx.functions import is_async_execution
+from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
 from rpcx.service_host import Deferred, ServiceHost, describe_callable
 from rpcx.worker import WorkerInfo
 
-__all__ = ["install", "run_user_function"]
+__all__ = [
+    "UNSET_RPC_TIMEOUT",
+    "call",
+    "check_callable",
+    "install",
+    "rpc_async",
+    "rpc_sync",
+    "run_user_function",
+]
+
+UNSET_RPC_TIMEOUT = -1.0
+"""A call's ``timeout`` when not given: the worker's default (``rpc_timeout``) applies."""
+
+
+def call(
+    api: str,
+    to: str | int | WorkerInfo,
+    func: Any,
+    args: tuple[Any, ...] | list[Any] | None,
+    kwargs: dict[str, Any] | None,
+    timeout: float,
+) -> RpcFuture[Any]:
+    """Call ``func(*args, **kwargs)`` on worker ``to`` as the calling thread's worker;
+    ``api`` names the call in errors (``"rpc_sync"``)."""
+    agent = _context.current_agent()
+    check_callable(func)
+    dst = agent.resolve(to)
+    payload = (func, tuple(args or ()), dict(kwargs or {}))
+    return agent.request(
+        dst, MessageKind.CALL, payload, timeout=agent.timeout_for(timeout), api=api, target=func
+    )
+
+
+def rpc_async(
+    to: str | int | WorkerInfo,
+    func: Any,
+    args: tuple[Any, ...] | list[Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RpcFuture[Any]:
+    """:func:`rpcx.rpc_async`, for services."""
+    return call("rpc_async", to, func, args, kwargs, timeout)
+
+
+def rpc_sync(
+    to: str | int | WorkerInfo,
+    func: Any,
+    args: tuple[Any, ...] | list[Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Any:
+    """:func:`rpcx.rpc_sync`, for services."""
+    return call("rpc_sync", to, func, args, kwargs, timeout).wait()
+
+
+def check_callable(func: Any) -> None:
+    """Raise ``TypeError`` unless ``func`` is callable."""
+    if not callable(func):
+        raise TypeError(f"func must be callable, got {type(func).__name__}")
 
 
 def run_user_function(func: Any, args: Any, kwargs: Any) -> Any:

@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 import torch
 
 from rpcx import _context
-from rpcx.api import rpc_async, rpc_sync
+from rpcx.calls import rpc_async, rpc_sync
 from rpcx.errors import SerializationError
 from rpcx.futures import RpcFuture
 from rpcx.rref import RRef

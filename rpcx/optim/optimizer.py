@@ -9,8 +9,8 @@ import torch
 
 from rpcx import _context
 from rpcx._pool import holding
-from rpcx.api import rpc_async
 from rpcx.autograd.service import service as autograd_service
+from rpcx.calls import rpc_async
 from rpcx.futures import wait_all
 from rpcx.rref import RRef
 from rpcx.worker import WorkerInfo
