@@ -216,17 +216,9 @@ def debug_info() -> dict[str, Any]:
         "worker": agent.name,
         "rank": agent.rank,
         "backend": agent.backend,
-        "pending_calls": agent.pending_count,
-        "request_threads": agent.request_threads,
-        "lost_peers": agent.lost_peers(),
-        "lost_causes": {name: cause.value for name, cause in agent.lost_causes().items()},
-        "unresponsive_peers": [w.name for w in agent.workers if agent.is_unresponsive(w.id)],
+        **agent.stats(),
         "rrefs": rref.service(agent).stats(),
         "autograd": autograd_service.service(agent).stats(),
-        "authenticated": agent.guard is not None,
-        "refused_frames": agent.guard.refused if agent.guard is not None else 0,
-        "resent_frames": agent.resent_frames,
-        **agent.back_pressure(),
     }
 
 
