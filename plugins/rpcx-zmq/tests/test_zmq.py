@@ -28,7 +28,7 @@ import torch
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rpcx.errors import LostCause, PeerLostError, ProtocolError
+from rpcx.errors import LostCause, PeerLostError, ProtocolError, lost_reason
 from rpcx.registry import available_backends
 from rpcx.transport import Frame, TransportContext
 from torch.distributed import FileStore, HashStore
@@ -54,8 +54,8 @@ class Inbox:
             self.block.wait(30)
         self.frames.put((src, frame))
 
-    def peer_lost(self, rank: int, reason: str, cause: LostCause) -> None:
-        self.lost.put((rank, reason))
+    def peer_lost(self, rank: int, cause: LostCause, detail: str = "") -> None:
+        self.lost.put((rank, lost_reason(cause, detail)))  # the sentence rpcx writes
         self.causes.append(cause)
 
     def next(self, timeout: float = 10.0) -> tuple[int, Frame]:

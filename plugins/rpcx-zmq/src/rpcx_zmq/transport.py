@@ -11,13 +11,20 @@ frame is one part: one send and one receive, each of which releases the GIL. Kin
 ``inproc://`` endpoint of its own socket.
 
 Sockets, per peer: a PULL socket (``rx``) bound for that peer alone, read by one receive
-loop (a receive lane, so requests are served on the receiving thread); a PUSH socket
-(``tx``) connected to the peer's PULL for this worker, written under a per-peer lock, so
-frames leave in the order their ``send`` calls took the lock; and a control PUSH (``ctl``)
-into ``rx``. A send never waits for room in ``tx``'s queue (``_HWM`` messages): a
-message that finds it full, and every later one while any waits, goes to the peer's
-writer thread, and the send waits for it until the frame's deadline at most. Same-host
-peers connect over ``ipc://`` (a private temp directory), others over TCP.
+loop; a PUSH socket (``tx``) connected to the peer's PULL for this worker, written under
+the peer's send lock, so frames leave in the order their ``send`` calls took the lock;
+and a control PUSH (``ctl``) into ``rx``. Same-host peers connect over ``ipc://`` (a
+private temp directory), others over TCP.
+
+What is not ZeroMQ's is rpcx's transport kit (:mod:`rpcx.transport_kit`): the per-peer
+:class:`~rpcx.transport_kit.Link`, the receive loops on receive lanes (requests are
+served on the receiving thread), goodbyes, lost-peer reports and the bounded close
+(:class:`~rpcx.transport_kit.Peers`), and the writer that lets ``send`` honour
+``frame.deadline`` (:class:`~rpcx.transport_kit.Backlog`): a send never waits for room
+in ``tx``'s queue (``_HWM`` messages); a message that finds it full, and every later one
+while any waits, goes to the peer's writer thread, and the send waits for it until the
+frame's deadline at most. ZeroMQ is no byte stream, so the kit's stream transport does
+not apply: this module writes reading one message, writing one, and connecting.
 
 Tensors: a buffer of ``ZERO_COPY_SEND`` bytes or more is sent from the tensor's memory
 (``copy=False``) and ``send`` waits for ZeroMQ's message tracker, which fires once
@@ -41,13 +48,13 @@ monitor thread per worker. A peer process that dies closes its connections, and 
 monitor sees ``EVENT_DISCONNECTED`` on our connection to it at once; ZeroMQ heartbeats
 (``ZMQ_HEARTBEAT_IVL``/``TIMEOUT``) turn a host that vanished without closing anything
 into the same event. The monitor marks the peer gone (sends to it fail at once) and posts
-``LOST`` to its receive loop, which first delivers what had already arrived, then calls
-``peer_lost``. A peer that leaves says ``BYE`` first, so its disconnect is expected.
+``LOST`` to its receive loop, which first delivers what had already arrived, then
+reports the peer (``peer_lost(rank, cause, detail)``). A peer that leaves says ``BYE``
+first, so its disconnect is expected.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import functools
@@ -61,25 +68,32 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import zmq
-from rpcx.errors import LostCause, PeerLostError, ProtocolError, RpcTimeoutError
-from rpcx.options import (
-    DEFAULT_HEARTBEAT_INTERVAL,
-    DEFAULT_HEARTBEAT_TIMEOUT,
-    DEFAULT_MAX_FRAME_BYTES,
-)
 from rpcx.transport import Capabilities, Frame, TransportContext
+from rpcx.transport_kit import (
+    SHUT_DOWN,
+    Backlog,
+    Link,
+    LostCause,
+    PeerLostError,
+    Peers,
+    ProtocolError,
+    check_frame_size,
+    connect_limit,
+    connect_timeout,
+    host_identity,
+    lost_reason,
+    options_as,
+    owning_memory,
+)
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from rpcx_zmq.addresses import host_identity, listen_host
-from rpcx_zmq.options import CONNECTION_TIMEOUT_FACTOR
-
-if TYPE_CHECKING:
-    from rpcx._lanes import ReceiveLane
+from rpcx_zmq.addresses import listen_host
+from rpcx_zmq.options import CONNECTION_TIMEOUT_FACTOR, ZmqRpcBackendOptions
 
 __all__ = ["INLINE_MAX", "ZERO_COPY_RECEIVE", "ZERO_COPY_SEND", "ZmqTransport"]
 
@@ -95,7 +109,6 @@ _HWM = 4096  # messages queued per peer and direction before send waits (back-pr
 _SEND_POLL_S = 0.1  # a send waiting for its tracker rechecks the peer this often
 _WRITER_POLL_S = 0.02  # a writer waiting for room in a peer's queue retries this often
 _DRAIN_WAIT_MS = 50  # after a loss, how long to wait for frames still on their way
-_BYE_TIMEOUT = 10.0  # answering a peer's goodbye from a receive loop
 _GRACE_S = 0.5  # close: what receive loops told to STOP get past the deadline
 _IPC_PATH_MAX = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 
@@ -120,7 +133,10 @@ _MONITOR_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_MONITOR_STOPPED
 )
+# The detail of a peer whose connection ZeroMQ saw close ("is unreachable: ...").
 _CRASHED = "its connection closed (its process probably exited or crashed)"
+_CLOSED = "cannot be reached: this worker has shut down"  # sends after close
+_CLOSING = "cannot be reached: this worker is shutting down"  # queued frames at close
 
 # ZeroMQ contexts whose sockets could not all be closed (a receive loop stuck in user
 # code at close). Terminating one would block; collecting it would try to. Kept for good.
@@ -128,63 +144,93 @@ _abandoned: list[zmq.Context[Any]] = []
 _ids = itertools.count()
 
 
-class _Queued:
+class _Stopped(Exception):
+    """STOP: close() ends a receive loop that waits for a peer that never answered."""
+
+
+class _Drained(Exception):
+    """The peer was marked lost (the monitor, or a ZeroMQ error) and what had arrived
+    before is delivered: its receive loop ends, reporting the loss recorded."""
+
+
+class _Message:
     """A message ZeroMQ's queue to a peer had no room for (or that came while others
-    waited), waiting, in order, for the peer's writer thread."""
+    waited), for the peer's writer; ``error`` when it is not to be sent after all."""
 
-    __slots__ = ("bye", "done", "error", "parts")
+    __slots__ = ("bye", "error", "parts")
 
-    def __init__(self, parts: list[Any], bye: bool) -> None:
+    def __init__(self, parts: list[Any], bye: bool = False) -> None:
         self.parts = parts  # keeps any zero-copy part's memory alive until sent
         self.bye = bye
-        self.done = threading.Event()
         self.error: PeerLostError | None = None
 
-    def finish(self, error: PeerLostError | None = None) -> None:
-        self.error = error
-        self.done.set()
 
+class _Peer(Link):
+    """The kit's link to one peer, plus its sockets and what ZeroMQ's monitor saw.
 
-class _Peer:
-    """Everything about one peer: its sockets, locks, goodbye flags and receive lane."""
+    ``lock`` (the kit's send lock) guards ``tx`` and the goodbye flags; ``reading`` (the
+    kit's) every use of ``rx``, which only the receive loop makes.
+    """
 
-    __slots__ = (
-        "backlog", "bye_received", "bye_sent", "cause", "connected", "ctl", "ctl_lock",
-        "draining", "ended", "endpoint", "gone", "lane", "lock", "name", "queued", "rank",
-        "reader", "reported", "rx", "started", "stash", "stopping", "tx", "tx_lock",
-        "tx_monitor", "writer",
-    )
+    __slots__ = ("bye_received", "cause", "connected", "ctl", "ctl_lock", "detail",
+                 "draining", "endpoint", "rx", "tx", "tx_monitor", "wake", "why")
 
     def __init__(self, rank: int, name: str) -> None:
-        self.rank = rank
-        self.name = name
+        super().__init__(rank, name)
         self.rx: zmq.Socket[bytes] | None = None  # owned by whichever thread holds the lane
         self.ctl: zmq.Socket[bytes] | None = None  # posts LOST/STOP into rx; under ctl_lock
-        self.tx: zmq.Socket[bytes] | None = None  # under tx_lock
+        self.tx: zmq.Socket[bytes] | None = None  # under lock
         self.tx_monitor: zmq.Socket[bytes] | None = None  # owned by the monitor thread
         self.endpoint = ""
-        self.tx_lock = threading.Lock()
         self.ctl_lock = threading.Lock()
-        self.lock = threading.Lock()  # the flags below
-        self.reader = threading.Lock()  # held by the thread running the receive loop
-        self.stash: Frame | None = None  # received, to be delivered by the lane's holder
-        self.bye_sent = False
         self.bye_received = False
-        self.gone: str | None = None  # why sends to the peer fail, once it is gone
-        self.cause = LostCause.CONNECTION_LOST  # what kind of "gone" that is
-        self.reported = False  # peer_lost called (or not to be called)
+        self.why = ""  # the sentence sends to the peer fail with, once it is gone
+        self.cause = LostCause.CONNECTION_LOST  # the first loss recorded, and its detail
+        self.detail = ""
         self.draining = False  # LOST seen: deliver what is left, then end
-        self.started = False  # the receive loop was started
-        self.lane: ReceiveLane | None = None
         self.connected = threading.Event()  # our connection to the peer shook hands
-        self.ended = threading.Event()  # the receive loop is over: nothing more arrives
-        # Messages waiting for room in ZeroMQ's queue, oldest first: while there are any,
-        # later ones wait behind them (per-peer order). The writer thread, started the
-        # first time one waits, sends them; ``queued`` guards the three and wakes it.
-        self.backlog: collections.deque[_Queued] = collections.deque()
-        self.queued = threading.Condition()
-        self.writer: threading.Thread | None = None
-        self.stopping = False  # close(): the writer ends
+        self.wake = threading.Event()  # close(): the writer stops waiting for room
+
+    @property
+    def tx_lock(self) -> threading.Lock:
+        """The lock ``tx`` is used under: the kit's send lock."""
+        return self.lock
+
+    def mark(self, cause: LostCause, detail: str) -> bool:
+        """Record the peer gone, and why (the first reason stays); call under ``lock``.
+        False if it was gone already."""
+        if self.why:
+            return False
+        self.gone = True
+        self.cause, self.detail = cause, detail
+        self.why = lost_reason(cause, detail)
+        return True
+
+
+class _Peers(Peers[_Peer]):
+    """The kit's receive loops, goodbyes and close, with ZeroMQ's own ways to end."""
+
+    def goodbye_received(self, link: _Peer) -> None:
+        link.bye_received = True  # (the monitor expects the disconnect now)
+        super().goodbye_received(link)
+
+    def broken(self, link: _Peer, exc: BaseException) -> None:
+        if isinstance(exc, _Stopped):
+            return  # close() ended the loop: nothing to report
+        if isinstance(exc, _Drained):
+            self.lost(link, link.cause, link.detail)
+        elif isinstance(exc, zmq.ZMQError):  # the context is gone: nothing more arrives
+            self.lost(link, LostCause.CONNECTION_LOST, str(exc))
+        else:
+            super().broken(link, exc)
+
+    def lost(self, link: _Peer, cause: LostCause, detail: str = "") -> None:
+        """Report the first loss recorded (a goodbye is always reported as one)."""
+        with link.lock:
+            link.mark(cause, detail)
+            if cause is not LostCause.DEPARTED:
+                cause, detail = link.cause, link.detail
+        super().lost(link, cause, detail)
 
 
 class ZmqTransport:
@@ -194,70 +240,68 @@ class ZmqTransport:
 
     def __init__(self) -> None:
         self._ctx: TransportContext | None = None
+        self._options = ZmqRpcBackendOptions()
         self._zctx: zmq.Context[Any] | None = None
-        self._peers: dict[int, _Peer] = {}
+        self.peers: _Peers | None = None
         self._ipc_dir: str | None = None
         self._wake: zmq.Socket[bytes] | None = None  # posts to the monitor thread
         self._wake_lock = threading.Lock()
         self._monitor: threading.Thread | None = None
+        self._receiving = False  # the receive loops were started
         self._closing = False
         self._closed = False
         self.endpoints: dict[int, str] = {}  # where this worker's tx connect, by peer rank
         self._zap: ThreadAuthenticator | None = None  # checks connections with a world key
-        self._max_frame = DEFAULT_MAX_FRAME_BYTES  # options.max_frame_bytes, from start()
+        self._max_frame = self._options.max_frame_bytes
+
+    @property
+    def _peers(self) -> dict[int, _Peer]:
+        """Every peer's link, by rank."""
+        return self.peers.links if self.peers is not None else {}
 
     # ------------------------------------------------------------------------ start
 
     def start(self, ctx: TransportContext) -> None:
         """Bind one socket per peer, publish the endpoints, connect to every peer's."""
         self._ctx = ctx
-        options = ctx.options
-        self._max_frame = int(getattr(options, "max_frame_bytes", self._max_frame))
-        limit = options.rpc_timeout or None
+        options = self._options = options_as(ctx, ZmqRpcBackendOptions)
+        self._max_frame = options.max_frame_bytes
         zctx: zmq.Context[Any] = zmq.Context(io_threads=1)
         self._zctx = zctx
-        me = ctx.names[ctx.rank]
-        host = listen_host(
-            getattr(options, "hostname", None), getattr(options, "interface", None),
-            ctx.init_method,
-        )
-        if getattr(options, "ipc", True):
+        host = listen_host(options.hostname, options.interface, ctx.init_method)
+        if options.ipc:
             self._ipc_dir = _private_dir()
         token = f"{os.getpid()}-{next(_ids)}-{uuid.uuid4().hex[:8]}"
         if ctx.auth is not None:
             self._start_zap(ctx)
         published: dict[str, dict[str, str]] = {}
+        self.peers = _Peers(ctx, {}, read_one=self._read_one, write_bye=self._write_bye,
+                            ended=self._loop_ended)
         for rank in range(ctx.world_size):
             if rank == ctx.rank:
                 continue
-            peer = self._peers[rank] = _Peer(rank, ctx.names[rank])
+            peer = self.peers.links[rank] = _Peer(rank, ctx.names[rank])
+            peer.backlog = Backlog(peer.lock, functools.partial(self._write, peer),
+                                   self.peers.thread_name(peer, "send"))
             published[str(rank)] = self._bind_rx(peer, host, token)
         # Ready to receive before anyone can find us.
-        for peer in self._peers.values():
-            name = f"rpcx-{me}-recv-{peer.name}"
-            if ctx.receive_lane is not None:
-                peer.lane = ctx.receive_lane(
-                    name, functools.partial(self._receive_loop, peer.rank)
-                )
-            peer.started = True
-            threading.Thread(
-                target=self._receive_loop, args=(peer.rank,), name=name, daemon=True
-            ).start()
+        self.peers.start_receiving()
+        self._receiving = True
         ctx.store.set(
             f"zmq/{ctx.rank}", json.dumps({"host": host_identity(), "rx": published})
         )
-        for peer in self._peers.values():
+        for peer in self.peers:
             info = json.loads(ctx.store.get(f"zmq/{peer.rank}"))
             peer.endpoint = self._choose_endpoint(info)
             self.endpoints[peer.rank] = peer.endpoint
             self._connect_tx(peer)
         self._wake, wake_rx = _pipe(zctx, f"inproc://rpcx-zmq-{token}-monitor")
         self._monitor = threading.Thread(
-            target=self._monitor_loop, args=(wake_rx,), name=f"rpcx-{me}-zmq-monitor",
-            daemon=True,
+            target=self._monitor_loop, args=(wake_rx,),
+            name=f"rpcx-{ctx.names[ctx.rank]}-zmq-monitor", daemon=True,
         )
         self._monitor.start()
-        self._wait_connected(limit)
+        self._wait_connected()
 
     def _start_zap(self, ctx: TransportContext) -> None:
         """With a world key, every connection to one of our PULL sockets must log in as
@@ -346,21 +390,19 @@ class ZmqTransport:
 
     def _tune(self, sock: zmq.Socket[bytes]) -> None:
         """Options shared by rx and tx: heartbeats, no linger by default."""
-        ctx = self._ctx
-        assert ctx is not None
         sock.linger = 0
-        interval = float(getattr(ctx.options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL))
-        timeout = CONNECTION_TIMEOUT_FACTOR * float(
-            getattr(ctx.options, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT))
+        interval = self._options.heartbeat_interval
+        timeout = CONNECTION_TIMEOUT_FACTOR * self._options.heartbeat_timeout
         if interval > 0:
             sock.setsockopt(zmq.HEARTBEAT_IVL, int(interval * 1000))
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout * 1000))
             sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout * 1000))
 
-    def _wait_connected(self, limit: float | None) -> None:
-        """Wait (at most ``limit`` seconds) until our connection to every peer is up."""
+    def _wait_connected(self) -> None:
+        """Wait (at most ``rpc_timeout``) until our connection to every peer is up."""
         ctx = self._ctx
         assert ctx is not None
+        limit = connect_limit(ctx)
         deadline = None if limit is None else time.monotonic() + limit
         for peer in self._peers.values():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -368,23 +410,24 @@ class ZmqTransport:
         missing = [p for p in self._peers.values() if not p.connected.is_set()]
         if missing:
             names = ", ".join(f"{p.name!r} at {p.endpoint}" for p in missing)
-            raise RpcTimeoutError(
-                f"init_rpc: worker {ctx.names[ctx.rank]!r} (rank {ctx.rank}) could not "
-                f"connect to {names} within {limit:g} s (rpc_timeout); a peer probably "
-                "died after joining the world, or its address cannot be reached from "
-                "here (set ZmqRpcBackendOptions(hostname=...) or interface=...)"
+            raise connect_timeout(
+                ctx, f"to {names}",
+                hint="a peer probably died after joining the world, or its address cannot "
+                "be reached from here (set ZmqRpcBackendOptions(hostname=...) or "
+                "interface=...)",
             )
 
     # ------------------------------------------------------------------------- send
 
     def send(self, dst: int, frame: Frame) -> None:
-        """Send ``frame`` to ``dst``; returns once every buffer not copied is written."""
+        """Send ``frame`` to ``dst``; returns once every buffer not copied is written,
+        or at ``frame.deadline`` with the rest queued for the peer's writer."""
         peer = self._peers[dst]
-        if peer.gone is not None:
-            raise PeerLostError(peer.gone)
+        if peer.gone:
+            raise PeerLostError(peer.why or SHUT_DOWN)
         buffers = frame.buffers
         if not buffers:
-            self._post(peer, [_PLAIN_HEAD + frame.header], until=frame.deadline)
+            self._post(peer, [_PLAIN_HEAD + frame.header], frame.deadline)
             return
         n = len(buffers)
         # Each buffer's element size (the alignment its dtype needs at the receiver) and
@@ -407,7 +450,7 @@ class ZmqTransport:
                 parts.append(ctypes.string_at(buffer.data_ptr(), nbytes))
                 continue
             owned = index in frame.owned
-            part = zmq.Frame(_memory_of(buffer, nbytes), copy=False, track=not owned)
+            part = zmq.Frame(owning_memory(buffer), copy=False, track=not owned)
             parts.append(part)
             if not owned:
                 assert part.tracker is not None
@@ -416,7 +459,7 @@ class ZmqTransport:
             (_HEAD.pack(_DATA, n), sizes, struct.pack(f"<{n}q", *lengths), frame.header,
              *inline)
         )
-        if not self._post(peer, parts, until=frame.deadline):
+        if not self._post(peer, parts, frame.deadline):
             log.debug("send to rank %d still queued at its deadline", dst)
             return
         if trackers:
@@ -428,111 +471,77 @@ class ZmqTransport:
                     log.debug("send to rank %d still being written at its deadline", dst)
                     return
 
-    def _post(self, peer: _Peer, parts: list[Any], deadline: float | None = None,
-              until: float = 0.0) -> bool:
-        """Queue one message to ``peer`` and wait until ZeroMQ has it, or until ``until``
-        (a call's deadline; 0: none); False if that came first.
+    def _post(self, peer: _Peer, parts: list[Any], deadline: float) -> bool:
+        """Hand one message to ZeroMQ for ``peer``, or queue it for the peer's writer and
+        wait until ZeroMQ has it or ``deadline`` (a call's; 0: none) passes: False then.
 
-        Never waits for room under the socket's lock: a message ZeroMQ's queue has no
-        room for, and any that come while one waits, go to the peer's writer thread, in
-        order. So a peer that reads nothing holds no call past its deadline.
-
-        ``deadline`` set: this is our goodbye, which goes out even to a peer already gone
-        (it may be answering ours) and gives up at the deadline.
+        Never waits for room under the send lock: a message ZeroMQ's queue has no room
+        for, and any that come while one waits, go to the writer, in order. So a peer
+        that reads nothing holds no call past its deadline.
         """
-        bye = deadline is not None
-        with peer.tx_lock:
+        with peer.lock:
             if peer.bye_sent:
-                raise PeerLostError(peer.gone or "has shut down")
-            if not bye and peer.gone is not None:
-                raise PeerLostError(peer.gone)
+                raise PeerLostError(peer.why or SHUT_DOWN)
+            if peer.gone:
+                raise PeerLostError(peer.why or SHUT_DOWN)
             tx = peer.tx
             if tx is None:
-                raise PeerLostError("cannot be reached: this worker has shut down"
-                                    if self._closed else "was never connected")
-            sent = not peer.backlog and self._send_now(tx, parts)
-            if bye:
-                peer.bye_sent = True  # (refuses later frames; the goodbye goes last)
-            if sent:
+                raise PeerLostError(_CLOSED if self._closed else "was never connected")
+            backlog = peer.backlog
+            assert backlog is not None
+            if not backlog and self._send_now(tx, parts):
                 return True
-            queued = self._queue(peer, parts, bye)
-        return self._wait_queued(queued, deadline if deadline is not None else until)
+            message = _Message(parts)
+            pending = backlog.put(message)
+        if not pending.wait(deadline):
+            return False  # a peer that reads nothing: the call fails on time
+        if message.error is not None:
+            raise message.error
+        return True
 
     @staticmethod
     def _send_now(tx: zmq.Socket[bytes], parts: list[Any]) -> bool:
-        """Hand ``parts`` to ZeroMQ if its queue has room; False if not (call under
-        ``tx_lock``)."""
+        """Hand ``parts`` to ZeroMQ if its queue has room; False if not (call under the
+        send lock)."""
         try:
             tx.send_multipart(parts, copy=False)
             return True
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
-            raise PeerLostError(f"is unreachable: {exc}") from None
+            raise PeerLostError(lost_reason(LostCause.CONNECTION_LOST, str(exc))) from None
 
-    def _queue(self, peer: _Peer, parts: list[Any], bye: bool) -> _Queued:
-        """Put a message behind those waiting for ``peer``'s writer (under ``tx_lock``)."""
-        queued = _Queued(parts, bye)
-        with peer.queued:
-            peer.backlog.append(queued)
-            if peer.writer is None:
-                ctx = self._ctx
-                assert ctx is not None
-                peer.writer = threading.Thread(
-                    target=self._write_backlog, args=(peer,), daemon=True,
-                    name=f"rpcx-{ctx.names[ctx.rank]}-send-{peer.name}")
-                peer.writer.start()
-            peer.queued.notify()
-        return queued
-
-    @staticmethod
-    def _wait_queued(queued: _Queued, until: float) -> bool:
-        """Wait for a queued message until ``until`` (0: until sent or failed)."""
-        left = None if not until else max(0.0, until - time.monotonic())
-        if not queued.done.wait(left):
-            if queued.bye:
-                raise PeerLostError("is not reading (goodbye not sent)")
-            return False  # a peer that reads nothing: the call fails on time
-        if queued.error is not None:
-            raise queued.error
-        return True
-
-    def _write_backlog(self, peer: _Peer) -> None:
-        """The writer thread: send ``peer``'s queued messages in order, as its queue
-        drains. It looks for room every ``_WRITER_POLL_S`` (ZeroMQ cannot tell another
-        thread), holding the socket's lock only to try."""
+    def _write(self, peer: _Peer, message: _Message) -> None:
+        """The writer's job (the kit's ``Backlog``): hand the first waiting message to
+        ZeroMQ as room appears. It looks every ``_WRITER_POLL_S`` (ZeroMQ cannot tell
+        another thread), holding the send lock only to try. A frame to a peer gone, or
+        from a worker closing, is not sent (its sender raises ``message.error``); the
+        goodbye still is."""
         while True:
-            with peer.queued:
-                while not peer.backlog and not peer.stopping:
-                    peer.queued.wait()
-                if not peer.backlog:
+            with peer.lock:
+                tx = peer.tx
+                if tx is None:
+                    raise PeerLostError(_CLOSED)
+                if not message.bye and (peer.gone or self._closing):
+                    message.error = PeerLostError(
+                        (peer.why or SHUT_DOWN) if peer.gone else _CLOSING)
                     return
-                queued = peer.backlog[0]
-            error: PeerLostError | None = None
-            try:
-                sent = self._try_queued(peer, queued)
-            except PeerLostError as exc:
-                sent, error = True, exc  # (done with: it fails)
-            if not sent:
-                with peer.queued:  # (a new message or close() wakes it early)
-                    peer.queued.wait(_WRITER_POLL_S)
-                continue
-            with peer.queued:
-                peer.backlog.popleft()
-            queued.finish(error)
+                if self._send_now(tx, message.parts):
+                    return
+            peer.wake.wait(_WRITER_POLL_S)
 
-    def _try_queued(self, peer: _Peer, queued: _Queued) -> bool:
-        """Try to hand the first waiting message to ZeroMQ; ``PeerLostError`` when it
-        never will be (the peer is gone, or this worker is leaving)."""
-        with peer.tx_lock:
-            tx = peer.tx
-            if tx is None:
-                raise PeerLostError("cannot be reached: this worker has shut down")
-            if not queued.bye and peer.gone is not None:
-                raise PeerLostError(peer.gone)
-            if not queued.bye and self._closing:
-                raise PeerLostError("cannot be reached: this worker is shutting down")
-            return self._send_now(tx, queued.parts)
+    def _write_bye(self, peer: _Peer) -> None:
+        """Our goodbye, after everything sent or queued before it (the kit calls this
+        under the send lock, once; it never waits). None to a peer never reached, or
+        one that crashed."""
+        tx = peer.tx
+        if tx is None or not peer.connected.is_set() or (peer.why and not peer.bye_received):
+            return
+        backlog = peer.backlog
+        assert backlog is not None
+        if not backlog and self._send_now(tx, _BYE_MESSAGE):
+            return
+        backlog.put(_Message(_BYE_MESSAGE, bye=True))
 
     def _wait_written(self, peer: _Peer, tracker: zmq.MessageTracker, deadline: float) -> bool:
         """Wait until libzmq is done with a buffer sent from the caller's memory; False
@@ -545,123 +554,43 @@ class ZmqTransport:
             except zmq.NotDone:
                 if deadline and time.monotonic() >= deadline:
                     return False  # a peer that reads nothing: the call fails on time
-                if peer.gone is not None:
+                if peer.gone:
                     # The message keeps the memory alive until ZeroMQ drops it.
-                    raise PeerLostError(peer.gone) from None
+                    raise PeerLostError(peer.why or SHUT_DOWN) from None
                 if self._closed:
-                    raise PeerLostError("cannot be reached: this worker has shut down"
-                                        ) from None
+                    raise PeerLostError(_CLOSED) from None
 
     # ---------------------------------------------------------------------- receive
 
-    def _receive_loop(self, src: int) -> None:
-        """Receive and deliver ``src``'s frames, in order, until its goodbye or loss.
+    def _read_one(self, peer: _Peer) -> Frame | None:
+        """The next frame from ``peer``'s socket, or None for its goodbye (the kit's
+        receive loop calls it under ``peer.reading``: a ZeroMQ socket must never be used
+        by two threads at once).
 
-        Runs on whichever thread holds the peer's lane: it returns early, leaving the
-        loop to that thread, when a request it served moved the role elsewhere.
-        """
-        peer = self._peers[src]
-        if peer.lane is not None:
-            peer.lane.enter()
-        try:
-            self._receive_frames(peer)
-        except Exception:  # a bug here must not leave the peer's frames unread silently
-            log.exception("receive loop for %s failed", peer.name)
-            self._mark_lost(peer, "is unreachable: its receive loop failed")
-            with peer.reader:
-                self._end_receiving(peer)
-            self._report(peer, peer.gone or "is unreachable: its receive loop failed")
-
-    def _receive_frames(self, peer: _Peer) -> None:
-        """The loop itself, until the peer is done or another thread took over.
-
-        A ZeroMQ socket must never be used by two threads at once, so every use of
-        ``rx`` is under the peer's ``reader`` lock (delivering is not: a request served
-        on this thread may block, and the next holder of the lane receives meanwhile).
-        Normally the role moves only while a request is served, and the next holder
-        finds the lock free. rpcx can also start a second holder while the first waits
-        in ``recv`` (see the README, "Known issue in rpcx"): the newcomer then waits for
-        the lock, and the old reader, on its next frame, sees it lost the role, leaves
-        the frame in ``stash`` for the newcomer and returns. Nothing is received twice,
-        lost, or left waiting.
-        """
-        ctx = self._ctx
-        assert ctx is not None
-        lane = peer.lane
-        deliver = ctx.deliver
-        src = peer.rank
-        while True:
-            with peer.reader:
-                if peer.ended.is_set():  # the loop ended while this thread waited
-                    if lane is not None:
-                        lane.leave()
-                    return
-                frame, peer.stash = peer.stash, None
-                lost: str | None = None  # the loop ends, and the peer is reported so
-                if frame is None:
-                    frame, lost = self._receive_one(peer)
-                    if frame is None:
-                        self._end_receiving(peer)
-                elif lane is not None and not lane.still_held():
-                    peer.stash = frame  # the holder delivers it, first thing
-                    return
-            if frame is None:
-                if lost:
-                    self._report(peer, lost)
-                return
-            try:
-                deliver(src, frame)
-            except ProtocolError as exc:  # refused above the transport: stop reading it
-                reason = f"is unreachable: protocol error: {exc}"
-                self._mark_lost(peer, reason, LostCause.PROTOCOL_ERROR)
-                with peer.reader:
-                    self._end_receiving(peer)
-                self._report(peer, peer.gone or reason)
-                return
-            except Exception:
-                log.exception("%s: delivering a frame from %s failed",
-                              ctx.names[ctx.rank], peer.name)
-            del frame
-            if lane is not None and not lane.still_held():
-                return  # a follower receives from here on
-
-    def _receive_one(self, peer: _Peer) -> tuple[Frame | None, str]:
-        """The next frame from ``peer``'s socket (under ``reader``).
-
-        ``(frame, "")``, or ``(None, reason)`` when the loop is over: ``reason`` is what
-        to report (``""``: nothing, as after a goodbye while closing, or a STOP).
+        Raises ``ProtocolError`` for what is no frame, ``_Drained`` once a loss was
+        posted (``LOST``) and what had arrived before it is read, ``_Stopped`` on
+        close()'s ``STOP``, ``zmq.ZMQError`` when the context is gone.
         """
         ctx = self._ctx
         rx = peer.rx
         assert ctx is not None and rx is not None
         while True:
             if peer.draining and not rx.poll(_DRAIN_WAIT_MS):
-                return None, peer.gone or f"is unreachable: {_CRASHED}"
-            try:
-                head = rx.recv()
-            except zmq.ZMQError as exc:  # the context is gone: nothing more can arrive
-                self._mark_lost(peer, f"is unreachable: {exc}")
-                return None, peer.gone or f"is unreachable: {exc}"
+                raise _Drained
+            head = rx.recv()
             if len(head) < _HEAD.size:
                 log.warning("%s: dropped a malformed message from %s",
                             ctx.names[ctx.rank], peer.name)
                 continue
             kind, n = _HEAD.unpack_from(head)
             if kind == _DATA:
-                try:
-                    return self._unpack(rx, head, n, self._max_frame), ""
-                except ProtocolError as exc:  # not a frame this format writes: stop
-                    reason = f"is unreachable: protocol error: {exc}"
-                    log.warning("%s: %s %s", ctx.names[ctx.rank], peer.name, reason)
-                    self._mark_lost(peer, reason, LostCause.PROTOCOL_ERROR)
-                    return None, peer.gone or reason
+                return self._unpack(rx, head, n, self._max_frame)
             if kind == _BYE:
-                self._on_bye(peer)
-                return None, "has shut down"
+                return None
             if kind == _LOST:
                 peer.draining = True
             elif kind == _STOP:
-                return None, ""
+                raise _Stopped
             else:
                 log.warning("%s: dropped a message of unknown kind %d from %s",
                             ctx.names[ctx.rank], kind, peer.name)
@@ -701,8 +630,7 @@ class ZmqTransport:
                 part = rx.recv(copy=False)
                 total += len(part)
                 parts.append(part)
-        if total > max_frame:
-            raise ProtocolError(f"a frame of {total} bytes, over max_frame_bytes ({max_frame})")
+        check_frame_size(total, max_frame)
         header = head[start:end]
         address = ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value
         assert address is not None
@@ -720,52 +648,29 @@ class ZmqTransport:
             buffers.append(buffer)
         return Frame(header, buffers)
 
-    def _end_receiving(self, peer: _Peer) -> None:
-        """Close ``rx`` and mark the loop over (the caller holds ``reader``)."""
+    @staticmethod
+    def _loop_ended(peer: _Peer) -> None:
+        """The receive loop is over (on its thread, under ``reading``): close ``rx``, so
+        the peer's monitor sees the connection end."""
         rx, peer.rx = peer.rx, None
         if rx is not None:
             rx.close(linger=0)
-        if peer.lane is not None:
-            peer.lane.leave()
-        peer.ended.set()
 
-    def _on_bye(self, peer: _Peer) -> None:
-        with peer.lock:
-            peer.bye_received = True
-            if peer.gone is None:
-                peer.gone = "has shut down"
-                peer.cause = LostCause.DEPARTED
-            answer = not peer.bye_sent
-        if answer:  # the peer left on its own: let its receive loop for us end too
-            try:
-                self._post(peer, _BYE_MESSAGE, deadline=time.monotonic() + _BYE_TIMEOUT)
-            except PeerLostError as exc:
-                log.debug("goodbye to %s not sent: %s", peer.name, exc)
-
-    def _mark_lost(self, peer: _Peer, reason: str,
+    def _mark_lost(self, peer: _Peer, detail: str,
                    cause: LostCause = LostCause.CONNECTION_LOST) -> None:
-        """The peer is gone: sends fail from now on; its receive loop reports it."""
+        """The peer is gone: sends fail from now on; its receive loop reports it once it
+        has delivered what had arrived."""
         with peer.lock:
-            if peer.gone is not None:
+            if peer.gone or not peer.mark(cause, detail):
                 return
-            peer.gone = reason
-            peer.cause = cause
-        if peer.ended.is_set() or not peer.started:
-            self._report(peer, reason)
+        if peer.ended.is_set() or not self._receiving:
+            assert self.peers is not None
+            self.peers.lost(peer, cause, detail)
         else:
             self._post_control(peer, _LOST_MESSAGE)
 
-    def _report(self, peer: _Peer, reason: str) -> None:
-        ctx = self._ctx
-        assert ctx is not None
-        with peer.lock:
-            if peer.reported:
-                return
-            peer.reported = True
-        if not self._closing:
-            ctx.peer_lost(peer.rank, reason, peer.cause)
-
-    def _post_control(self, peer: _Peer, message: list[bytes]) -> None:
+    @staticmethod
+    def _post_control(peer: _Peer, message: list[bytes]) -> None:
         with peer.ctl_lock:
             if peer.ctl is None:
                 return
@@ -812,11 +717,11 @@ class ZmqTransport:
             peer.connected.set()
         elif event == zmq.EVENT_DISCONNECTED:
             if peer.connected.is_set() and not (self._closing or peer.bye_received):
-                self._mark_lost(peer, f"is unreachable: {_CRASHED}")
+                self._mark_lost(peer, _CRASHED)
         elif event == zmq.EVENT_MONITOR_STOPPED:
             return True
         elif peer.connected.is_set():  # a handshake failed after the first succeeded
-            self._mark_lost(peer, "is unreachable: a new connection to it failed")
+            self._mark_lost(peer, "a new connection to it failed")
         else:
             log.debug("connection to %s at %s: event %#x", peer.name, peer.endpoint, event)
         return False
@@ -830,31 +735,18 @@ class ZmqTransport:
             return
         self._closing = True
         deadline = time.monotonic() + timeout
-        for peer in self._peers.values():
-            # No goodbye to a peer that was never reached, or that crashed.
-            crashed = peer.gone is not None and not peer.bye_received
-            if peer.connected.is_set() and not peer.bye_sent and not crashed:
-                try:
-                    self._post(peer, _BYE_MESSAGE, deadline=deadline)
-                except PeerLostError as exc:
-                    log.debug("goodbye to %s not sent: %s", peer.name, exc)
-        started = [p for p in self._peers.values() if p.started]
-        for peer in started:
-            if not peer.connected.is_set():  # start failed: nothing to wait for
+        stuck: list[_Peer] = []
+        if self.peers is not None and self._receiving:
+            self.peers.closing = True  # (before any STOP: a stopped loop reports nothing)
+            for peer in self.peers:
+                if not peer.connected.is_set():  # start failed: nothing to wait for
+                    self._post_control(peer, _STOP_MESSAGE)
+            silent = self.peers.close(timeout)  # goodbyes, and the warning for silence
+            for peer in silent:  # a loop waiting in recv ends on STOP at once
                 self._post_control(peer, _STOP_MESSAGE)
-        for peer in started:
-            peer.ended.wait(max(0.0, deadline - time.monotonic()))
-        silent = [p for p in started if not p.ended.is_set()]
-        if silent:
-            log.warning(
-                "%s: no goodbye from %s within %.1f s",
-                ctx.names[ctx.rank], ", ".join(p.name for p in silent), timeout,
-            )
-        for peer in silent:  # a loop waiting in recv ends on STOP at once
-            self._post_control(peer, _STOP_MESSAGE)
-        for peer in silent:  # past the deadline now: a short grace, no more
-            peer.ended.wait(max(0.0, deadline + _GRACE_S - time.monotonic()))
-        stuck = [p for p in started if not p.ended.is_set()]
+            for peer in silent:  # past the deadline now: a short grace, no more
+                peer.ended.wait(max(0.0, deadline + _GRACE_S - time.monotonic()))
+            stuck = [p for p in silent if not p.ended.is_set()]
         self._closed = True
         self._stop_monitor(max(_GRACE_S, deadline - time.monotonic()))
         for peer in self._peers.values():
@@ -862,16 +754,16 @@ class ZmqTransport:
                 if peer.ctl is not None:
                     peer.ctl.close(linger=0)
                     peer.ctl = None
-            with peer.tx_lock:
+            with peer.lock:
                 if peer.tx is not None:
                     # Our goodbye may still be queued: give it a moment to leave.
                     left = max(0.0, min(1.0, deadline - time.monotonic()))
                     peer.tx.close(linger=int(left * 1000))
                     peer.tx = None
-            with peer.queued:  # its writer fails what still waits, then ends
-                peer.stopping = True
-                peer.queued.notify()
-            if not peer.started and peer.rx is not None:
+            peer.wake.set()  # its writer fails what still waits, then ends
+            if peer.backlog is not None:
+                peer.backlog.stop()
+            if not self._receiving and peer.rx is not None:
                 peer.rx.close(linger=0)
                 peer.rx = None
             if self._monitor is None and peer.tx_monitor is not None:
@@ -943,15 +835,10 @@ def _private_dir() -> str | None:
 
 
 def _memory_of(tensor: torch.Tensor, nbytes: int) -> ctypes.Array[ctypes.c_char]:
-    """A buffer over a contiguous CPU tensor's memory that keeps the tensor alive.
-
-    rpcx does not require numpy, and a tensor has no buffer interface of its own, so the
-    memory is exposed through ctypes. ZeroMQ holds the returned object until it is done
-    with the bytes, and the object holds the tensor.
-    """
-    memory = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
-    memory.tensor = tensor  # type: ignore[attr-defined]  # ctypes objects take attributes
-    return memory
+    """A buffer over a contiguous CPU tensor's ``nbytes`` bytes that keeps the tensor
+    alive (the kit's ``owning_memory``, which ``send`` uses)."""
+    assert nbytes == tensor.numel() * tensor.element_size()
+    return owning_memory(tensor)
 
 
 def _as_tensor(part: zmq.Frame, alignment: int) -> torch.Tensor:
