@@ -593,6 +593,12 @@ class CallPath:
         for rid in rids:
             self.complete(rid, exception=error)
 
+    def cancel_all(self) -> None:
+        """The worker closes: refuse new calls, fail every pending one."""
+        self._back_pressure.wake()
+        self.fail(self._pending.close(), lambda p: RpcShutdownError(
+            f"{p.call} to worker {p.dst.name!r} was cancelled: worker {self._name!r} shut down"))
+
     def _shut_down_error(self, api: str, target: str, dst: WorkerInfo) -> RpcShutdownError:
         return RpcShutdownError(
             f"{api}({target}) to worker {dst.name!r}: RPC on worker {self._name!r} has shut "

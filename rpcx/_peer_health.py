@@ -37,6 +37,7 @@ class PeerHealth:
         fail: ``fail(rids, error)`` settles those calls with ``error(pending)``.
         on_forget: run with a rank when it is lost (policies drop what they keep for it).
         heartbeat_timeout: the option's value, for messages.
+        send_one_way: sends the heartbeat's pings and pongs.
     """
 
     def __init__(
@@ -44,7 +45,9 @@ class PeerHealth:
         pending: PendingCalls,
         fail: Callable[[list[int], Callable[[PendingCall], BaseException]], None],
         on_forget: list[Callable[[int], None]], heartbeat_timeout: float,
+        send_one_way: Callable[[WorkerInfo, MessageKind, Any], None],
     ) -> None:
+        self._send_one_way = send_one_way
         self._name = name
         self._workers = workers
         self._life = lifecycle
@@ -129,9 +132,7 @@ class PeerHealth:
 
     # ---------------------------------------------------------------- silent
 
-    def start_heartbeat(self, rank: int, interval: float,
-                        send_one_way: Callable[[WorkerInfo, MessageKind, Any], None],
-                        pool: WorkerPool) -> None:
+    def start_heartbeat(self, rank: int, interval: float, pool: WorkerPool) -> None:
         """Ping quiet peers every ``interval`` s; report those silent past the timeout."""
 
         def ping(peer: int) -> None:
@@ -143,7 +144,7 @@ class PeerHealth:
 
             def send() -> None:
                 try:
-                    send_one_way(self._workers[peer], MessageKind.HEARTBEAT, PING)
+                    self._send_one_way(self._workers[peer], MessageKind.HEARTBEAT, PING)
                 finally:
                     with self._lock:
                         self._pinging.discard(peer)
@@ -166,12 +167,10 @@ class PeerHealth:
         if self._heartbeat is not None:
             self._heartbeat.close()
 
-    @staticmethod
-    def on_heartbeat(send_one_way: Callable[[WorkerInfo, MessageKind, Any], None],
-                     caller: WorkerInfo, payload: Any) -> None:
+    def on_heartbeat(self, caller: WorkerInfo, payload: Any) -> None:
         """A heartbeat message: answer a ping (any frame counts as heard)."""
         if payload == PING:
-            send_one_way(caller, MessageKind.HEARTBEAT, PONG)
+            self._send_one_way(caller, MessageKind.HEARTBEAT, PONG)
 
     def on_silent(self, rank: int, quiet: float) -> None:
         """Worker ``rank`` was silent for ``quiet`` s: fail its calls, refuse new ones."""

@@ -19,7 +19,7 @@ from rpcx._pending import PendingCalls
 from rpcx._timer import remaining, within
 from rpcx.errors import RpcTimeoutError
 
-__all__ = ["Lifecycle", "Shutdown", "TeardownStep", "step_bound"]
+__all__ = ["Lifecycle", "Shutdown", "TeardownStep", "bounded", "each_hook", "step_bound"]
 
 log = logging.getLogger("rpcx.agent")
 
@@ -40,6 +40,24 @@ def step_bound(deadline: float | None, default: float = _CLOSE_TIMEOUT) -> float
     """Seconds a teardown step may take: what is left until ``deadline``, and without a
     deadline still at most ``default``."""
     return within(default, remaining(deadline)) or 0.0
+
+
+def bounded(step: Callable[[float], None]) -> Callable[[float | None], None]:
+    """A teardown step from a ``close(timeout)`` that needs a bound in seconds."""
+    return lambda deadline: step(step_bound(deadline))
+
+
+def each_hook(hooks: list[Callable[[float | None], None]], worker: str
+              ) -> Callable[[float | None], None]:
+    """A teardown step that runs services' close hooks with the seconds left (``None``:
+    no bound), logging one that fails and going on."""
+    def run(deadline: float | None) -> None:
+        for hook in hooks:
+            try:
+                hook(remaining(deadline))
+            except Exception:
+                log.exception("%s: close hook failed", worker)
+    return run
 
 
 class Lifecycle:

@@ -29,22 +29,19 @@ from rpcx._executors import Executors
 from rpcx._peer_health import PeerHealth
 from rpcx._pending import PendingCalls, describe_callable
 from rpcx._retransmit import NoRetransmission, Retransmission
-from rpcx._shutdown import Lifecycle, Shutdown, TeardownStep, step_bound
-from rpcx._timer import remaining
+from rpcx._shutdown import Lifecycle, Shutdown, TeardownStep, bounded, each_hook, step_bound
 from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
 from rpcx.errors import (
     LostCause,
     PeerLostError,
-    RpcShutdownError,
-    UnknownWorkerError,
     lost_reason,
 )
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
 from rpcx.options import RpcBackendOptions
 from rpcx.transport import Frame, Transport, TransportContext
-from rpcx.worker import WorkerInfo
+from rpcx.worker import WorkerInfo, find_worker
 
 __all__ = ["Deferred", "Handler", "MessageScope", "NoteSource", "RpcAgent",
            "describe_callable"]
@@ -103,7 +100,8 @@ class RpcAgent:
             name=self.name, workers=workers, lifecycle=self._life, pending=self._pending,
             fail=lambda rids, error: self._calls.fail(rids, error),
             on_forget=[self._retransmission.forget, lambda _: self._back_pressure.wake()],
-            heartbeat_timeout=options.heartbeat_timeout)
+            heartbeat_timeout=options.heartbeat_timeout,
+            send_one_way=lambda dst, kind, payload: self._calls.send_one_way(dst, kind, payload))
         send = transport.send
         self._calls = CallPath(
             host=self, workers=workers, rank=rank,
@@ -117,9 +115,9 @@ class RpcAgent:
             name=self.name, rank=rank, world_size=len(workers), lifecycle=self._life,
             pending=self._pending, store=store, barrier=self.barrier,
             is_lost=self.is_lost, on_drain=self.on_drain,
-            before_waits=self._health.stop_heartbeat, cancel_pending=self._cancel_pending,
+            before_waits=self._health.stop_heartbeat, cancel_pending=self._calls.cancel_all,
             teardown=self._teardown)
-        self.register_handler(MessageKind.HEARTBEAT, self._on_heartbeat, in_order=True)
+        self.register_handler(MessageKind.HEARTBEAT, self._health.on_heartbeat, in_order=True)
 
     # ------------------------------------------------------------ identity
 
@@ -156,22 +154,7 @@ class RpcAgent:
 
     def resolve(self, to: str | int | WorkerInfo) -> WorkerInfo:
         """The ``WorkerInfo`` for a name, a rank or a ``WorkerInfo``."""
-        if isinstance(to, WorkerInfo):
-            if 0 <= to.id < len(self.workers) and self.workers[to.id] == to:
-                return to
-        elif isinstance(to, str):
-            found = self._by_name.get(to)
-            if found is not None:
-                return found
-        elif isinstance(to, int) and not isinstance(to, bool):
-            if 0 <= to < len(self.workers):
-                return self.workers[to]
-        else:
-            raise TypeError(
-                f"destination must be a worker name, rank or WorkerInfo, got {type(to).__name__}"
-            )
-        known = ", ".join(self.names)
-        raise UnknownWorkerError(f"unknown destination worker {to!r}; the workers are: {known}")
+        return find_worker(self.workers, self._by_name, to)
 
     def timeout_for(self, timeout: float | None) -> float | None:
         """Seconds for a call's ``timeout`` argument: negative/None = default, 0 = none."""
@@ -260,8 +243,7 @@ class RpcAgent:
         interval, timeout = self.options.heartbeat_interval, self.options.heartbeat_timeout
         if interval > 0 and timeout > 0 and not self._transport.capabilities.in_process:
             # (threads of one process cannot hang apart)
-            self._health.start_heartbeat(self.rank, interval, self.send_one_way,
-                                         self._executors.requests)
+            self._health.start_heartbeat(self.rank, interval, self._executors.requests)
 
     def barrier(self, tag: str, timeout: float | None) -> None:
         """Wait until every live worker reached the barrier ``tag``."""
@@ -328,21 +310,8 @@ class RpcAgent:
         """
         return self._shutdown.run(graceful, timeout)
 
-    def _cancel_pending(self) -> None:
-        self._back_pressure.wake()
-        self._calls.fail(self._pending.close(), lambda p: _cancelled(p.call, p.dst, self.name))
-
     def _teardown(self, graceful: bool) -> Sequence[TeardownStep]:
         """What closes, in order, when the worker leaves."""
-        def each(hooks: list[Callable[[float | None], None]]) -> Callable[[float | None], None]:
-            def run(deadline: float | None) -> None:
-                for hook in hooks:
-                    try:
-                        hook(remaining(deadline))
-                    except Exception:
-                        log.exception("%s: close hook failed", self.name)
-            return run
-
         def leave(deadline: float | None) -> None:
             rendezvous.leave(self._store, self.rank, self.world_size, self.is_lost,
                              timeout=step_bound(deadline, rendezvous.LEAVE_TIMEOUT)
@@ -352,9 +321,9 @@ class RpcAgent:
 
         return [
             ("transport", lambda deadline: self._transport.close(step_bound(deadline))),
-            *[(name, _bounded(step)) for name, step in self._executors.teardown()],
-            ("retransmission", _bounded(self._retransmission.close)),
-            ("services", each(self.on_close)),
+            *[(name, bounded(step)) for name, step in self._executors.teardown()],
+            ("retransmission", bounded(self._retransmission.close)),
+            ("services", each_hook(self.on_close, self.name)),
             ("rendezvous", leave),
         ]
 
@@ -372,17 +341,6 @@ class RpcAgent:
         with receiving():
             self._health.lost(rank, reason, cause)
 
-    def _on_heartbeat(self, caller: WorkerInfo, payload: Any) -> None:
-        self._health.on_heartbeat(self.send_one_way, caller, payload)
-
     def _bind_thread(self) -> None:
         _context.bind_agent(self)
 
-
-def _bounded(step: Callable[[float], None]) -> Callable[[float | None], None]:
-    return lambda deadline: step(step_bound(deadline))
-
-
-def _cancelled(call: str, dst: WorkerInfo, me: str) -> BaseException:
-    return RpcShutdownError(f"{call} to worker {dst.name!r} was cancelled: "
-                            f"worker {me!r} shut down")

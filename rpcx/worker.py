@@ -6,9 +6,9 @@ import functools
 import re
 from typing import Any
 
-from rpcx.errors import InvalidWorkerNameError
+from rpcx.errors import InvalidWorkerNameError, UnknownWorkerError
 
-__all__ = ["WorkerInfo", "validate_worker_name"]
+__all__ = ["WorkerInfo", "find_worker", "validate_worker_name"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_\-:]+")
 MAX_NAME_LENGTH = 128
@@ -97,3 +97,28 @@ def _checked(name: str) -> str:
             "contain letters, digits, '_', '-' and ':'"
         )
     return name
+
+
+def find_worker(workers: list[WorkerInfo], by_name: dict[str, WorkerInfo],
+                to: str | int | WorkerInfo) -> WorkerInfo:
+    """The worker ``to`` names: a name, a rank or a ``WorkerInfo`` of this world.
+
+    ``UnknownWorkerError`` (listing the workers) if there is none; ``TypeError`` for
+    anything else.
+    """
+    if isinstance(to, WorkerInfo):
+        if 0 <= to.id < len(workers) and workers[to.id] == to:
+            return to
+    elif isinstance(to, str):
+        found = by_name.get(to)
+        if found is not None:
+            return found
+    elif isinstance(to, int) and not isinstance(to, bool):
+        if 0 <= to < len(workers):
+            return workers[to]
+    else:
+        raise TypeError(
+            f"destination must be a worker name, rank or WorkerInfo, got {type(to).__name__}"
+        )
+    known = ", ".join(w.name for w in workers)
+    raise UnknownWorkerError(f"unknown destination worker {to!r}; the workers are: {known}")
