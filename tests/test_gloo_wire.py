@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rpcx.backends import gloo
-from rpcx.errors import LostCause
+from rpcx.errors import LostCause, lost_reason
 from rpcx.transport import Frame
 
 TIMEOUT = 30.0
@@ -93,20 +93,16 @@ class End:
         self.lost: queue.Queue[tuple[int, str]] = queue.Queue()
         self.causes: list[LostCause] = []
         self.transport = gloo.GlooTransport()
-        self.transport._ctx = SimpleNamespace(  # type: ignore[assignment]
-            rank=rank, world_size=2, names=["w0", "w1"],
+        ctx = SimpleNamespace(
+            rank=rank, world_size=2, names=["w0", "w1"], receive_lane=None,
             deliver=lambda src, frame: self.delivered.put((src, frame)),
-            peer_lost=lambda peer, why, cause: (self.causes.append(cause),
-                                                self.lost.put((peer, why))),
+            peer_lost=lambda peer, cause, detail: (self.causes.append(cause),
+                                                   self.lost.put((peer, lost_reason(cause,
+                                                                                    detail)))),
         )
-        self.transport._pg = FakeGroup(wire, rank)
-        other = 1 - rank
-        peer = gloo._Peer()
-        self.transport._peers = {other: peer}
-        self.receiver = threading.Thread(
-            target=self.transport._first_receive, args=(other,), daemon=True
-        )
-        self.receiver.start()
+        self.transport._begin(ctx, FakeGroup(wire, rank))  # type: ignore[arg-type]
+        (self.receiver,) = [t for t in threading.enumerate()
+                            if t.name == f"rpcx-w{rank}-recv-w{1 - rank}" and t.is_alive()]
 
     def next_frame(self) -> Frame:
         _, frame = self.delivered.get(timeout=TIMEOUT)

@@ -29,6 +29,11 @@ buffers and the peer's posted slot receives take at once, a call's frame with me
 after its slot (they go only once the peer has read the slot), and any frame behind
 one of those. So a peer that stopped reading cannot hold a call past its timeout (gloo
 cannot cancel a send, and a timed-out gloo wait aborts every pair).
+
+The per-peer link, the receive loop on lanes, goodbyes, lost-peer reports, ``close``
+with its "no goodbye from" warning, the writer thread and the bounded connect are rpcx's
+transport kit (:mod:`rpcx.transport_kit`); this module writes the format, the ring of
+slot receives, and what gloo's errors mean.
 """
 
 from __future__ import annotations
@@ -37,11 +42,9 @@ import collections
 import functools
 import logging
 import os
-import queue
 import struct
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -49,19 +52,27 @@ import torch
 import torch.distributed as dist
 
 from rpcx import rendezvous
-from rpcx._lanes import ReceiveLane
-from rpcx._memory import empty_bytes
-from rpcx.errors import (
-    LostCause,
-    PeerLostError,
-    ProtocolError,
-    RpcTimeoutError,
-    without_cpp_locations,
-)
 from rpcx.hookspecs import hookimpl
-from rpcx.hosts import address_towards
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES, TensorPipeRpcBackendOptions
 from rpcx.transport import Capabilities, Frame, TransportContext
+from rpcx.transport_kit import (
+    BYE_TIMEOUT,
+    CLOSED_CONNECTION,
+    Backlog,
+    Link,
+    LostCause,
+    PeerLostError,
+    Peers,
+    ProtocolError,
+    address_towards,
+    as_bytes,
+    check_frame_size,
+    empty_bytes,
+    lost_error,
+    options_as,
+    run_bounded,
+    without_cpp_locations,
+)
 
 __all__ = ["GlooRpcBackendOptions", "GlooTransport"]
 
@@ -88,7 +99,10 @@ _MAX_BUFFERS = SLOT_BYTES  # a frame's buffer count: its sizes must fit a body
 # gloo fails (and closes the pair) when a receive outlasts this, so make it effectively
 # infinite: an idle peer is not a dead peer. Dead peers surface as closed connections.
 _PAIR_TIMEOUT = timedelta(days=3650)
-_BYE_TIMEOUT = timedelta(seconds=10)
+
+_Messages = list[tuple[int, torch.Tensor]]  # (tag, memory) of one frame, in order
+
+
 class GlooRpcBackendOptions(TensorPipeRpcBackendOptions):
     """Options of the gloo backend: torch's fields plus where to listen.
 
@@ -107,84 +121,50 @@ class GlooRpcBackendOptions(TensorPipeRpcBackendOptions):
         self.hostname = hostname
 
 
-class _Ring:
-    """The slot receives posted for one peer, in posting order, and the slots owed one.
+class _Link(Link):
+    """A peer's link (the kit's), plus its ring of slot receives and the goodbye's sends.
 
-    Posting a receive costs ~15 us. The receiving thread does not re-post after each
-    frame; it notes the slot as owed, and the next thread to finish a send to that peer
-    (whose frame is then already on its way) posts what is owed. So in a call and its
-    reply neither re-post delays the other side. The receiving thread re-posts itself
-    only when fewer than half the receives remain posted.
+    The ring: the slot receives posted for the peer (``posted``, in posting order) and
+    the slots owed one (``owed``). Posting a receive costs ~15 us. The receiving thread
+    does not re-post after each frame; it notes the slot as owed, and the next thread to
+    finish a send to that peer (whose frame is then already on its way) posts what is
+    owed. So in a call and its reply neither re-post delays the other side. The
+    receiving thread re-posts itself only when fewer than half the receives remain
+    posted. The first read posts the whole ring.
     """
 
-    __slots__ = ("closed", "lock", "owed", "posted")
+    __slots__ = ("bye", "owed", "posted", "ring_closed", "ring_lock", "unheard")
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
+    def __init__(self, rank: int, name: str) -> None:
+        super().__init__(rank, name)
+        self.ring_lock = threading.Lock()
         self.posted: collections.deque[tuple[bytearray, torch.Tensor, Any]] = (
             collections.deque()
         )
         self.owed: list[tuple[bytearray, torch.Tensor]] = []
-        self.closed = False
-
-
-class _Peer:
-    """Per-peer state: the send lock, the goodbye flags, the receive ring and lane."""
-
-    __slots__ = ("bye_sent", "ended", "gone", "lane", "lock", "ring", "unheard", "writer",
-                 "writing")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.ring = _Ring()
-        self.writing = 0  # frames handed to the writer and not written yet (under lock)
+        for _ in range(RECEIVE_DEPTH):
+            slot = bytearray(SLOT_BYTES)
+            self.owed.append((slot, torch.frombuffer(slot, dtype=torch.uint8)))
+        self.ring_closed = False
         self.unheard = 0  # bytes sent since the peer last sent a frame (a lower bound on
         # what it may not have read; reset without the lock by the receiving thread)
-        self.writer: _Writer | None = None
-        self.bye_sent = False
-        self.gone = False
-        self.lane: ReceiveLane | None = None  # the receive loop's role (rpcx._lanes)
-        self.ended = threading.Event()  # the receive loop is over: nothing more arrives
+        self.bye: tuple[list[Any], torch.Tensor] | None = None  # posted, not waited for
 
 
-class _Written:
-    """One frame's sends, waited for by a writer: done, or the error."""
+class _GlooPeers(Peers[_Link]):
+    """The kit's peers, reading gloo's errors: its ``RuntimeError`` is a broken
+    connection, anything else a frame made fail a protocol error."""
 
-    __slots__ = ("done", "error", "messages", "works")
-
-    def __init__(self, works: list[Any], messages: list[tuple[int, torch.Tensor]]) -> None:
-        self.works = works
-        self.messages = messages  # the memory gloo sends from, alive until written
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-
-class _Writer:
-    """A peer's writer thread: waits, in posting order, for frames' sends to complete."""
-
-    def __init__(self, name: str, finished: Callable[[], None]) -> None:
-        self._jobs: queue.SimpleQueue[_Written | None] = queue.SimpleQueue()
-        self._finished = finished  # called after each frame, on this thread
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def put(self, job: _Written) -> None:
-        self._jobs.put(job)
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                GlooTransport._wait(job.works)
-            except BaseException as exc:
-                job.error = exc
-            job.works = job.messages = []
-            job.done.set()
-            try:
-                self._finished()
-            except Exception:  # the writer must outlive it
-                log.exception("gloo writer: after a frame")
+    def broken(self, link: _Link, exc: BaseException) -> None:
+        if isinstance(exc, ProtocolError) or not isinstance(exc, Exception):
+            super().broken(link, exc)
+        elif isinstance(exc, RuntimeError):  # gloo's own: the connection broke
+            reason = _clean(exc)
+            if "closed by peer" in reason.lower() or "connection reset" in reason.lower():
+                reason = CLOSED_CONNECTION
+            self.lost(link, LostCause.CONNECTION_LOST, reason)
+        else:  # this peer cannot go on
+            super().broken(link, ProtocolError(_clean(exc)))
 
 
 class GlooTransport:
@@ -195,32 +175,42 @@ class GlooTransport:
     def __init__(self) -> None:
         self._ctx: TransportContext | None = None
         self._pg: Any = None
-        self._peers: dict[int, _Peer] = {}
-        self._closing = False
+        self.peers: _GlooPeers | None = None
         self._max_frame = DEFAULT_MAX_FRAME_BYTES
+
+    @property
+    def _peers(self) -> dict[int, _Link]:
+        """Every peer's link, by rank."""
+        return self.peers.links if self.peers is not None else {}
 
     # ------------------------------------------------------------------------ start
 
     def start(self, ctx: TransportContext) -> None:
         """Create the process group (connects the full mesh) and start receiving."""
-        self._ctx = ctx
-        self._max_frame = int(getattr(ctx.options, "max_frame_bytes", self._max_frame))
+        self._max_frame = options_as(ctx, GlooRpcBackendOptions).max_frame_bytes
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = _PAIR_TIMEOUT
         opts._devices = _devices(ctx)
-        self._pg = _connect_mesh(ctx, opts)
-        for rank in range(ctx.world_size):
-            if rank != ctx.rank:
-                self._peers[rank] = _Peer()
-        for rank, peer in self._peers.items():
-            # The receive loop is a lane: requests are served on the thread that
-            # received them, and another thread takes over receiving if one blocks.
-            name = f"rpcx-{ctx.names[ctx.rank]}-recv-{ctx.names[rank]}"
-            if ctx.receive_lane is not None:
-                peer.lane = ctx.receive_lane(name, functools.partial(self._receive_loop, rank))
-            threading.Thread(
-                target=self._first_receive, args=(rank,), name=name, daemon=True
-            ).start()
+        self._begin(ctx, _connect_mesh(ctx, opts))
+
+    def _begin(self, ctx: TransportContext, pg: Any) -> None:
+        """Send to and receive from every peer over ``pg`` (a connected group)."""
+        self._ctx = ctx
+        self._pg = pg
+        links = {rank: _Link(rank, ctx.names[rank])
+                 for rank in range(ctx.world_size) if rank != ctx.rank}
+        self.peers = peers = _GlooPeers(ctx, links, self._read_one, self._write_bye,
+                                        ended=self._loop_ended)
+        for link in links.values():
+            link.backlog = self._backlog(link)
+        peers.start_receiving()
+
+    def _backlog(self, link: _Link) -> Backlog:
+        """The peer's writer: it waits, in posting order, for frames' sends to complete."""
+        assert self.peers is not None
+        return Backlog(link.lock, _write, self.peers.thread_name(link, "send"),
+                       on_error=functools.partial(self._write_failed, link),
+                       after=functools.partial(self._written, link))
 
     # ------------------------------------------------------------------------- send
 
@@ -234,205 +224,89 @@ class GlooTransport:
         When the peer may not take the frame now, the peer's writer thread waits for it
         instead (keeping the memory alive) and the sender only until the deadline.
         """
-        peer = self._peers[dst]
-        sizes = [b.numel() * b.element_size() for b in frame.buffers]
-        header = frame.header
-        n = len(sizes)
-        inline_len = 8 * n + len(header) + sum(sizes)
-        slot = bytearray(SLOT_BYTES)
-        slot_tensor = torch.frombuffer(slot, dtype=torch.uint8)
-        if _HEAD.size + inline_len <= SLOT_BYTES:
-            _HEAD.pack_into(slot, 0, _INLINE, n, inline_len)
-            struct.pack_into(f"<{n}Q", slot, _HEAD.size, *sizes)
-            offset = _HEAD.size + 8 * n
-            slot[offset : offset + len(header)] = header
-            offset += len(header)
-            for buffer, size in zip(frame.buffers, sizes, strict=True):
-                if size:
-                    slot_tensor[offset : offset + size].copy_(_as_bytes(buffer))
-                offset += size
-            messages: list[tuple[int, torch.Tensor]] = [(_TAG_SLOT, slot_tensor)]
-        else:
-            body_len = 8 * n + len(header)
-            if _HEAD.size + body_len <= SLOT_BYTES:
-                _HEAD.pack_into(slot, 0, _SPLIT, n, body_len)
-                struct.pack_into(f"<{n}Q", slot, _HEAD.size, *sizes)
-                offset = _HEAD.size + 8 * n
-                slot[offset : offset + len(header)] = header
-                messages = [(_TAG_SLOT, slot_tensor)]
-            else:
-                body = bytearray(body_len)
-                struct.pack_into(f"<{n}Q", body, 0, *sizes)
-                body[8 * n :] = header
-                _HEAD.pack_into(slot, 0, _EXTENDED, n, body_len)
-                messages = [
-                    (_TAG_SLOT, slot_tensor),
-                    (_TAG_DATA, torch.frombuffer(body, dtype=torch.uint8)),
-                ]
-            messages += [
-                (_TAG_DATA, _as_bytes(b)) for b, s in zip(frame.buffers, sizes, strict=True) if s
-            ]
+        peers = self.peers
+        assert peers is not None
+        link = peers[dst]
+        messages = _pack(frame)
+        nbytes = sum(tensor.numel() for _, tensor in messages)
         # A frame's messages after its slot go only once the peer has read the slot (it
         # posts their receives then): a call's frame (one with a deadline) must not wait
         # for that on the caller's thread.
-        works, job = self._post(
-            dst, peer, messages, nbytes=sum(t.numel() for _, t in messages),
-            hand_off=bool(frame.deadline) and len(messages) > 1,
-        )
-        if job is None:
-            self._wait(works)
-            if peer.ring.owed:  # our frame is out: now post the receives this peer is owed
-                self._repost(dst, peer.ring)
+        hand_off = bool(frame.deadline) and len(messages) > 1
+        with link.lock:  # posting under it keeps the messages of one frame together
+            link.check_open()
+            works = self._post(link, messages)
+            link.unheard += nbytes
+            backlog = link.backlog
+            assert backlog is not None
+            # Waited for here unless the peer may not take it whole now (see
+            # _WAIT_INLINE_BYTES), or frames before it are still with the writer (waiting
+            # here would wait for those too). Closing: the writers are stopping.
+            pending = None if peers.closing or not (
+                hand_off or backlog or link.unheard > _WAIT_INLINE_BYTES
+            ) else backlog.put((works, messages))
+        if pending is None:
+            _wait(works)
+            if link.owed:  # our frame is out: now post the receives this peer is owed
+                self._written(link)
             return
-        left = None if not frame.deadline else frame.deadline - time.monotonic()
-        if not job.done.wait(left if left is None else max(0.0, left)):
+        if not pending.wait(frame.deadline):
             # The call's deadline passed with the frame not yet written (a peer that
             # reads nothing): the writer finishes it; the agent fails the call now.
             log.debug("send to rank %d still being written at its deadline", dst)
-            return
-        if job.error is not None:
-            raise job.error
 
-    def _post(
-        self, dst: int, peer: _Peer, messages: list[tuple[int, torch.Tensor]],
-        bye: bool = False, nbytes: int = 0, hand_off: bool = False,
-    ) -> tuple[list[Any], _Written | None]:
-        """Post ``messages`` (``nbytes`` on the wire) to ``dst``; the works, and the
-        writer's job if the frame went to the peer's writer: when ``hand_off`` asks, the
-        peer may not take it whole now (see ``_WAIT_INLINE_BYTES``), or frames before it
-        are still there (waiting inline would wait for those too)."""
-        # Posting under the peer's lock keeps the messages of one frame together.
-        with peer.lock:
-            if peer.bye_sent or (peer.gone and not bye):
-                raise PeerLostError("has shut down")
-            try:
-                works = [self._pg.send([tensor], dst, tag) for tag, tensor in messages]
-            except RuntimeError as exc:
-                raise PeerLostError(f"is unreachable: {_clean(exc)}") from None
-            if bye:
-                peer.bye_sent = True
-            peer.unheard += nbytes
-            # (Closing: the writers are stopping, so the last frames are waited for here.)
-            if bye or self._closing or not (
-                hand_off or peer.writing or peer.unheard > _WAIT_INLINE_BYTES
-            ):
-                return works, None
-            if peer.writer is None:
-                ctx = self._ctx
-                assert ctx is not None
-                peer.writer = _Writer(f"rpcx-{ctx.names[ctx.rank]}-send-{ctx.names[dst]}",
-                                      functools.partial(self._written, dst, peer))
-            job = _Written(works, messages)
-            peer.writing += 1
-            peer.writer.put(job)
-            return works, job
-
-    def _written(self, dst: int, peer: _Peer) -> None:
-        """A writer finished a frame (on its thread)."""
-        with peer.lock:
-            peer.writing -= 1
-        if peer.ring.owed:
-            try:
-                self._repost(dst, peer.ring)
-            except RuntimeError as exc:
-                log.debug("receives for rank %d not posted: %s", dst, exc)
-
-    @staticmethod
-    def _wait(works: list[Any], timeout: timedelta | None = None) -> None:
+    def _post(self, link: _Link, messages: _Messages) -> list[Any]:
+        """Post ``messages`` to the peer (under ``link.lock``); their gloo works."""
         try:
-            for work in works:
-                if timeout is None:
-                    work.wait()
-                else:
-                    work.wait(timeout)
+            return [self._pg.send([tensor], link.rank, tag) for tag, tensor in messages]
         except RuntimeError as exc:
-            raise PeerLostError(f"is unreachable: {_clean(exc)}") from None
+            raise lost_error(exc) from None
+
+    def _written(self, link: _Link) -> None:
+        """A frame to the peer is out: post the receives it is owed."""
+        if link.owed:
+            try:
+                self._repost(link)
+            except RuntimeError as exc:  # the receive loop sees the connection broke
+                log.debug("receives for rank %d not posted: %s", link.rank, exc)
+
+    def _write_failed(self, link: _Link, exc: BaseException) -> None:
+        """The writer's wait failed (under ``link.lock``): its frames failed with it;
+        frames sent from here on get a writer of their own (and gloo's error)."""
+        link.backlog = self._backlog(link)
 
     # ---------------------------------------------------------------------- receive
 
-    def _first_receive(self, src: int) -> None:
-        ring = self._peers[src].ring
-        with ring.lock:
-            for _ in range(RECEIVE_DEPTH):
-                slot = bytearray(SLOT_BYTES)
-                ring.owed.append((slot, torch.frombuffer(slot, dtype=torch.uint8)))
-        try:
-            self._repost(src, ring)
-        except RuntimeError as exc:
-            self._on_broken(src, exc)
-            self._end_receiving(src)
-            return
-        self._receive_loop(src)
-
-    def _receive_loop(self, src: int) -> None:
-        """Receive and deliver ``src``'s frames, in order, until its goodbye.
-
-        Runs on whichever thread holds the peer's lane: it returns early, leaving the
-        loop to that thread, when a request it served moved the role elsewhere.
-        """
-        if self._receive_frames(src):
-            # Only now, with the loop's frame and the gloo work objects it held gone:
-            # close() releases the process group once every loop has ended, and gloo
-            # objects outliving their group on another thread abort the process at exit.
-            self._end_receiving(src)
-
-    def _receive_frames(self, src: int) -> bool:
-        """The loop itself; True when it ended (goodbye or broken), False if handed off."""
-        ctx = self._ctx
-        assert ctx is not None
-        peer = self._peers[src]
-        ring, lane = peer.ring, peer.lane
-        if lane is not None:
-            lane.enter()
-        try:
-            while True:
-                with ring.lock:
-                    if not ring.posted:  # cannot happen while the ring is kept half full
-                        raise AssertionError("gloo receive ring is empty")
-                    slot, slot_tensor, work = ring.posted.popleft()
-                work.wait()
-                peer.unheard = 0  # it is alive and sending, so reading too
-                mode, n, body_len = _HEAD.unpack_from(slot)
-                if mode == _BYE:
-                    self._on_bye(src)
-                    break
-                self._check_slot(mode, n, body_len)
-                if mode == _INLINE:
-                    frame = _unpack_inline(slot, slot_tensor, n, body_len)
-                elif mode == _SPLIT:
-                    sizes = struct.unpack_from(f"<{n}Q", slot, _HEAD.size)
-                    start = _HEAD.size + 8 * n
-                    header = bytes(slot[start : _HEAD.size + body_len])
-                    self._check_sizes(sizes, len(header))
-                    frame = self._receive_buffers(src, header, sizes)
-                else:
-                    frame = self._receive_extended(src, n, body_len)
-                with ring.lock:
-                    ring.owed.append((slot, slot_tensor))
-                    low = len(ring.posted) < RECEIVE_DEPTH // 2
-                if low:
-                    self._repost(src, ring)
-                try:
-                    ctx.deliver(src, frame)
-                except ProtocolError:  # refused above the transport: end this peer
-                    raise
-                except Exception:
-                    log.exception("%s: delivering a frame from rank %d failed",
-                                  ctx.names[ctx.rank], src)
-                del frame
-                if lane is not None and not lane.still_held():
-                    return False  # a follower receives from here on
-        except ProtocolError as exc:  # (an RpcError, so a RuntimeError: caught first)
-            log.warning("%s: protocol error from %s: %s", ctx.names[ctx.rank],
-                        ctx.names[src], exc)
-            self._on_broken(src, exc, protocol=True)
-        except RuntimeError as exc:  # gloo's own: the connection broke
-            self._on_broken(src, exc)
-        except Exception as exc:  # anything else a frame made fail: this peer cannot go on
-            log.warning("%s: protocol error from %s: %s", ctx.names[ctx.rank],
-                        ctx.names[src], exc)
-            self._on_broken(src, exc, protocol=True)
-        return True
+    def _read_one(self, link: _Link) -> Frame | None:
+        """The peer's next frame, ``None`` for its goodbye. Raises ``ProtocolError`` for
+        a slot no sender of this format writes, gloo's ``RuntimeError`` when the
+        connection broke."""
+        if not link.posted:  # the first read (the ring is kept half full from then on)
+            self._repost(link)
+        with link.ring_lock:
+            slot, slot_tensor, work = link.posted.popleft()
+        work.wait()
+        link.unheard = 0  # it is alive and sending, so reading too
+        mode, n, body_len = _HEAD.unpack_from(slot)
+        if mode == _BYE:
+            return None
+        self._check_slot(mode, n, body_len)
+        if mode == _INLINE:
+            frame = _unpack_inline(slot, slot_tensor, n, body_len)
+        elif mode == _SPLIT:
+            sizes = struct.unpack_from(f"<{n}Q", slot, _HEAD.size)
+            start = _HEAD.size + 8 * n
+            header = bytes(slot[start : _HEAD.size + body_len])
+            self._check_sizes(sizes, len(header))
+            frame = self._receive_buffers(link.rank, header, sizes)
+        else:
+            frame = self._receive_extended(link.rank, n, body_len)
+        with link.ring_lock:
+            link.owed.append((slot, slot_tensor))
+            low = len(link.posted) < RECEIVE_DEPTH // 2
+        if low:
+            self._repost(link)
+        return frame
 
     def _check_slot(self, mode: int, n: int, body_len: int) -> None:
         """Refuse a slot head that no sender of this format writes, before anything
@@ -443,34 +317,18 @@ class GlooTransport:
             raise ProtocolError(f"{n} buffers in a body of {body_len} bytes")
         if mode != _EXTENDED and _HEAD.size + body_len > SLOT_BYTES:
             raise ProtocolError(f"a body of {body_len} bytes announced inside a slot")
-        if body_len > self._max_frame:
-            raise ProtocolError(f"a body of {body_len} bytes, over max_frame_bytes "
-                                f"({self._max_frame})")
+        check_frame_size(body_len, self._max_frame, "a body")
 
     def _check_sizes(self, sizes: tuple[int, ...], header_len: int) -> None:
-        total = sum(sizes) + header_len
-        if total > self._max_frame:
-            raise ProtocolError(f"a frame of {total} bytes, over max_frame_bytes "
-                                f"({self._max_frame})")
+        check_frame_size(sum(sizes) + header_len, self._max_frame)
 
-    def _end_receiving(self, src: int) -> None:
-        peer = self._peers[src]
-        ring = peer.ring
-        with ring.lock:  # receives still posted are dropped; nothing more will arrive
-            ring.closed = True
-            ring.posted.clear()
-            ring.owed.clear()
-        if peer.lane is not None:
-            peer.lane.leave()
-        peer.ended.set()
-
-    def _repost(self, src: int, ring: _Ring) -> None:
-        """Post the slot receives ``ring`` is owed, in order."""
-        with ring.lock:
-            while ring.owed and not ring.closed:
-                slot, slot_tensor = ring.owed.pop()
-                work = self._pg.recv([slot_tensor], src, _TAG_SLOT)
-                ring.posted.append((slot, slot_tensor, work))
+    def _repost(self, link: _Link) -> None:
+        """Post the slot receives the peer is owed, in order."""
+        with link.ring_lock:
+            while link.owed and not link.ring_closed:
+                slot, slot_tensor = link.owed.pop()
+                work = self._pg.recv([slot_tensor], link.rank, _TAG_SLOT)
+                link.posted.append((slot, slot_tensor, work))
 
     def _receive_extended(self, src: int, n: int, body_len: int) -> Frame:
         body = bytearray(body_len)
@@ -486,69 +344,115 @@ class GlooTransport:
             work.wait()
         return Frame(header, buffers)
 
-    def _on_bye(self, src: int) -> None:
-        ctx = self._ctx
-        assert ctx is not None
-        peer = self._peers[src]
-        with peer.lock:
-            peer.gone = True
-            answer = not peer.bye_sent
-        if answer:  # the peer left on its own: let its receiving thread for us finish too
-            self._send_bye(src, peer, _BYE_TIMEOUT)
-        if not self._closing:
-            ctx.peer_lost(src, "has shut down", LostCause.DEPARTED)
+    def _loop_ended(self, link: _Link) -> None:
+        """The peer's receive loop is over (on its thread): our goodbye, if it answered
+        the peer's, is waited for; receives still posted are dropped.
 
-    def _on_broken(self, src: int, exc: BaseException, protocol: bool = False) -> None:
-        ctx = self._ctx
-        assert ctx is not None
-        peer = self._peers[src]
-        with peer.lock:
-            peer.gone = True
-        reason = _clean(exc)
-        if protocol:
-            reason = f"protocol error: {reason}"
-        elif "closed by peer" in reason.lower() or "connection reset" in reason.lower():
-            reason = "closed its connection (its process probably exited or crashed)"
-        ctx.peer_lost(src, f"is unreachable: {reason}",
-                      LostCause.PROTOCOL_ERROR if protocol else LostCause.CONNECTION_LOST)
+        Only then does the loop's thread let go of the gloo works it held: close()
+        releases the process group once every loop has ended, and gloo objects outliving
+        their group on another thread abort the process at exit.
+        """
+        self._wait_bye(link, BYE_TIMEOUT)
+        with link.ring_lock:
+            link.ring_closed = True
+            link.posted.clear()
+            link.owed.clear()
+
+    # ------------------------------------------------------------------- goodbye
+
+    def _write_bye(self, link: _Link) -> None:
+        """Post the goodbye slot (under ``link.lock``); it is waited for, bounded, when
+        the peer's receive loop ends, or by ``close``."""
+        slot = bytearray(SLOT_BYTES)
+        _HEAD.pack_into(slot, 0, _BYE, 0, 0)
+        tensor = torch.frombuffer(slot, dtype=torch.uint8)
+        link.bye = (self._post(link, [(_TAG_SLOT, tensor)]), tensor)
+
+    def _wait_bye(self, link: _Link, timeout: float) -> None:
+        """Wait (bounded: a peer that stopped reading must not hold up leaving) for the
+        goodbye posted to the peer, if one was and nobody waited for it yet."""
+        with link.lock:
+            bye, link.bye = link.bye, None
+        if bye is not None:
+            try:
+                _wait(bye[0], max(0.001, timeout))
+            except PeerLostError as exc:
+                log.debug("goodbye to %s not delivered: %s", link.name, exc)
 
     # ------------------------------------------------------------------------ close
 
     def close(self, timeout: float) -> None:
         """Send BYE to every peer, wait for theirs, then release the process group."""
-        ctx = self._ctx
-        if ctx is None:
+        peers = self.peers
+        if peers is None:
             return
-        self._closing = True
-        for peer in self._peers.values():
-            if peer.writer is not None:  # (a writer blocked on a silent peer stays)
-                peer.writer.stop()
         deadline = time.monotonic() + timeout
-        for rank, peer in self._peers.items():
-            left = max(0.001, deadline - time.monotonic())
-            self._send_bye(rank, peer, timedelta(seconds=left))
-        for peer in self._peers.values():
-            peer.ended.wait(max(0.0, deadline - time.monotonic()))
-        stuck = [ctx.names[r] for r, p in self._peers.items() if not p.ended.is_set()]
-        if stuck:
-            # Releasing the group now would abort the process; keep it until exit.
-            log.warning(
-                "%s: no goodbye from %s within %.1f s; their connections stay open",
-                ctx.names[ctx.rank], ", ".join(stuck), timeout,
-            )
-            return
+        peers.closing = True  # from here on senders wait for their frames themselves
+        for link in peers:
+            assert link.backlog is not None
+            link.backlog.stop()  # (a writer blocked on a silent peer stays)
+        if peers.close(timeout, then="their connections stay open"):
+            return  # releasing the group now would abort the process; keep it until exit
+        for link in peers:
+            assert link.backlog is not None
+            link.backlog.join(deadline - time.monotonic())
+            self._wait_bye(link, deadline - time.monotonic())
         self._pg = None
 
-    def _send_bye(self, rank: int, peer: _Peer, timeout: timedelta) -> None:
-        slot = bytearray(SLOT_BYTES)
-        _HEAD.pack_into(slot, 0, _BYE, 0, 0)
-        tensor = torch.frombuffer(slot, dtype=torch.uint8)
-        try:
-            # Bounded: a peer that stopped reading must not hold up leaving.
-            works, _ = self._post(rank, peer, [(_TAG_SLOT, tensor)], bye=True)
-            self._wait(works, timeout)
-        except PeerLostError as exc:
-            log.debug("goodbye to rank %d not delivered: %s", rank, exc)
+
+def _write(job: tuple[list[Any], _Messages]) -> None:
+    """The writer's job: wait for one frame's sends (its memory stays alive till then)."""
+    _wait(job[0])
+
+
+def _wait(works: list[Any], timeout: float | None = None) -> None:
+    """Wait for gloo works; a broken connection raises ``PeerLostError``."""
+    try:
+        for work in works:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise lost_error(exc) from None
+
+
+def _pack(frame: Frame) -> _Messages:
+    """The messages that carry ``frame``, as the module docstring lays them out."""
+    sizes = [b.numel() * b.element_size() for b in frame.buffers]
+    header = frame.header
+    n = len(sizes)
+    inline_len = 8 * n + len(header) + sum(sizes)
+    slot = bytearray(SLOT_BYTES)
+    slot_tensor = torch.frombuffer(slot, dtype=torch.uint8)
+    if _HEAD.size + inline_len <= SLOT_BYTES:
+        _HEAD.pack_into(slot, 0, _INLINE, n, inline_len)
+        struct.pack_into(f"<{n}Q", slot, _HEAD.size, *sizes)
+        offset = _HEAD.size + 8 * n
+        slot[offset : offset + len(header)] = header
+        offset += len(header)
+        for buffer, size in zip(frame.buffers, sizes, strict=True):
+            if size:
+                slot_tensor[offset : offset + size].copy_(as_bytes(buffer))
+            offset += size
+        return [(_TAG_SLOT, slot_tensor)]
+    body_len = 8 * n + len(header)
+    messages: _Messages
+    if _HEAD.size + body_len <= SLOT_BYTES:
+        _HEAD.pack_into(slot, 0, _SPLIT, n, body_len)
+        struct.pack_into(f"<{n}Q", slot, _HEAD.size, *sizes)
+        offset = _HEAD.size + 8 * n
+        slot[offset : offset + len(header)] = header
+        messages = [(_TAG_SLOT, slot_tensor)]
+    else:
+        body = bytearray(body_len)
+        struct.pack_into(f"<{n}Q", body, 0, *sizes)
+        body[8 * n :] = header
+        _HEAD.pack_into(slot, 0, _EXTENDED, n, body_len)
+        messages = [(_TAG_SLOT, slot_tensor),
+                    (_TAG_DATA, torch.frombuffer(body, dtype=torch.uint8))]
+    messages += [(_TAG_DATA, as_bytes(b)) for b, s in zip(frame.buffers, sizes, strict=True) if s]
+    return messages
 
 
 def _connect_mesh(ctx: TransportContext, opts: Any) -> Any:
@@ -559,10 +463,6 @@ def _connect_mesh(ctx: TransportContext, opts: Any) -> Any:
     world would leave ``init_rpc`` hanging. So the group is built on a helper thread and
     abandoned (the thread stays blocked in gloo) if it is not connected in time.
     """
-    limit = ctx.options.rpc_timeout or None
-    built: list[Any] = []
-    failed: list[BaseException] = []
-
     # Its own store connection: a TCPStore client serialises calls, so a wait that gloo
     # leaves blocked would otherwise hold up every later store call of this worker
     # (including the teardown of the failed init).
@@ -571,26 +471,10 @@ def _connect_mesh(ctx: TransportContext, opts: Any) -> Any:
         rendezvous.keep_if_file_store(store)  # (destroying a FileStore may freeze)
     except RuntimeError:  # stores that cannot be cloned do not block one another
         store = ctx.store
-
-    def build() -> None:
-        try:
-            built.append(dist.ProcessGroupGloo(store, ctx.rank, ctx.world_size, opts))
-        except BaseException as exc:  # surfaced on the caller's thread below
-            failed.append(exc)
-
-    name = ctx.names[ctx.rank]
-    thread = threading.Thread(target=build, name=f"rpcx-{name}-gloo-connect", daemon=True)
-    thread.start()
-    thread.join(limit)
-    if failed:
-        raise failed[0]
-    if not built:
-        raise RpcTimeoutError(
-            f"init_rpc: worker {name!r} (rank {ctx.rank}) could not connect the gloo mesh "
-            f"to its {ctx.world_size - 1} peers within {limit:g} s (rpc_timeout); a peer "
-            "probably died after joining the world"
-        )
-    return built[0]
+    return run_bounded(
+        ctx, lambda: dist.ProcessGroupGloo(store, ctx.rank, ctx.world_size, opts),
+        f"the gloo mesh to its {ctx.world_size - 1} peers",
+    )
 
 
 def _unpack_inline(slot: bytearray, slot_tensor: torch.Tensor, n: int, body_len: int) -> Frame:
@@ -608,12 +492,6 @@ def _unpack_inline(slot: bytearray, slot_tensor: torch.Tensor, n: int, body_len:
     return Frame(header, buffers)
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat ``uint8`` view of a contiguous tensor's memory (no copy)."""
-    flat = tensor.reshape(-1)
-    return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
-
-
 def _clean(exc: BaseException) -> str:
     """gloo's message without the C++ source location it starts with."""
     return without_cpp_locations(str(exc))
@@ -627,14 +505,13 @@ def _devices(ctx: TransportContext) -> list[Any]:
     torch reads ``$GLOO_SOCKET_IFNAME`` only where it builds a process group's options
     itself; rpcx builds them, so it reads the variable here.
     """
-    options = ctx.options
-    interface = getattr(options, "interface", None)
-    if interface:
-        return [dist.ProcessGroupGloo.create_device(interface=interface)]
+    options = options_as(ctx, GlooRpcBackendOptions)
+    if options.interface:
+        return [dist.ProcessGroupGloo.create_device(interface=options.interface)]
     from_env = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
     if from_env:
         return [dist.ProcessGroupGloo.create_device(interface=name) for name in from_env]
-    hostname = getattr(options, "hostname", None) or address_towards(ctx.init_method)
+    hostname = options.hostname or address_towards(ctx.init_method)
     if hostname:
         return [dist.ProcessGroupGloo.create_device(hostname=hostname)]
     return [dist.ProcessGroupGloo.create_default_device()]
