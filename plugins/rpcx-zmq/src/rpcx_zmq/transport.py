@@ -480,9 +480,7 @@ class ZmqTransport:
         that reads nothing holds no call past its deadline.
         """
         with peer.lock:
-            if peer.bye_sent:
-                raise PeerLostError(peer.why or SHUT_DOWN)
-            if peer.gone:
+            if peer.bye_sent or peer.gone:
                 raise PeerLostError(peer.why or SHUT_DOWN)
             tx = peer.tx
             if tx is None:
