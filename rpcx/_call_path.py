@@ -25,8 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -60,16 +59,13 @@ from rpcx.serialization import (
     encode,
     has_notes,
 )
+from rpcx.service_host import Deferred, Handler, MessageScope, NoteSource
 from rpcx.transport import Frame
 from rpcx.worker import WorkerInfo
 
 __all__ = ["CallPath", "Deferred", "Handler", "MessageScope", "NoteSource", "on_receiving_thread"]
 
 log = logging.getLogger("rpcx.agent")
-
-# A request handler gets the caller and the decoded payload and returns the reply value,
-# or a Deferred whose future supplies it later. Raising sends the error to the caller.
-Handler = Callable[[WorkerInfo, Any], Any]
 
 _RESULT, _ERROR = int(MessageKind.RESULT), int(MessageKind.ERROR)
 
@@ -94,38 +90,6 @@ def receiving() -> Any:
         yield
     finally:
         _receiving.delivering = was
-
-
-class MessageScope(Protocol):
-    """A service's per-call state that travels with requests and their replies.
-
-    Distributed autograd is the one user: its context id. A request sent while a scope is
-    current carries it; the callee decodes and serves the request with that scope entered
-    and its reply carries it back. (See the codec's scope hooks for what it is used for.)
-    """
-
-    def outgoing(self, dst: int) -> int | None:
-        """The scope for a request to rank ``dst`` sent now from this thread, or ``None``."""
-
-    def entered(self, scope: int, src: int) -> contextlib.AbstractContextManager[Any]:
-        """Make ``scope`` current on this thread while a request from ``src`` is served."""
-
-
-class NoteSource(Protocol):
-    """A service whose one-way messages to a peer ride in frames sent to it anyway."""
-
-    def notes_for(self, dst: int) -> list[tuple[int, Any]]:
-        """Notes ``(kind, payload)`` for a frame about to be sent to rank ``dst``."""
-
-    def notes_not_sent(self, dst: int, notes: list[tuple[int, Any]]) -> None:
-        """Take back notes whose frame could not be encoded."""
-
-
-@dataclass(frozen=True)
-class Deferred:
-    """Returned by a handler whose reply comes later: the reply is this future's outcome."""
-
-    future: torch._C.Future[Any]
 
 
 class CallPath:

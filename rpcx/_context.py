@@ -11,12 +11,9 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from rpcx.errors import RpcNotInitializedError, RpcShutdownError
-
-if TYPE_CHECKING:
-    from rpcx.agent import RpcAgent
+from rpcx.service_host import ServiceHost as RpcAgent  # (what callers may use of it)
 
 __all__ = [
     "bind_agent",

@@ -24,7 +24,6 @@ here runs on a reliable transport.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -52,9 +51,8 @@ _REPLIES_KEPT = 1024  # answers remembered per caller
 
 
 def copy_of_frame(frame: Frame) -> Frame:
-    """A second ``Frame`` object over the same header and buffers, every field kept
-    (sending may seal the one it is given in place)."""
-    return dataclasses.replace(frame, buffers=list(frame.buffers))
+    """A second ``Frame`` object over the same header and buffers (``Frame.shallow_copy``)."""
+    return frame.shallow_copy()
 
 
 class Resender:

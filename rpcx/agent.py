@@ -24,7 +24,7 @@ from typing import Any
 
 from rpcx import _context, rendezvous
 from rpcx._budget import BackPressure, BytesInFlight
-from rpcx._call_path import CallPath, Deferred, Handler, MessageScope, NoteSource, receiving
+from rpcx._call_path import CallPath, receiving
 from rpcx._executors import Executors
 from rpcx._peer_health import PeerHealth
 from rpcx._pending import PendingCalls, describe_callable
@@ -35,11 +35,11 @@ from rpcx.devices import DeviceRoutes
 from rpcx.errors import (
     LostCause,
     PeerLostError,
-    lost_reason,
 )
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
 from rpcx.options import RpcBackendOptions
+from rpcx.service_host import Deferred, Handler, MessageScope, NoteSource
 from rpcx.transport import Frame, Transport, TransportContext
 from rpcx.worker import WorkerInfo, find_worker
 
@@ -293,6 +293,10 @@ class RpcAgent:
         (its pending calls failed, the services' hooks run); False after ``timeout``."""
         return self._health.wait_lost(rank, timeout)
 
+    def is_unresponsive(self, rank: int) -> bool:
+        """Whether worker ``rank`` is silent past ``heartbeat_timeout`` right now."""
+        return self._health.is_unresponsive(rank)
+
     def wait_responsive(self, rank: int, timeout: float) -> bool:
         """Wait (at most ``timeout``) until worker ``rank`` is not marked unresponsive."""
         return self._health.wait_responsive(rank, timeout)
@@ -329,17 +333,10 @@ class RpcAgent:
 
     # ----------------------------------------------------------- callbacks
 
-    def _on_peer_lost(self, rank: int, cause: LostCause | str,
-                      detail: str | LostCause = "") -> None:
+    def _on_peer_lost(self, rank: int, cause: LostCause, detail: str = "") -> None:
         # Transports call this from their receiving threads, which must not send.
-        # TRANSITION (issue 26): backends still on the old (rank, reason, cause) form.
-        if isinstance(cause, str):
-            reason = cause
-            cause = detail if isinstance(detail, LostCause) else LostCause.CONNECTION_LOST
-        else:
-            reason = lost_reason(cause, str(detail))
         with receiving():
-            self._health.lost(rank, reason, cause)
+            self._health.peer_lost(rank, cause, detail)
 
     def _bind_thread(self) -> None:
         _context.bind_agent(self)

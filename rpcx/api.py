@@ -17,6 +17,7 @@ from rpcx.errors import RpcError, RpcShutdownError
 from rpcx.futures import RpcFuture
 from rpcx.options import RpcBackendOptions, as_backend_options, as_rpcx_options
 from rpcx.registry import BackendSpec, resolve_backend
+from rpcx.service_host import ServiceHost
 from rpcx.worker import WorkerInfo, validate_worker_name
 
 __all__ = [
@@ -42,7 +43,7 @@ _atexit_lock = threading.Lock()
 _atexit_registered = False
 _exposure_warned = False  # the no-authentication warning is given once per process
 # How each in-process worker joined: its in-process store is released at its shutdown.
-_joined: weakref.WeakKeyDictionary[RpcAgent, joining.Joined] = weakref.WeakKeyDictionary()
+_joined: weakref.WeakKeyDictionary[ServiceHost, joining.Joined] = weakref.WeakKeyDictionary()
 
 
 def is_available() -> bool:

@@ -29,7 +29,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from rpcx._retransmit import copy_of_frame
 from rpcx.messages import MessageKind
 from rpcx.serialization import decode_envelope
 from rpcx.transport import Capabilities, Frame, Transport, TransportContext
@@ -160,7 +159,7 @@ class FaultyTransport:
                 time.sleep(faults.delay_seconds)  # the injected fault itself
             self.inner.send(dst, frame)
             if duplicate:
-                self.inner.send(dst, copy_of_frame(frame))
+                self.inner.send(dst, frame.shallow_copy())
 
     def close(self, timeout: float) -> None:
         """Close the inner transport."""

@@ -5,17 +5,23 @@ against this protocol, not against :class:`rpcx.agent.RpcAgent`: it lists exactl
 they use of the agent. ``RpcAgent`` satisfies it (mypy checks that where ``init_rpc``
 installs the services), and a test can hand a service anything else that does.
 
-The contract types a handler deals in (:class:`Deferred`, ``Handler``,
-:class:`MessageScope`, :class:`NoteSource`) are re-exported here from the agent layer, so
-that services import nothing of the agent beyond this module.
+The contract types between services and the agent (:class:`Deferred`, ``Handler``,
+:class:`MessageScope`, :class:`NoteSource`) are declared here too, below the agent, so
+that services import nothing of the agent and the agent's call path imports them from
+here.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rpcx.agent import Deferred, Handler, MessageScope, NoteSource, describe_callable
+import torch
+
+from rpcx._pending import describe_callable
+from rpcx.devices import DeviceRoutes
 from rpcx.errors import PeerLostError
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
@@ -31,8 +37,45 @@ __all__ = [
 ]
 
 
+# A request handler gets the caller and the decoded payload and returns the reply value,
+# or a Deferred whose future supplies it later. Raising sends the error to the caller.
+Handler = Callable[[WorkerInfo, Any], Any]
+
+
+class MessageScope(Protocol):
+    """A service's per-call state that travels with requests and their replies.
+
+    Distributed autograd is the one user: its context id. A request sent while a scope is
+    current carries it; the callee decodes and serves the request with that scope entered
+    and its reply carries it back. (See the codec's scope hooks for what it is used for.)
+    """
+
+    def outgoing(self, dst: int) -> int | None:
+        """The scope for a request to rank ``dst`` sent now from this thread, or ``None``."""
+
+    def entered(self, scope: int, src: int) -> contextlib.AbstractContextManager[Any]:
+        """Make ``scope`` current on this thread while a request from ``src`` is served."""
+
+
+class NoteSource(Protocol):
+    """A service whose one-way messages to a peer ride in frames sent to it anyway."""
+
+    def notes_for(self, dst: int) -> list[tuple[int, Any]]:
+        """Notes ``(kind, payload)`` for a frame about to be sent to rank ``dst``."""
+
+    def notes_not_sent(self, dst: int, notes: list[tuple[int, Any]]) -> None:
+        """Take back notes whose frame could not be encoded."""
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """Returned by a handler whose reply comes later: the reply is this future's outcome."""
+
+    future: torch._C.Future[Any]
+
+
 class ServiceHost(Protocol):
-    """What services use of their worker's agent."""
+    """What the layers above the agent use of it: services, the public API, the kit."""
 
     info: WorkerInfo
     """This worker's ``WorkerInfo``."""
@@ -46,6 +89,12 @@ class ServiceHost(Protocol):
     """Hooks run by a graceful shutdown until no worker sends anything more."""
     on_close: list[Callable[[float | None], None]]
     """Hooks run once the transport closed."""
+    routes: DeviceRoutes
+    """The world's device maps as they apply to this worker."""
+    backend: str
+    """The backend's name."""
+    rpc_timeout: float
+    """The default call timeout in seconds (0: none)."""
 
     @property
     def name(self) -> str:
@@ -98,6 +147,18 @@ class ServiceHost(Protocol):
 
     def timeout_for(self, timeout: float | None) -> float | None:
         """Seconds for a call's ``timeout`` argument: negative/None = default, 0 = none."""
+
+    def stats(self) -> dict[str, Any]:
+        """This worker's call traffic, for ``debug_info``."""
+
+    def shutdown(self, graceful: bool = True, timeout: float | None = None) -> bool:
+        """Leave the world (see ``RpcAgent.shutdown``)."""
+
+    def is_unresponsive(self, rank: int) -> bool:
+        """Whether worker ``rank`` is silent past ``heartbeat_timeout`` right now."""
+
+    def wait_responsive(self, rank: int, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until worker ``rank`` is not marked unresponsive."""
 
     def is_lost(self, rank: int) -> bool:
         """Whether worker ``rank`` is known to be gone (died, or left the world)."""

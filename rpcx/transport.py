@@ -72,6 +72,11 @@ class Frame:
         owned = self.owned
         return [b if i in owned else copy(b) for i, b in enumerate(self.buffers)]
 
+    def shallow_copy(self) -> Frame:
+        """A second ``Frame`` over the same header and buffers, every field kept: what
+        sending a frame twice needs, as a send may seal the frame it is given in place."""
+        return dataclasses.replace(self, buffers=list(self.buffers))
+
     def private_copy(self) -> Frame:
         """This frame with :meth:`private_buffers` (every buffer then owned)."""
         return dataclasses.replace(self, buffers=self.private_buffers(),

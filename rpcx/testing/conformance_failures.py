@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -26,6 +26,8 @@ import torch
 import rpcx
 import rpcx.autograd as dist_autograd
 from rpcx import _context
+from rpcx._budget import BytesInFlight
+from rpcx.agent import RpcAgent
 from rpcx.futures import wait_done
 from rpcx.testing import remote, training
 from rpcx.testing.fixtures import WorldKeeper
@@ -401,7 +403,8 @@ class TestBackPressure:
         # Worker1 holds four; each thread waits at worker0 until worker2 opens the gate.
         assert rpcx.rpc_sync(W2, remote.call_with, args=(
             rpcx.rpc_sync, W1, remote.wait_for_tally, (key, 4, BOUND))) == 4
-        assert agent._back_pressure.budget.wait_for_waiting(3, BOUND)
+        budget = cast(RpcAgent, agent)._back_pressure
+        assert isinstance(budget, BytesInFlight) and budget.budget.wait_for_waiting(3, BOUND)
         rpcx.rpc_sync(W2, remote.call_with, args=(rpcx.rpc_sync, W1, remote.release, (key,)))
         for thread in threads:
             thread.join(BOUND)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pickle
 import uuid
+from typing import cast
 
 import rpcx
 from rpcx import _context
+from rpcx.agent import RpcAgent
 from rpcx.messages import MessageKind
 from rpcx.testing import remote
 from rpcx.testing.world import World
@@ -37,7 +39,7 @@ class TestHostilePeers:
     ) -> None:
         key = uuid.uuid4().hex
         call = rpcx.rpc_async(W1, remote.wait_for_event, args=(key, BOUND), timeout=BOUND)
-        pending = _context.current_agent()._pending._calls
+        pending = cast(RpcAgent, _context.current_agent())._pending._calls
         request_id = max(rid for rid, p in pending.items() if p.dst.name == W1)
         # worker2 answers worker1's call; its next reply to us follows that frame.
         rpcx.rpc_sync(W2, remote.forge_reply, args=(0, request_id, "forged"))
