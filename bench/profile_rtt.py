@@ -84,7 +84,7 @@ def _wrap(owner: Any, name: str, before: str | None, after: str | None = None) -
 
 
 def _instrument(rank: int, backend: str) -> None:
-    import rpcx.agent as agent_module
+    import rpcx._call_path as call_path_module
     from rpcx.registry import resolve_backend
 
     side = "c" if rank == 0 else "s"
@@ -120,10 +120,10 @@ def _instrument(rank: int, backend: str) -> None:
             self._pg = Traced()
 
         gloo_module.GlooTransport.start = start  # type: ignore[method-assign]
-    _wrap(agent_module, "encode", None, "c.encoded" if side == "c" else None)
-    _wrap(agent_module.RpcAgent, "_on_frame", f"{side}.deliver")
+    _wrap(call_path_module, "encode", None, "c.encoded" if side == "c" else None)
+    _wrap(call_path_module.CallPath, "on_frame", f"{side}.deliver")
     if side == "s":
-        _wrap(agent_module.RpcAgent, "_serve", "s.serve")
+        _wrap(call_path_module.CallPath, "serve", "s.serve")
 
 
 def _worker(rank: int, backend: str, init_method: str, calls: int, out: str) -> None:
