@@ -147,6 +147,18 @@ class CallPath:
         self._served = [RecentIds() for _ in workers]
         self._answered = RecentIds(floor=False)  # answers come in any order
 
+    def register(self, kind: int, handler: Handler, in_order: bool,
+                 on_decode_error: Callable[[WorkerInfo, Any, BaseException], None] | None
+                 ) -> None:
+        """Enter ``handler`` in the table (see ``RpcAgent.register_handler``)."""
+        self.handlers[kind] = handler
+        if on_decode_error is not None:
+            self.decode_error_hooks[kind] = on_decode_error
+        if in_order:
+            self.in_order_kinds.add(kind)
+        else:
+            self.in_order_kinds.discard(kind)
+
     # ------------------------------------------------------------------ 1. send
 
     def request(

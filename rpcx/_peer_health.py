@@ -126,6 +126,15 @@ class PeerHealth:
         return {self._workers[r].name: cause for r, cause in self._lost_causes.items()
                 if self._pending.lost_reason(r) is not None}
 
+    def stats(self) -> dict[str, Any]:
+        """``lost_peers``, ``lost_causes`` (values) and ``unresponsive_peers`` (names)."""
+        return {
+            "lost_peers": self.lost_peers(),
+            "lost_causes": {name: cause.value for name, cause in self.lost_causes().items()},
+            "unresponsive_peers": [w.name for w in self._workers
+                                   if self.is_unresponsive(w.id)],
+        }
+
     def lost_peers(self) -> dict[str, str]:
         """Workers known to be gone, with the reason, by name."""
         return {self._workers[r].name: why for r, why in self._pending.lost().items()}

@@ -32,10 +32,7 @@ from rpcx._retransmit import NoRetransmission, Retransmission
 from rpcx._shutdown import Lifecycle, Shutdown, TeardownStep, bounded, each_hook, step_bound
 from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
-from rpcx.errors import (
-    LostCause,
-    PeerLostError,
-)
+from rpcx.errors import LostCause, PeerLostError
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
 from rpcx.options import RpcBackendOptions
@@ -117,6 +114,10 @@ class RpcAgent:
             is_lost=self.is_lost, on_drain=self.on_drain,
             before_waits=self._health.stop_heartbeat, cancel_pending=self._calls.cancel_all,
             teardown=self._teardown)
+        # Services add to these: one-way messages that ride in frames sent anyway (RRef
+        # deletions); hooks run with a rank when that peer died or left.
+        self.note_sources: list[NoteSource] = self._calls.note_sources
+        self.on_peer_lost: list[Callable[[int], None]] = self._health.on_peer_lost
         self.register_handler(MessageKind.HEARTBEAT, self._health.on_heartbeat, in_order=True)
 
     # ------------------------------------------------------------ identity
@@ -167,14 +168,10 @@ class RpcAgent:
         ``request_threads``, ``lost_peers``, ``lost_causes``, ``unresponsive_peers``,
         ``authenticated``, ``refused_frames``, ``resent_frames``, ``bytes_in_flight``
         and ``calls_held_back``."""
-        health = self._health
         return {
             "pending_calls": len(self._pending),
             "request_threads": self._executors.requests.thread_count,
-            "lost_peers": health.lost_peers(),
-            "lost_causes": {name: cause.value for name, cause in health.lost_causes().items()},
-            "unresponsive_peers": [w.name for w in self.workers
-                                   if health.is_unresponsive(w.id)],
+            **self._health.stats(),
             "authenticated": self.guard is not None,
             "refused_frames": self.guard.refused if self.guard is not None else 0,
             "resent_frames": self._retransmission.resent,
@@ -198,14 +195,7 @@ class RpcAgent:
         this kind cannot be unpickled but a lenient decode (missing classes replaced by
         placeholders) recovers its structure, so the service can settle its state.
         """
-        calls = self._calls
-        calls.handlers[int(kind)] = handler
-        if on_decode_error is not None:
-            calls.decode_error_hooks[int(kind)] = on_decode_error
-        if in_order:
-            calls.in_order_kinds.add(int(kind))
-        else:
-            calls.in_order_kinds.discard(int(kind))
+        self._calls.register(int(kind), handler, in_order, on_decode_error)
 
     @property
     def scope(self) -> MessageScope | None:
@@ -215,16 +205,6 @@ class RpcAgent:
     @scope.setter
     def scope(self, scope: MessageScope | None) -> None:
         self._calls.scope = scope
-
-    @property
-    def note_sources(self) -> list[NoteSource]:
-        """Services whose one-way messages ride in frames sent anyway (RRef deletions)."""
-        return self._calls.note_sources
-
-    @property
-    def on_peer_lost(self) -> list[Callable[[int], None]]:
-        """Hooks run with a rank when that peer died or left."""
-        return self._health.on_peer_lost
 
     def start(self) -> None:
         """Start the transport. Frames may arrive as soon as this is called."""
