@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import torch
 
@@ -22,10 +22,13 @@ __all__ = [
     "TensorPipeRpcBackendOptions",
     "as_backend_options",
     "as_rpcx_options",
+    "converted_options",
     "invert_device_map",
     "normalize_device",
     "normalize_device_map",
 ]
+
+OptionsT = TypeVar("OptionsT")
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 """Default timeout of a call, in seconds (torch's too)."""
@@ -272,11 +275,17 @@ def as_backend_options(options: RpcBackendOptions, options_type: type[RpcBackend
     """
     if isinstance(options, options_type) or not isinstance(options, RpcBackendOptions):
         return options
+    return converted_options(options, options_type)
+
+
+def converted_options(options: object, options_type: type[OptionsT]) -> OptionsT:
+    """A new ``options_type()`` with every field ``options`` also has set to its value
+    (copied: maps and lists are not shared); the rest keep their defaults."""
     converted = options_type()
     fields = vars(converted)
     for name, value in vars(options).items():
         if name in fields:
-            fields[name] = copy.copy(value)  # (maps and lists: not shared with the user's)
+            fields[name] = copy.copy(value)
     return converted
 
 

@@ -7,10 +7,9 @@ re-exports it.
 from __future__ import annotations
 
 import ctypes
-import inspect
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -25,7 +24,7 @@ from rpcx.errors import (
     lost_reason,
     without_cpp_locations,
 )
-from rpcx.options import RpcBackendOptions
+from rpcx.options import RpcBackendOptions, converted_options
 from rpcx.transport import TransportContext
 
 __all__ = [
@@ -141,25 +140,14 @@ OptionsT = TypeVar("OptionsT", bound=RpcBackendOptions)
 def options_as(ctx: TransportContext, cls: type[OptionsT]) -> OptionsT:
     """``ctx.options`` as the transport's own options type ``cls``.
 
-    rpcx hands each transport options of its registered ``options_type``; this also
-    accepts any other options object (a test's, torch's), building a ``cls`` from the
-    fields the two share and the defaults of the rest.
+    rpcx hands each transport options of its registered ``options_type`` (``init_rpc``
+    converts them once); any other options object (a test's, torch's) becomes a ``cls``
+    with the fields the two share and the defaults of the rest.
     """
     options = ctx.options
     if isinstance(options, cls):
         return options
-    names: dict[str, Any] = {}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        for name, param in inspect.signature(init).parameters.items():
-            if name in ("self",) or name.startswith("_") or param.kind in (
-                    param.VAR_KEYWORD, param.VAR_POSITIONAL) or name in names:
-                continue
-            if hasattr(options, name):
-                names[name] = getattr(options, name)
-    return cls(**names)
+    return converted_options(options, cls)
 
 
 # ---------------------------------------------------------------- bounded connecting

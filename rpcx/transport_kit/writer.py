@@ -85,8 +85,8 @@ class Backlog:
         after: called on the writer thread after each job written (optional).
     """
 
-    __slots__ = ("_after", "_jobs", "_on_error", "_stopping", "_thread", "_wakeup", "_write",
-                 "lock", "name")
+    __slots__ = ("_after", "_failed", "_jobs", "_on_error", "_running", "_stopping", "_thread",
+                 "_wakeup", "_write", "lock", "name")
 
     def __init__(self, lock: threading.Lock, write: Callable[[Any], None], name: str,
                  on_error: Callable[[BaseException], None] | None = None,
@@ -100,6 +100,8 @@ class Backlog:
         self._wakeup = threading.Condition(lock)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._failed: BaseException | None = None  # why a write failed: the end
+        self._running = False  # a writer thread serves the queue (set under lock)
 
     def __bool__(self) -> bool:
         """Whether jobs are queued (later frames must queue behind them)."""
@@ -110,14 +112,20 @@ class Backlog:
 
     @property
     def writer(self) -> threading.Thread | None:
-        """The writer thread, once started."""
+        """The writer thread last started (``None`` before the first queued job)."""
         return self._thread
 
     def put(self, job: Any) -> Pending:
-        """Queue ``job`` behind the others (call under ``lock``)."""
+        """Queue ``job`` behind the others (call under ``lock``). Once a write failed,
+        the job fails at once with that error (the connection is over); a writer that
+        ended after :meth:`stop` is started again."""
         pending = Pending(job)
+        if self._failed is not None:
+            pending.finish(self._failed)
+            return pending
         self._jobs.append(pending)
-        if self._thread is None:
+        if not self._running:
+            self._running = True
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
         self._wakeup.notify()
@@ -144,6 +152,7 @@ class Backlog:
                 while not self._jobs and not self._stopping:
                     self._wakeup.wait()
                 if not self._jobs:
+                    self._running = False  # (a later put starts another)
                     return
                 pending = self._jobs[0]
             try:
@@ -152,6 +161,8 @@ class Backlog:
                 with self.lock:
                     failed = list(self._jobs)
                     self._jobs.clear()
+                    self._failed = exc
+                    self._running = False
                     if self._on_error is not None:
                         try:
                             self._on_error(exc)

@@ -1,0 +1,187 @@
+"""rpcx.transport_kit, the public kit every backend shares: its writer (what lets
+``send`` honour a call's deadline), the lost-peer wording, the size checks, options and
+frame copies. The backends built on it run the conformance kit; these pin the pieces."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from rpcx.errors import LostCause, PeerLostError, ProtocolError, lost_reason
+from rpcx.options import TensorPipeRpcBackendOptions
+from rpcx.transport import Frame
+from rpcx.transport_kit import (
+    CLOSED_CONNECTION,
+    Backlog,
+    check_frame_size,
+    classify,
+    lost_error,
+    options_as,
+)
+
+BOUND = 10.0  # seconds: every wait here ends long before; a hang fails, it never stalls
+
+
+class Wire:
+    """A connection whose writes block until the test lets them through."""
+
+    def __init__(self) -> None:
+        self.written: list[Any] = []
+        self.gate = threading.Event()
+        self.fail: BaseException | None = None
+        self.entered = threading.Event()
+
+    def write(self, job: Any) -> None:
+        self.entered.set()
+        if not self.gate.wait(BOUND):
+            raise AssertionError("the test never opened the gate")
+        if self.fail is not None:
+            raise self.fail
+        self.written.append(job)
+
+
+def _backlog(wire: Wire, **kwargs: Any) -> Backlog:
+    return Backlog(threading.Lock(), wire.write, "rpcx-test-writer", **kwargs)
+
+
+def test_a_sender_waits_until_its_deadline_and_the_frame_is_still_written() -> None:
+    wire = Wire()
+    backlog = _backlog(wire)
+    with backlog.lock:
+        first = backlog.put("a")
+        second = backlog.put("b")
+    started = time.monotonic()
+    assert second.wait(time.monotonic() + 0.05) is False  # the peer reads nothing
+    assert time.monotonic() - started < BOUND
+    wire.gate.set()  # it reads again: both go, in order
+    assert first.wait(time.monotonic() + BOUND) and second.wait(time.monotonic() + BOUND)
+    assert wire.written == ["a", "b"]
+    backlog.stop()
+    backlog.join(BOUND)
+
+
+def test_a_failed_write_fails_every_queued_frame_and_every_later_one() -> None:
+    wire = Wire()
+    ended: list[BaseException] = []
+    backlog = _backlog(wire, on_error=ended.append)
+    with backlog.lock:
+        queued = [backlog.put(n) for n in range(3)]
+    assert wire.entered.wait(BOUND)
+    wire.fail = ConnectionResetError(104, "Connection reset by peer")
+    wire.gate.set()
+    for pending in queued:
+        with pytest.raises(PeerLostError, match="is unreachable: Connection reset by peer"):
+            pending.wait(time.monotonic() + BOUND)
+    assert len(ended) == 1 and not backlog
+    # The connection is over: a frame queued now fails at once instead of waiting for
+    # a writer that will never come.
+    with backlog.lock:
+        late = backlog.put("late")
+    with pytest.raises(PeerLostError):
+        late.wait()
+
+
+def test_a_writer_stopped_at_close_starts_again_for_a_later_frame() -> None:
+    wire = Wire()
+    wire.gate.set()
+    backlog = _backlog(wire)
+    with backlog.lock:
+        first = backlog.put("a")
+    assert first.wait(time.monotonic() + BOUND)
+    backlog.stop()
+    backlog.join(BOUND)
+    with backlog.lock:
+        again = backlog.put("b")
+    assert again.wait(time.monotonic() + BOUND)
+    assert wire.written == ["a", "b"]
+
+
+def test_released_jobs_are_released_once_written_or_failed() -> None:
+    released: list[str] = []
+
+    class Job:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def release(self) -> None:
+            released.append(self.name)
+
+    wire = Wire()
+    wire.gate.set()
+    backlog = _backlog(wire)
+    with backlog.lock:
+        pending = backlog.put(Job("x"))
+    assert pending.wait(time.monotonic() + BOUND)
+    assert released == ["x"]
+
+
+@pytest.mark.parametrize(("exc", "cause", "sentence"), [
+    (EOFError(), LostCause.CONNECTION_LOST, f"is unreachable: {CLOSED_CONNECTION}"),
+    (ConnectionResetError(104, "reset"), LostCause.CONNECTION_LOST,
+     f"is unreachable: {CLOSED_CONNECTION}"),
+    (BrokenPipeError(32, "Broken pipe"), LostCause.CONNECTION_LOST,
+     "is unreachable: BrokenPipeError: [Errno 32] Broken pipe"),
+    (ProtocolError("a frame of 9 bytes, over max_frame_bytes (8)"), LostCause.PROTOCOL_ERROR,
+     "is unreachable: protocol error: a frame of 9 bytes, over max_frame_bytes (8)"),
+    (ValueError("bad kind"), LostCause.PROTOCOL_ERROR,
+     "is unreachable: protocol error: ValueError: bad kind"),
+])
+def test_what_ended_a_receive_loop_is_worded_by_rpcx(
+    exc: BaseException, cause: LostCause, sentence: str
+) -> None:
+    found, detail = classify(exc)
+    assert found is cause
+    assert lost_reason(found, detail) == sentence
+
+
+def test_a_goodbye_reads_as_shut_down() -> None:
+    assert lost_reason(LostCause.DEPARTED) == "has shut down"
+
+
+def test_send_errors_drop_cpp_locations() -> None:
+    error = lost_error(RuntimeError(
+        "Connection closed by peer [10.0.0.1]:1234 (this error originated at "
+        "/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:598)\nmore"))
+    assert str(error) == "is unreachable: Connection closed by peer [10.0.0.1]:1234"
+    assert error.cause is LostCause.CONNECTION_LOST
+
+
+def test_announced_sizes_over_the_limit_are_refused_before_reading() -> None:
+    check_frame_size(8, 8)
+    with pytest.raises(ProtocolError, match=r"a frame of 9 bytes, over max_frame_bytes \(8\)"):
+        check_frame_size(9, 8)
+
+
+class PluginOptions(TensorPipeRpcBackendOptions):
+    def __init__(self, *, depth: int = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.depth = depth
+
+
+def test_options_become_the_transports_own_type() -> None:
+    own = PluginOptions(depth=7)
+    assert options_as(SimpleNamespace(options=own), PluginOptions) is own  # type: ignore[arg-type]
+    given = TensorPipeRpcBackendOptions(rpc_timeout=5, device_maps={"w1": {0: 1}})
+    converted = options_as(SimpleNamespace(options=given), PluginOptions)  # type: ignore[arg-type]
+    assert isinstance(converted, PluginOptions)
+    assert converted.rpc_timeout == 5 and converted.depth == 4
+    assert converted.device_maps == given.device_maps
+    assert converted.device_maps is not given.device_maps  # not shared with the user's
+
+
+def test_a_private_copy_keeps_owned_buffers_and_copies_the_rest() -> None:
+    mine, theirs = torch.arange(4), torch.arange(3)
+    frame = Frame(b"h", [mine, theirs], owned=frozenset({0}))
+    copy = frame.private_copy()
+    assert copy.buffers[0] is mine
+    assert copy.buffers[1] is not theirs and torch.equal(copy.buffers[1], theirs)
+    theirs.add_(10)  # the caller changes its tensor after send returned
+    assert copy.buffers[1].tolist() == [0, 1, 2]
+    twin = frame.shallow_copy()
+    assert twin is not frame and twin.buffers == frame.buffers
+    assert twin.buffers is not frame.buffers
