@@ -4,7 +4,8 @@ A plugin that reaches into ``rpcx._lanes`` or ``rpcx._memory`` breaks whenever r
 rearranges its insides; what transports share lives in :mod:`rpcx.transport` and
 :mod:`rpcx.transport_kit`. Read with the ``ast`` module, so imports under
 ``if TYPE_CHECKING:`` and inside functions count too. Checked: every plugin's shipped
-package (``plugins/*/src``) and rpcx's built-in backends (``rpcx/backends``).
+package (``plugins/*/src``) and its tests (``plugins/*/tests``: what they need is in
+:mod:`rpcx.testing`), and rpcx's built-in backends (``rpcx/backends``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = sorted(
     [p for p in (ROOT / "plugins").glob("*/src/*") if p.is_dir() and not p.name.endswith(
         ".egg-info") and p.name != "__pycache__"]
+    + sorted(p for p in (ROOT / "plugins").glob("*/tests") if p.is_dir())
     + [ROOT / "rpcx" / "backends"]
 )
 

@@ -23,10 +23,9 @@ from rpcx_shm.segments import ReceivedSegments, SendPool
 from rpcx_shm.transport import _connect_mesh
 
 import rpcx
-from rpcx._context import current_agent
-from rpcx._lanes import ReceiveLane
 from rpcx.errors import LostCause, ProtocolError, lost_reason
 from rpcx.registry import available_backends
+from rpcx.testing.transports import ReceiveLane, current_agent, receive_lane
 from rpcx.testing.world import world
 from rpcx.transport import Frame, TransportContext
 from rpcx.transport_kit import sockets as kit_sockets
@@ -272,8 +271,7 @@ class _Pair:
                 self.got_reply.notify_all()
 
         def new_lane(name: str, resume: Any) -> ReceiveLane:
-            lane = ReceiveLane(name, resume, lambda fn: threading.Thread(
-                target=fn, daemon=True).start())
+            lane = receive_lane(name, resume)
             self.lanes.append(lane)
             return lane
 

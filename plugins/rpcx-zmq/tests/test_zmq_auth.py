@@ -22,10 +22,11 @@ import psutil
 import pytest
 import rpcx
 import zmq
-from rpcx import _context, auth, rendezvous
+from rpcx import auth, rendezvous
 from rpcx import serialization as codec
 from rpcx.messages import MessageKind
 from rpcx.testing import remote
+from rpcx.testing.transports import current_agent
 from rpcx.testing.world import World, world
 
 from rpcx_zmq import transport as zmq_transport
@@ -46,7 +47,7 @@ def keyed_world() -> Iterator[World]:
 
 
 def _endpoint_of_worker1_for_worker0() -> str:
-    agent = _context.current_agent()
+    agent = current_agent()
     published = json.loads(rendezvous.prefixed(agent._store, "transport").get("zmq/1"))
     endpoint: str = published["rx"]["0"]["tcp"]
     return endpoint
@@ -55,7 +56,7 @@ def _endpoint_of_worker1_for_worker0() -> str:
 def _call_frames(marker: str) -> list[bytes]:
     """Data messages as zmq's wire carries them, each a call that would bump ``marker``:
     unsealed, and sealed with another key."""
-    agent = _context.current_agent()
+    agent = current_agent()
     ctx = codec.EncodeContext(1, agent=agent, routes=agent.routes)
     frame = codec.encode(MessageKind.CALL, 0, (remote.tally, (marker,), {}),
                          ctx)
