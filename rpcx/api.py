@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 from rpcx import _context, auth, calls, hosts, joining, rref
 from rpcx.agent import RpcAgent
 from rpcx.autograd import service as autograd_service
+from rpcx.calls import rpc_async, rpc_sync  # (the public API's, defined with the call service)
 from rpcx.errors import RpcError, RpcShutdownError
-from rpcx.futures import RpcFuture
 from rpcx.options import RpcBackendOptions, as_backend_options, as_rpcx_options
 from rpcx.registry import BackendSpec, resolve_backend
 from rpcx.service_host import ServiceHost
@@ -233,38 +233,6 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
     if rpc_timeout < 0:
         raise ValueError(f"rpc_timeout must be >= 0, got {rpc_timeout}")
     _context.current_agent().rpc_timeout = float(rpc_timeout)
-
-
-def rpc_async(
-    to: str | int | WorkerInfo,
-    func: Any,
-    args: tuple[Any, ...] | list[Any] | None = None,
-    kwargs: dict[str, Any] | None = None,
-    timeout: float = UNSET_RPC_TIMEOUT,
-) -> RpcFuture[Any]:
-    """Run ``func(*args, **kwargs)`` on worker ``to``; return a future of the result.
-
-    ``to`` is a name, a rank or a ``WorkerInfo``; ``func`` any importable callable.
-    ``timeout`` in seconds: unset uses the default (``rpc_timeout``), ``0`` means none.
-    Arguments and results are copied (pickled, tensors out of band), never shared.
-    """
-    return calls.call("rpc_async", to, func, args, kwargs, timeout)
-
-
-def rpc_sync(
-    to: str | int | WorkerInfo,
-    func: Any,
-    args: tuple[Any, ...] | list[Any] | None = None,
-    kwargs: dict[str, Any] | None = None,
-    timeout: float = UNSET_RPC_TIMEOUT,
-) -> Any:
-    """Like :func:`rpc_async`, but wait for and return the result (or raise its error).
-
-    A remote exception is re-raised with its original type and message when it can be
-    rebuilt here (else as :class:`rpcx.RemoteException`); its ``__cause__`` holds the
-    remote traceback and a note names the worker.
-    """
-    return calls.call("rpc_sync", to, func, args, kwargs, timeout).wait()
 
 
 def remote(

@@ -58,7 +58,12 @@ def rpc_async(
     kwargs: dict[str, Any] | None = None,
     timeout: float = UNSET_RPC_TIMEOUT,
 ) -> RpcFuture[Any]:
-    """:func:`rpcx.rpc_async`, for services."""
+    """Run ``func(*args, **kwargs)`` on worker ``to``; return a future of the result.
+
+    ``to`` is a name, a rank or a ``WorkerInfo``; ``func`` any importable callable.
+    ``timeout`` in seconds: unset uses the default (``rpc_timeout``), ``0`` means none.
+    Arguments and results are copied (pickled, tensors out of band), never shared.
+    """
     return call("rpc_async", to, func, args, kwargs, timeout)
 
 
@@ -69,7 +74,12 @@ def rpc_sync(
     kwargs: dict[str, Any] | None = None,
     timeout: float = UNSET_RPC_TIMEOUT,
 ) -> Any:
-    """:func:`rpcx.rpc_sync`, for services."""
+    """Like :func:`rpc_async`, but wait for and return the result (or raise its error).
+
+    A remote exception is re-raised with its original type and message when it can be
+    rebuilt here (else as :class:`rpcx.RemoteException`); its ``__cause__`` holds the
+    remote traceback and a note names the worker.
+    """
     return call("rpc_sync", to, func, args, kwargs, timeout).wait()
 
 
