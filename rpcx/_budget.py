@@ -18,8 +18,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rpcx._pending import PendingCall
 from rpcx._pool import blocking
 from rpcx.errors import RpcTimeoutError
+from rpcx.transport import Frame
 
 __all__ = ["BackPressure", "BytesInFlight", "PeerBudget"]
 
@@ -103,10 +105,11 @@ class BackPressure:
     worker closes.
     """
 
-    def admit(self, dst: int, dst_name: str, nbytes: int, timeout: float | None,
-              call: str, gone: Callable[[], bool]) -> tuple[int, BaseException | None]:
-        """Count a request's bytes to ``dst``: ``(bytes counted, error to fail it with)``."""
-        return 0, None
+    def admit(self, pending: PendingCall, frame: Frame,
+              gone: Callable[[int], bool]) -> BaseException | None:
+        """Count the bytes of request ``frame`` (``pending.nbytes``); the error to fail
+        it with, if any. ``gone(rank)``: the peer is lost or this worker closed."""
+        return None
 
     def give(self, dst: int, nbytes: int) -> None:
         """A request of ``nbytes`` to ``dst`` completed."""
@@ -125,25 +128,24 @@ class BytesInFlight(BackPressure):
     def __init__(self, world_size: int, limit: int) -> None:
         self.budget = PeerBudget(world_size, limit)
 
-    def admit(self, dst: int, dst_name: str, nbytes: int, timeout: float | None,
-              call: str, gone: Callable[[], bool]) -> tuple[int, BaseException | None]:
+    def admit(self, pending: PendingCall, frame: Frame,
+              gone: Callable[[int], bool]) -> BaseException | None:
         """Count the bytes, waiting within the call's timeout for room. A wait that ends
-        because ``gone()`` (the peer was lost, the worker closed) counts nothing and
+        because ``gone(rank)`` (the peer was lost, the worker closed) counts nothing and
         returns no error: registering the call then refuses it with the usual one."""
-        budget = self.budget
-        if budget.try_take(dst, nbytes):
-            return nbytes, None
-        with blocking():  # (a request thread waiting here lets the pool grow)
-            taken = budget.take(dst, nbytes, timeout, gone)
-        if taken:
-            return nbytes, None
-        if gone():
-            return 0, None
-        return 0, RpcTimeoutError(
-            f"{call} to worker {dst_name!r}: not sent within its timeout "
-            f"({timeout:g} s): {budget.in_flight(dst) / 2**20:.1f} MiB of calls "
-            f"to it are still unanswered, and this one ({nbytes / 2**20:.1f} MiB) would pass "
-            f"max_bytes_in_flight ({budget.limit / 2**20:.1f} MiB)")
+        budget, dst, nbytes, timeout = self.budget, pending.dst.id, frame.nbytes, pending.timeout
+        if not budget.try_take(dst, nbytes):
+            with blocking():  # (a request thread waiting here lets the pool grow)
+                taken = budget.take(dst, nbytes, timeout, lambda: gone(dst))
+            if not taken:
+                return None if gone(dst) else RpcTimeoutError(
+                    f"{pending.call} to worker {pending.dst.name!r}: not sent within its "
+                    f"timeout ({timeout:g} s): {budget.in_flight(dst) / 2**20:.1f} MiB of "
+                    f"calls to it are still unanswered, and this one "
+                    f"({nbytes / 2**20:.1f} MiB) would pass max_bytes_in_flight "
+                    f"({budget.limit / 2**20:.1f} MiB)")
+        pending.nbytes = nbytes
+        return None
 
     def give(self, dst: int, nbytes: int) -> None:
         """A request of ``nbytes`` to ``dst`` completed: room for others."""

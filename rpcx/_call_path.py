@@ -24,7 +24,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -63,7 +63,7 @@ from rpcx.service_host import Deferred, Handler, MessageScope, NoteSource
 from rpcx.transport import Frame
 from rpcx.worker import WorkerInfo
 
-__all__ = ["CallPath", "Deferred", "Handler", "MessageScope", "NoteSource", "on_receiving_thread"]
+__all__ = ["CallPath", "receiving"]
 
 log = logging.getLogger("rpcx.agent")
 
@@ -77,14 +77,10 @@ class _ReceivingThread(threading.local):
 _receiving = _ReceivingThread()
 
 
-def on_receiving_thread() -> bool:
-    """Whether the calling thread is delivering a frame (it must not send or wait)."""
-    return _receiving.delivering
-
-
 @contextlib.contextmanager
-def receiving() -> Any:
-    """Mark the calling thread as delivering a frame for the ``with`` block."""
+def receiving() -> Iterator[None]:
+    """Mark the calling thread as delivering a frame for the ``with`` block (it must not
+    send or wait: what it sends goes out from the pool)."""
     was, _receiving.delivering = _receiving.delivering, True
     try:
         yield
@@ -183,9 +179,7 @@ class CallPath:
         started = time.monotonic()
         pending = PendingCall(future, dst, api, target, started, timeout, describe_target)
         if kind not in CONTROL_KINDS and not _receiving.delivering:  # (it must never wait)
-            pending.nbytes, refusal = self._back_pressure.admit(
-                dst.id, dst.name, frame.nbytes, timeout, pending.call,
-                lambda: self._life.closed or self._pending.lost_reason(dst.id) is not None)
+            refusal = self._back_pressure.admit(pending, frame, self._gone)
             if refusal is not None:
                 future.set_exception(refusal)
                 return future
@@ -204,6 +198,10 @@ class CallPath:
         self._retransmission.sent(kind, rid, dst.id, frame)
         self._transmit(dst.id, frame, ctx, rid)
         return future
+
+    def _gone(self, rank: int) -> bool:
+        """Whether calls to ``rank`` can no longer be sent (it is lost, or we closed)."""
+        return self._life.closed or self._pending.lost_reason(rank) is not None
 
     def send_one_way(self, dst: WorkerInfo, kind: MessageKind, payload: Any) -> None:
         """Send a message that gets no reply; failures are only logged."""
