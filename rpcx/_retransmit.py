@@ -33,7 +33,7 @@ from rpcx.messages import MessageKind
 from rpcx.transport import Frame
 
 __all__ = ["ACKED_KINDS", "RETRIED_KINDS", "NoRetransmission", "ReplyCache", "Resender",
-           "Retransmission", "copy_of_frame"]
+           "Retransmission"]
 
 # Requests sent again until answered, and one-way messages sent as such requests.
 ACKED_KINDS = frozenset({
@@ -48,11 +48,6 @@ RETRIED_KINDS = ACKED_KINDS | {
 FIRST_PAUSE = 0.05  # seconds before the first copy; doubled after each, up to LAST_PAUSE
 LAST_PAUSE = 1.0
 _REPLIES_KEPT = 1024  # answers remembered per caller
-
-
-def copy_of_frame(frame: Frame) -> Frame:
-    """A second ``Frame`` object over the same header and buffers (``Frame.shallow_copy``)."""
-    return frame.shallow_copy()
 
 
 class Resender:
@@ -75,7 +70,7 @@ class Resender:
     def track(self, rid: int, dst: int, frame: Frame) -> None:
         """Send ``frame`` (request ``rid`` to ``dst``) again if no reply comes soon."""
         with self._lock:
-            self._waiting[rid] = (dst, copy_of_frame(frame), FIRST_PAUSE)
+            self._waiting[rid] = (dst, frame.shallow_copy(), FIRST_PAUSE)
         self._timer.schedule(time.monotonic() + FIRST_PAUSE, rid)
 
     def _is_waiting(self, rid: int) -> bool:
@@ -91,7 +86,7 @@ class Resender:
             pause = min(pause * 2, LAST_PAUSE)
             self._waiting[rid] = (dst, frame, pause)
             self.resent += 1
-        self._send(dst, copy_of_frame(frame))
+        self._send(dst, frame.shallow_copy())
         self._timer.schedule(time.monotonic() + pause, rid)
 
     def close(self, timeout: float) -> None:
@@ -124,14 +119,14 @@ class ReplyCache:
         with self._lock:
             replies = self._replies[src]
             if rid in replies:
-                replies[rid] = copy_of_frame(frame)
+                replies[rid] = frame.shallow_copy()
 
     def reply_to_copy(self, src: int, rid: int) -> Frame | None:
         """The answer for a copy of request ``rid`` from ``src``: the kept reply, or
         ``None`` (still running, or not kept: the copy is dropped)."""
         with self._lock:
             frame = self._replies[src].get(rid)
-        return None if frame is None else copy_of_frame(frame)
+        return None if frame is None else frame.shallow_copy()
 
     def forget(self, src: int) -> None:
         """``src`` is gone: drop what was kept for it."""

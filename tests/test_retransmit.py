@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rpcx._retransmit import FIRST_PAUSE, LAST_PAUSE, ReplyCache, Resender, copy_of_frame
+from rpcx._retransmit import FIRST_PAUSE, LAST_PAUSE, ReplyCache, Resender
 from rpcx.transport import Frame
 
 BOUND = 10.0
@@ -112,7 +112,7 @@ def test_a_copy_of_a_frame_keeps_every_field() -> None:
         elif f.default_factory is not dataclasses.MISSING:
             assert values[f.name] != f.default_factory(), f.name
     original = Frame(**values)
-    copy = copy_of_frame(original)
+    copy = original.shallow_copy()
     assert copy is not original
     for f in fields:
         if f.name != "buffers":
