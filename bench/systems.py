@@ -10,7 +10,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-BUILTIN_SYSTEMS = ("torch", "gloo", "tensorpipe", "loopback")
+# Without rpcx (or before its registry answers), the systems named when none are given.
+FALLBACK_SYSTEMS = ("torch",)
 # A system is a backend name, optionally with flags: "gloo+auth" runs gloo with a world
 # key (rpcx.auth: every frame's header MACed), "gloo+auth+payload" MACs tensors too.
 AUTH_FLAG, PAYLOAD_FLAG = "auth", "payload"
@@ -20,15 +21,44 @@ RPC_TIMEOUT_S = 60.0  # every call's default timeout: a lost reply becomes an er
 NUM_WORKER_THREADS = 16
 
 
+def default_backend() -> str | None:
+    """The backend ``init_rpc`` uses when none is named (``rpcx.registry.DEFAULT_BACKEND``,
+    read now, so a change of default shows without touching the bench), or ``None``."""
+    try:
+        from rpcx import registry
+    except ImportError:
+        return None
+    name = getattr(registry, "DEFAULT_BACKEND", None)
+    return str(name) if name else None
+
+
 def default_systems() -> str:
-    """The default ``--systems``: torch, the built-in backends, then every installed
-    plugin's backend (``nox -s bench`` installs the plugins under ``plugins/``)."""
+    """The default ``--systems``: torch, the default backend, the other built-in backends,
+    then every installed plugin's backend (``nox -s bench`` installs the plugins under
+    ``plugins/``), all as rpcx's registry lists them now: a backend built in later shows
+    up without a change here."""
     try:
         import rpcx
     except ImportError:
-        return ",".join(BUILTIN_SYSTEMS)
-    plugins = sorted(set(rpcx.backend_names()) - set(BUILTIN_SYSTEMS))
-    return ",".join((*BUILTIN_SYSTEMS, *plugins))
+        return ",".join(FALLBACK_SYSTEMS)
+    names = list(rpcx.backend_names())
+    builtin = set(names)
+    try:
+        from rpcx.registry import available_backends
+
+        specs = available_backends()
+        # Built-ins register first, in their own order; plugins are labelled by entry point.
+        names = list(specs)
+        builtin = {n for n, spec in specs.items()
+                   if str(getattr(spec, "plugin", "")).startswith("rpcx.")}
+    except Exception:  # an older registry: names only, all taken as they come
+        pass
+    default = default_backend()
+    first = [default] if default in names else []
+    rest = [n for n in names if n not in first]
+    ordered = ([BASELINE, *first, *(n for n in rest if n in builtin),
+                *sorted(n for n in rest if n not in builtin)])
+    return ",".join(ordered)
 
 
 def api(system: str) -> SimpleNamespace:
