@@ -19,6 +19,11 @@ whole wall time, start to exit. Rounds interleave the systems: in every round ea
 example runs on every system in ``--systems`` order, so drifts of a shared machine hit
 them alike.
 
+``--conditions quiet,busy`` runs everything once per condition, ``busy`` with one
+CPU-bound process per core beside the programs (see conditions.py), and adds a drift
+table: per backend and example, the ratio vs torch in each condition and busy ÷ quiet.
+The default backend's column is marked ``(default)``.
+
 Every run has a timeout (``--timeout`` overrides the examples' own); a run that times
 out, exits nonzero (the example's check failed, or it crashed) or prints no timings
 shows as ``error[n]`` with the reason in footnote n. Output: the markdown table on
@@ -27,6 +32,7 @@ with every run's per-epoch numbers, output and the medians. Usage::
 
     python bench/examples.py [--systems torch,gloo,shm] [--rounds 3]
                              [--quick] [--only ddp_rpc,rnn] [--timeout 300]
+                             [--conditions quiet,busy]
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import sys
 import time
 from typing import Any
 
+import conditions
 import machine
 import report
 import systems
@@ -303,13 +310,31 @@ def _rows(summary: dict[str, Any], names: list[str], system_names: list[str],
     return rows
 
 
+def ratios(summary: dict[str, Any], names: list[str], system_names: list[str]
+           ) -> dict[str, dict[str, float | None]]:
+    """``{system: {example: torch/rpcx per-epoch ratio or None}}``."""
+    out: dict[str, dict[str, float | None]] = {}
+    for system in system_names:
+        out[system] = {}
+        for name in names:
+            base = summary[name].get(systems.BASELINE, {}).get("value")
+            value = summary[name].get(system, {}).get("value")
+            out[system][name] = (None if base is None or value is None
+                                 else report.ratio(value, base, False))
+    return out
+
+
 def table(summary: dict[str, Any], names: list[str], system_names: list[str],
-          quick: bool) -> str:
-    """The markdown report: per-epoch times, whole-run wall times, the footer."""
+          quick: bool, condition: str | None = None, default: str | None = None) -> str:
+    """The markdown report: per-epoch times, whole-run wall times, the footer.
+
+    ``condition`` heads it; ``default``'s column is marked ``(default)``.
+    """
     notes = report._Notes()
-    head = "| example | unit | " + " | ".join(system_names) + " |"
+    head = "| example | unit | " + " | ".join(report.column_names(system_names, default)) + " |"
     rule = "|---|---|" + "---:|" * len(system_names)
-    out = ["### Time per epoch (the example's own timing)", "", head, rule,
+    out = [f"condition: {condition}", ""] if condition else []
+    out += ["### Time per epoch (the example's own timing)", "", head, rule,
            *_rows(summary, names, system_names, notes, "value"),
            "", "### Whole program, start to exit (spawn, init_rpc, work, shutdown)", "",
            head, rule, *_rows(summary, names, system_names, notes, "wall_s"), ""]
@@ -351,6 +376,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=None,
                         help=f"seconds per run (default: each example's own, "
                              f"{QUICK_TIMEOUT_S:.0f} with --quick)")
+    parser.add_argument("--conditions", default=conditions.QUIET,
+                        help="comma-separated machine conditions, each running everything: "
+                             "quiet, busy (one CPU-bound process per core beside the "
+                             "programs) (default: %(default)s)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS,
                         help="where the JSON goes (default: bench/results)")
     args = parser.parse_args(argv)
@@ -362,17 +391,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.only = [name for name in EXAMPLES if name in only]  # the table's order
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    try:
+        args.conditions = conditions.parse(args.conditions)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
-def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_rounds(args: argparse.Namespace, tag: str = "") -> list[dict[str, Any]]:
     """Every round: each example on every system in turn; ``{example: {system: run}}``."""
     unavailable = {s: r for s in args.systems if (r := systems.missing_requirement(s))}
     for system, reason in unavailable.items():
         print(f"{system}: cannot run: {reason}", file=sys.stderr, flush=True)
     rounds = []
     for index in range(args.rounds):
-        prefix = f"round {index + 1}/{args.rounds}:"
+        prefix = f"{tag}round {index + 1}/{args.rounds}:"
         record: dict[str, Any] = {name: {} for name in args.only}
         for name in args.only:
             for system in args.systems:
@@ -387,29 +420,55 @@ def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the selected examples on every system, ``--rounds`` times; report."""
+    """Run the selected examples on every system, ``--rounds`` times per condition;
+    report."""
     args = parse_args(argv)
     machine.set_worker_environment()
 
     started = datetime.datetime.now()
     t0 = time.monotonic()
-    rounds = run_rounds(args)
-    summary = summarize(rounds, args.only, args.systems)
+    default = systems.default_backend()
+    several = len(args.conditions) > 1
+    per_condition: dict[str, dict[str, Any]] = {}
+    for condition in args.conditions:
+        with conditions.condition(condition) as facts:
+            rounds = run_rounds(args, f"{condition}: " if several else "")
+        per_condition[condition] = {"facts": facts, "rounds": rounds,
+                                    "median": summarize(rounds, args.only, args.systems)}
     meta = {
         "started": started.isoformat(timespec="seconds"),
         "duration_s": time.monotonic() - t0, "argv": sys.argv, "systems": args.systems,
         "rounds": args.rounds, "quick": args.quick, "only": args.only,
+        "default_backend": default, "conditions": args.conditions,
+        **({} if several else {"condition": args.conditions[0]}),
         **machine.machine_facts(),
         "ratio_convention": ">1 is better: torch/rpcx (times)",
         "warm_up": "the first epoch of each run is dropped when it has more than one",
     }
     json_path = args.out_dir / f"{started.strftime('%Y%m%d-%H%M%S')}-examples.json"
-    report.write_json(json_path, {
-        "meta": meta,
-        "examples": {n: dataclasses.asdict(EXAMPLES[n]) for n in args.only},
-        "median": summary, "rounds": rounds,
-    })
-    print(table(summary, args.only, args.systems, args.quick))
+    examples = {n: dataclasses.asdict(EXAMPLES[n]) for n in args.only}
+    if several:
+        all_ratios = {c: ratios(d["median"], args.only, args.systems)
+                      for c, d in per_condition.items()}
+        record: dict[str, Any] = {"meta": meta, "examples": examples,
+                                  "conditions": per_condition, "ratios": all_ratios}
+    else:
+        only = per_condition[args.conditions[0]]
+        record = {"meta": {**meta, "condition_facts": only["facts"]}, "examples": examples,
+                  "median": only["median"], "rounds": only["rounds"]}
+    report.write_json(json_path, record)
+    for index, (condition, data) in enumerate(per_condition.items()):
+        if index:
+            print()
+        print(table(data["median"], args.only, args.systems, args.quick,
+                    condition=conditions.DESCRIPTION[condition], default=default))
+    if several:
+        print()
+        print("### Drift under load (busy ratio / quiet ratio), time per epoch")
+        print()
+        print(conditions.drift_table([(n, n) for n in args.only], args.systems,
+                                     record["ratios"], args.conditions, default,
+                                     what="example"))
     print(f"\n{meta['duration_s'] / 60:.1f} min; results: {json_path}")
     return 0
 

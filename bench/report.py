@@ -90,8 +90,33 @@ def _summarize_sweep(name: str, good: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def ratio(value: float, base: float, higher_is_better: bool) -> float:
-    """How many times better than ``base`` (>1 is better)."""
-    return value / base if higher_is_better else base / value
+    """How many times better than ``base`` (>1 is better); ``inf`` where rpcx measured
+    nothing at all of a cost (an idle worker's 0 ticks)."""
+    if higher_is_better:
+        return value / base if base else float("inf")
+    return base / value if value else float("inf")
+
+
+def ratios(summary: dict[str, Any], systems: list[str], selected: list[str]
+           ) -> dict[str, dict[str, float | None]]:
+    """``{system: {workload: ratio vs torch or None}}`` for the table's scalar rows."""
+    scalars = summary["scalars"]
+    out: dict[str, dict[str, float | None]] = {}
+    for system in systems:
+        out[system] = {}
+        for name in selected:
+            if name not in WORKLOADS or WORKLOADS[name].kind != "scalar":
+                continue
+            base = scalars.get(BASELINE, {}).get(name, {}).get("value")
+            value = scalars.get(system, {}).get(name, {}).get("value")
+            out[system][name] = (None if base is None or value is None
+                                 else ratio(value, base, WORKLOADS[name].higher_is_better))
+    return out
+
+
+def column_names(systems: list[str], default: str | None) -> list[str]:
+    """Column headers: each system, the default backend marked ``(default)``."""
+    return [s + (" (default)" if s == default else "") for s in systems]
 
 
 # ---------------------------------------------------------------------------- table
@@ -127,6 +152,10 @@ class _Notes:
         return self.lines.index(text) + 1
 
 
+def _ratio_text(value: float) -> str:
+    return f"{value:.2f}x" if value != float("inf") else "inf"
+
+
 def _cell(cell: dict[str, Any] | None, base: float | None, higher: bool, system: str,
           what: str, notes: _Notes) -> str:
     if cell is None:
@@ -144,20 +173,29 @@ def _cell(cell: dict[str, Any] | None, base: float | None, higher: bool, system:
                       f"{'; '.join(sorted({r for _, r in failures}))}")
         text += f"*[{n}]"
     if base is not None and system != BASELINE:
-        text += f" ({ratio(cell['value'], base, higher):.2f}x)"
+        text += f" ({_ratio_text(ratio(cell['value'], base, higher))})"
     return text
 
 
 def table(summary: dict[str, Any], systems: list[str], selected: list[str],
-          notes_extra: list[str]) -> str:
-    """The terminal report: the workload table, both sweeps, the floors, footnotes."""
+          notes_extra: list[str], condition: str | None = None,
+          default: str | None = None) -> str:
+    """The terminal report: the workload table, both sweeps, the floors, footnotes.
+
+    ``condition`` (``quiet``/``busy``, see conditions.py) heads the table; the column of
+    ``default`` (the backend ``init_rpc`` uses unnamed) is marked ``(default)``.
+    """
     notes = _Notes()
     scalars = summary["scalars"]
-    label_w, unit_w, col_w = 44, 8, 20
+    columns = column_names(systems, default)
+    label_w, unit_w = 44, 8
+    col_w = max(20, *(len(c) + 2 for c in columns))
     out: list[str] = []
+    if condition:
+        out.append(f"condition: {condition}")
 
     def header(first: str, unit: str = "unit") -> str:
-        return f"{first:<{label_w}}{unit:<{unit_w}}" + "".join(f"{s:>{col_w}}" for s in systems)
+        return f"{first:<{label_w}}{unit:<{unit_w}}" + "".join(f"{c:>{col_w}}" for c in columns)
 
     rows = [n for n in selected if n in WORKLOADS and WORKLOADS[n].kind == "scalar"]
     if rows:
@@ -262,7 +300,7 @@ def _sweep_cell(value: float | None, base: float | None, higher: bool, system: s
         reasons = "; ".join(sorted({r for _, r in failures}))
         text += f"*[{notes.add(f'{system} {what}: failed in round {rounds}: {reasons}')}]"
     if base is not None and system != BASELINE:
-        text += f" ({ratio(value, base, higher):.2f}x)"
+        text += f" ({_ratio_text(ratio(value, base, higher))})"
     return text
 
 
@@ -300,6 +338,8 @@ def _style(system: str, systems: list[str]) -> dict[str, str]:
 
 def _title_suffix(meta: dict[str, Any]) -> str:
     mode = "quick" if meta.get("quick") else "full"
+    if meta.get("condition"):
+        mode += f", {meta['condition']}"
     return (f"{meta.get('started', '')[:16]}  {meta.get('cpus')} CPUs, torch "
             f"{meta.get('torch')}, {meta.get('rounds')} round(s), {mode}, "
             f"OMP_NUM_THREADS={meta.get('omp_num_threads')}")

@@ -22,6 +22,12 @@ eight-worker one. Systems are interleaved round by round: in every round each wo
 runs once per system, in ``--systems`` order, so slow drifts of the machine hit all
 systems alike; figures are medians over rounds. Ratios are rpcx vs torch, >1 is better.
 
+``--conditions quiet,busy`` runs the whole table once per condition (see
+conditions.py): ``busy`` with one CPU-bound process per core running beside the
+benchmark, started before its first round and stopped after its last. With more than
+one condition a drift table follows: per rpcx system and workload, the ratio vs torch in
+each condition and busy ÷ quiet. The default backend's column is marked ``(default)``.
+
 Every world rendezvous through a file in a fresh temporary directory (the transports
 and DDP's store listen on ports from the OS), every wait is bounded, and a system or
 workload that fails or hangs is reported as ``error`` with its reason (see world.py).
@@ -33,6 +39,7 @@ round's raw results and the medians) and, for the sweeps,
 
     python bench/run.py [--systems torch,gloo,tensorpipe,loopback] [--rounds 3]
                         [--quick] [--only rpc_sync,echo_64m,size_sweep]
+                        [--conditions quiet,busy]
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import sys
 import time
 from typing import Any
 
+import conditions
 import floors
 import machine
 import report
@@ -114,6 +122,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="fewer iterations and no 256 MiB point: about 5 minutes")
     parser.add_argument("--only", default="",
                         help="comma-separated workloads to run (default: all)")
+    parser.add_argument("--conditions", default=conditions.QUIET,
+                        help="comma-separated machine conditions, each running the whole "
+                             "table: quiet, busy (one CPU-bound process per core beside "
+                             "the benchmark) (default: %(default)s)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS,
                         help="where the JSON and PNGs go (default: bench/results)")
     parser.add_argument("--rnn-iterations", type=int, default=None, help=argparse.SUPPRESS)
@@ -131,27 +143,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.only = list(ALL_NAMES)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    try:
+        args.conditions = conditions.parse(args.conditions)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the selected workloads for every system, ``--rounds`` times; report."""
-    args = parse_args(argv)
-    machine.set_worker_environment()
-
-    started = datetime.datetime.now()
-    t0 = time.monotonic()
+def run_rounds(args: argparse.Namespace, workload_names: list[str],
+               unavailable: dict[str, str], tag: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every round of one condition: each world once per system, systems interleaved."""
     selected: list[str] = args.only
-    workload_names = [n for n in selected if n in WORKLOADS]
-    unavailable = {s: r for s in args.systems if (r := systems.missing_requirement(s))}
-    for system, reason in unavailable.items():
-        print(f"{system}: cannot run: {reason}", file=sys.stderr, flush=True)
     params = {"rnn_iterations": args.rnn_iterations, "hybrid_epochs": args.hybrid_epochs}
-
     rounds: list[dict[str, Any]] = []
     notes: list[str] = []
     for index in range(args.rounds):
-        prefix = f"round {index + 1}/{args.rounds}:"
+        prefix = f"{tag}round {index + 1}/{args.rounds}:"
         record: dict[str, Any] = {"floors": {}, "systems": {s: {} for s in args.systems},
                                   "worlds": []}
         if FLOORS in selected:
@@ -189,34 +196,93 @@ def main(argv: list[str] | None = None) -> int:
                 })
                 notes.extend(outcome.notes)
         rounds.append(record)
+    return rounds, notes
 
-    summary = report.summarize(rounds, args.systems, workload_names)
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected workloads for every system, ``--rounds`` times per condition;
+    report."""
+    args = parse_args(argv)
+    machine.set_worker_environment()
+
+    started = datetime.datetime.now()
+    t0 = time.monotonic()
+    selected: list[str] = args.only
+    workload_names = [n for n in selected if n in WORKLOADS]
+    unavailable = {s: r for s in args.systems if (r := systems.missing_requirement(s))}
+    for system, reason in unavailable.items():
+        print(f"{system}: cannot run: {reason}", file=sys.stderr, flush=True)
+    default = systems.default_backend()
+    several = len(args.conditions) > 1
+
+    per_condition: dict[str, dict[str, Any]] = {}
+    for condition in args.conditions:
+        tag = f"{condition}: " if several else ""
+        with conditions.condition(condition) as facts:
+            rounds, notes = run_rounds(args, workload_names, unavailable, tag)
+        summary = report.summarize(rounds, args.systems, workload_names)
+        per_condition[condition] = {"facts": facts, "rounds": rounds, "notes": notes,
+                                    "median": summary}
+
     duration = time.monotonic() - t0
     meta = {
         "started": started.isoformat(timespec="seconds"), "duration_s": duration,
         "argv": sys.argv, "systems": args.systems, "rounds": args.rounds,
-        "quick": args.quick, "only": selected, **machine.machine_facts(),
+        "quick": args.quick, "only": selected, "default_backend": default,
+        "conditions": args.conditions,
+        **({} if several else {"condition": args.conditions[0]}),
+        **machine.machine_facts(),
         "ratio_convention": ">1 is better: rpcx/torch for rates, torch/rpcx for times",
     }
     stamp = args.json_prefix + started.strftime("%Y%m%d-%H%M%S")
     out_dir: pathlib.Path = args.out_dir
-    plots = []
-    try:
-        for name, plot in (("sizes", report.plot_sizes), ("clients", report.plot_clients)):
-            path = out_dir / f"{stamp}-{name}.png"
-            if plot(path, summary, args.systems, meta):
-                plots.append(path)
-        report.copy_latest(plots, out_dir)
-    except Exception as exc:  # a plotting problem must not lose the measurements
-        notes.append(f"plots failed: {one_line(exc)}")
+    plots: list[pathlib.Path] = []
+    for condition, data in per_condition.items():
+        # The first condition's plots are <stamp>-sizes.png (and latest-*); the others'
+        # carry the condition's name.
+        first = condition == args.conditions[0]
+        infix = "" if first else f"-{condition}"
+        made = []
+        try:
+            for name, plot in (("sizes", report.plot_sizes), ("clients", report.plot_clients)):
+                path = out_dir / f"{stamp}{infix}-{name}.png"
+                if plot(path, data["median"], args.systems, {**meta, "condition": condition}):
+                    made.append(path)
+            if first:
+                report.copy_latest(made, out_dir)
+        except Exception as exc:  # a plotting problem must not lose the measurements
+            data["notes"].append(f"plots failed: {one_line(exc)}")
+        plots.extend(made)
     json_path = out_dir / f"{stamp}.json"
-    report.write_json(json_path, {
-        "meta": meta,
-        "workloads": {n: vars(WORKLOADS[n]) for n in workload_names},
-        "median": summary, "rounds": rounds, "plots": [str(p) for p in plots],
-        "notes": notes,
-    })
-    print(report.table(summary, args.systems, selected, notes))
+    workloads = {n: vars(WORKLOADS[n]) for n in workload_names}
+    if several:
+        ratios = {c: report.ratios(d["median"], args.systems, workload_names)
+                  for c, d in per_condition.items()}
+        record: dict[str, Any] = {
+            "meta": meta, "workloads": workloads, "conditions": per_condition,
+            "ratios": ratios, "plots": [str(p) for p in plots],
+        }
+    else:
+        only = per_condition[args.conditions[0]]
+        record = {
+            "meta": {**meta, "condition_facts": only["facts"]}, "workloads": workloads,
+            "median": only["median"], "rounds": only["rounds"],
+            "plots": [str(p) for p in plots], "notes": only["notes"],
+        }
+    report.write_json(json_path, record)
+    for index, (condition, data) in enumerate(per_condition.items()):
+        if index:
+            print()
+        print(report.table(data["median"], args.systems, selected, data["notes"],
+                           condition=conditions.DESCRIPTION[condition], default=default))
+    if several:
+        rows = [(n, WORKLOADS[n].label) for n in workload_names
+                if WORKLOADS[n].kind == "scalar"]
+        print()
+        print("drift under load (busy ratio / quiet ratio)")
+        print()
+        print(conditions.drift_table(rows, args.systems, record["ratios"], args.conditions,
+                                     default))
     print(f"\n{duration / 60:.1f} min; results: {json_path}"
           + "".join(f"\nplot: {p}" for p in plots))
     return 0
