@@ -11,16 +11,18 @@ remote          ``remote(...).to_here()``                                       
 rref_proxy      ``rref.rpc_sync().m()``, the object owned by the other worker     us
 rnn             the RPC tutorial's distributed RNN, per iteration                 ms
 hybrid          DDP + RPC hybrid (master, ps, 2 DDP trainers), per epoch          ms
+idle            an idle worker's CPU over 5 s after init_rpc (see idle.py)         % core
 size_sweep      echo latency and GB/s, 64 B .. 256 MiB                           plot
 clients_sweep   1..7 clients calling one server, aggregate calls/s                plot
 floors          Unix socket and TCP ping-pong, memcpy: the machine's own floors
 ==============  ===============================================================  ========
 
 Worlds: the first seven workloads and the size sweep share one two-worker world per
-system and round; ``hybrid`` runs in a four-worker world, ``clients_sweep`` in an
-eight-worker one. Systems are interleaved round by round: in every round each world
-runs once per system, in ``--systems`` order, so slow drifts of the machine hit all
-systems alike; figures are medians over rounds. Ratios are rpcx vs torch, >1 is better.
+system and round; ``hybrid`` runs in a four-worker world, ``idle`` in a two-worker
+world of its own, ``clients_sweep`` in an eight-worker one. Systems are interleaved
+round by round: in every round each world runs once per system, in ``--systems`` order,
+so slow drifts of the machine hit all systems alike; figures are medians over rounds.
+Ratios are rpcx vs torch, >1 is better.
 
 ``--conditions quiet,busy`` runs the whole table once per condition (see
 conditions.py): ``busy`` with one CPU-bound process per core running beside the
@@ -88,6 +90,8 @@ def world_specs(system: str, selected: list[str], quick: bool, label: str,
                                budgets, {"ddp_port": free_port(),
                                          "epochs": params.get("hybrid_epochs")
                                          or (3 if quick else 10)}))
+    if "idle" in selected:
+        specs.append(WorldSpec("idle:idle_world", system, 2, ("idle",), quick, label, budgets))
     if "clients_sweep" in selected:
         specs.append(WorldSpec("sweeps:clients_world", system, 1 + sweeps.MAX_CLIENTS,
                                ("clients_sweep",), quick, label, budgets,

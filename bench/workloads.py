@@ -6,7 +6,8 @@ higher is better, which world measures it, its time budget). The *pair* world (w
 measuring calls to ``w1``: the small-call benchmarks, the echoes, the RRef benchmarks,
 the tutorial's RNN (``w1`` as its parameter server) and the message-size sweep (see
 :mod:`sweeps`). The hybrid DDP + RPC workload has its own four-worker world
-(:mod:`hybrid`) and the clients sweep its own eight-worker one (:mod:`sweeps`).
+(:mod:`hybrid`), the idle cost its own two-worker world (:mod:`idle`) and the clients
+sweep its own eight-worker one (:mod:`sweeps`).
 
 Each measurement returns ``{"value": <in the workload's unit>, "samples": [...]}``
 (samples in the same unit, one per batch or iteration) plus workload-specific fields.
@@ -38,7 +39,7 @@ class Workload:
     label: str
     unit: str
     higher_is_better: bool
-    topology: str  # "pair", "hybrid" or "clients"
+    topology: str  # "pair", "hybrid", "idle" or "clients"
     budget_s: float  # time the world gives it before it counts as hung
     kind: str = "scalar"  # "scalar": a table row; "sweep": a plot
 
@@ -54,6 +55,7 @@ WORKLOADS: dict[str, Workload] = {
         Workload("rref_proxy", "rref.rpc_sync().m(), remote owner", "us", False, "pair", 90),
         Workload("rnn", "distributed RNN (tutorial), per iteration", "ms", False, "pair", 180),
         Workload("hybrid", "DDP + RPC hybrid (4 procs), per epoch", "ms", False, "hybrid", 300),
+        Workload("idle", "idle worker's CPU, 5 s after init_rpc", "% core", False, "idle", 60),
         Workload("size_sweep", "echo latency and GB/s per message size", "", True, "pair", 300,
                  kind="sweep"),
         Workload("clients_sweep", "aggregate rpc_sync calls/s, 1-7 clients", "calls/s", True,
