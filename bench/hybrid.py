@@ -93,27 +93,40 @@ def _trainer_group(rank: int, port: int) -> Any:
     return group
 
 
+class Trainer:
+    """One trainer's model, optimizer and loss, as the example builds them."""
+
+    def __init__(self, emb_rref: Any, rank: int, port: int) -> None:
+        random.seed(rank)
+        torch.manual_seed(rank)  # different initial weights: DDP broadcasts rank 0's
+        self.model = HybridModel(emb_rref, _trainer_group(rank, port))
+        model_parameter_rrefs = API.rpc.rpc_sync(
+            "ps", _retrieve_embedding_parameters, args=(emb_rref,)
+        )
+        for param in self.model.parameters():
+            model_parameter_rrefs.append(API.rpc.RRef(param))
+        self.opt = API.DistributedOptimizer(optim.SGD, model_parameter_rrefs, lr=0.05)
+        self.criterion = torch.nn.CrossEntropyLoss()
+
+    def step(self, indices: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor
+             ) -> None:
+        """One batch: forward, distributed backward, optimizer step (the example's)."""
+        with API.dist_autograd.context() as context_id:
+            output = self.model(indices, offsets)
+            loss = self.criterion(output, target)
+            API.dist_autograd.backward(context_id, [loss])
+            self.opt.step(context_id)
+
+
 def _run_trainer(emb_rref: Any, rank: int, port: int, epochs: int) -> dict[str, Any]:
     """The example's training loop; seconds per epoch and the final dense weight."""
-    random.seed(rank)
-    torch.manual_seed(rank)  # different initial weights: DDP broadcasts rank 0's
-    model = HybridModel(emb_rref, _trainer_group(rank, port))
-    model_parameter_rrefs = API.rpc.rpc_sync(
-        "ps", _retrieve_embedding_parameters, args=(emb_rref,)
-    )
-    for param in model.parameters():
-        model_parameter_rrefs.append(API.rpc.RRef(param))
-    opt = API.DistributedOptimizer(optim.SGD, model_parameter_rrefs, lr=0.05)
-    criterion = torch.nn.CrossEntropyLoss()
+    trainer = Trainer(emb_rref, rank, port)
+    model = trainer.model
     seconds = []
     for _ in range(WARMUP_EPOCHS + epochs):
         start = time.perf_counter()
         for indices, offsets, target in get_next_batch(rank):
-            with API.dist_autograd.context() as context_id:
-                output = model(indices, offsets)
-                loss = criterion(output, target)
-                API.dist_autograd.backward(context_id, [loss])
-                opt.step(context_id)
+            trainer.step(indices, offsets, target)
         seconds.append(time.perf_counter() - start)
     return {"seconds": seconds[WARMUP_EPOCHS:],
             "weight": model.fc.module.weight.detach().clone()}

@@ -12,6 +12,7 @@ parameter server runs ``_parameter_rrefs``, which needs ``API.rpc.RRef``, too).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -96,10 +97,13 @@ class RNNModel(nn.Module):
         return remote_params
 
 
-def run_trainer(ps: str, iterations: int, warmup: int) -> list[float]:
+def run_trainer(ps: str, iterations: int, warmup: int,
+                mark: Callable[[str], None] | None = None) -> list[float]:
     """The tutorial's training loop against parameter server ``ps``.
 
-    Returns the seconds of each iteration after ``warmup``.
+    Returns the seconds of each iteration after ``warmup``. ``mark("start")`` runs just
+    before the first of them and ``mark("end")`` just after the last (the per-step
+    accounting reads its counters there).
     """
     batch, ntoken, ninp, nhid, nindices, nlayers = 5, 10, 2, 3, 3, 4
     torch.manual_seed(0)
@@ -109,6 +113,8 @@ def run_trainer(ps: str, iterations: int, warmup: int) -> list[float]:
     criterion = torch.nn.CrossEntropyLoss()
     times = []
     for i in range(warmup + iterations):
+        if i == warmup and mark is not None:
+            mark("start")
         data = torch.randint(0, ntoken, (batch, nindices))
         target = torch.randint(0, nindices, (batch, ntoken))
         start = time.perf_counter()
@@ -121,4 +127,6 @@ def run_trainer(ps: str, iterations: int, warmup: int) -> list[float]:
             opt.step(context_id)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+    if mark is not None:
+        mark("end")
     return times
