@@ -21,9 +21,9 @@ nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"  # torch==2.13.0's CPU wheel on this project's machines is for 3.11
-BUILTIN_BACKENDS = ["loopback", "gloo", "tensorpipe"]
+BUILTIN_BACKENDS = ["loopback", "auto", "tcp", "gloo", "tensorpipe"]
 # Backends shipped as separate packages under plugins/: backend name -> package directory.
-PLUGINS = {"shm": "plugins/rpcx-shm", "zmq": "plugins/rpcx-zmq"}
+PLUGINS = {"zmq": "plugins/rpcx-zmq"}
 # The faulty:gloo pass: the kit's RRef and distributed autograd classes on gloo, with
 # rpcx's bookkeeping dropped and every kind of frame duplicated now and then (rpcx.faulty).
 FAULTY = "faulty:gloo"
@@ -52,7 +52,7 @@ def tests(session: nox.Session) -> None:
     one after another, in one environment (installing torch is most of an environment's
     set-up, ~30 s each).
 
-    ``nox -s tests -- --backends=gloo,shm`` runs some backends; other arguments after
+    ``nox -s tests -- --backends=auto,zmq`` runs some backends; other arguments after
     ``--`` go to pytest (``nox -s tests -- --backends=loopback -k rref``). A plugin's
     backend runs the plugin's own tests (the kit and its own checks), with the plugin
     installed as a user would install it, and uninstalled after. Every backend runs even
@@ -120,7 +120,7 @@ def _test_backend(session: nox.Session, backend: str, pytest_args: list[str]) ->
         finally:
             session.install(*CONSTRAINTS, "numpy")
         # (The seed programs import numpy themselves, so they skip here: they run on the
-        # default backend, gloo, in its pass; nox -s seeds runs them on tensorpipe.)
+        # default backend, auto, in its pass; nox -s seeds runs them on tensorpipe.)
         return
     session.run(*pytest, *pytest_args, external=True)
 
@@ -177,13 +177,13 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def seeds(session: nox.Session) -> None:
     """The seed programs (tests/test_seed_programs.py) beyond ``nox -s tests``, which runs
-    them on the default backend (gloo): on rpcx's tensorpipe backend, and on
+    them on the default backend (auto): on rpcx's tensorpipe backend, and on
     torch.distributed.rpc itself (their output checks hold there too). Run it when a
     program, a check or the tensorpipe backend changes (~3 min)."""
     _install(session, "test")
     seeds = ("pytest", "-n", "2", "tests/test_seed_programs.py", *session.posargs)
     session.run(*seeds, "--rpcx-backend=tensorpipe")
-    session.run(*seeds, "--rpcx-backend=gloo", "--seeds-on-torch", "-k", "on_torch")
+    session.run(*seeds, "--rpcx-backend=auto", "--seeds-on-torch", "-k", "on_torch")
 
 
 @nox.session(python=PYTHON)
@@ -192,7 +192,7 @@ def soak(session: nox.Session) -> None:
     passes with faults injected, for 400 rounds (~170,000 calls); fails if a reply is
     wrong or lost, anything is left at the end, or memory grows past 10% after warm-up.
 
-    Arguments after ``--`` go to it: ``nox -s soak -- --rounds 2000 --backend faulty:shm``
+    Arguments after ``--`` go to it: ``nox -s soak -- --rounds 2000 --backend faulty:auto``
     (plugin backends are installed). Writes soak/results/soak-<time>.json.
     """
     _install(session, "test")

@@ -37,7 +37,7 @@ from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
 from rpcx.options import RpcBackendOptions
 from rpcx.service_host import Deferred, Handler, MessageScope, NoteSource
-from rpcx.transport import Frame, Transport, TransportContext
+from rpcx.transport import DescribesRoutes, Frame, Transport, TransportContext
 from rpcx.worker import WorkerInfo, find_worker
 
 __all__ = ["Deferred", "Handler", "MessageScope", "NoteSource", "RpcAgent",
@@ -166,8 +166,11 @@ class RpcAgent:
     def stats(self) -> dict[str, Any]:
         """This worker's call traffic, for ``debug_info``: ``pending_calls``,
         ``request_threads``, ``lost_peers``, ``lost_causes``, ``unresponsive_peers``,
-        ``authenticated``, ``refused_frames``, ``resent_frames``, ``bytes_in_flight``
-        and ``calls_held_back``."""
+        ``authenticated``, ``refused_frames``, ``resent_frames``, ``bytes_in_flight``,
+        ``calls_held_back`` and ``routes`` (peer name: how the transport reaches it, for
+        transports that choose per peer)."""
+        transport = self._transport
+        routes = transport.routes() if isinstance(transport, DescribesRoutes) else {}
         return {
             "pending_calls": len(self._pending),
             "request_threads": self._executors.requests.thread_count,
@@ -176,6 +179,7 @@ class RpcAgent:
             "refused_frames": self.guard.refused if self.guard is not None else 0,
             "resent_frames": self._retransmission.resent,
             **self._back_pressure.report(self.names),
+            "routes": {self.names[rank]: how for rank, how in sorted(routes.items())},
         }
 
     # ------------------------------------------------------- handlers, start

@@ -64,9 +64,9 @@ def init_rpc(
 
     Args:
         name: unique worker name (letters, digits, ``_``, ``-``, ``:``; under 128 chars).
-        backend: backend name (``"gloo"``, ``"loopback"``, a plugin's name) or a
+        backend: backend name (``"auto"``, ``"gloo"``, ``"loopback"``, a plugin's name) or a
             ``BackendType``; ``None`` picks the backend ``rpcx.spawn`` was given, else
-            ``$RPCX_BACKEND``, else the default (gloo).
+            ``$RPCX_BACKEND``, else the default (``auto``).
         rank: this worker's rank; ``-1`` reads ``$RANK`` with ``env://``.
         world_size: number of workers; ``None`` reads ``$WORLD_SIZE`` with ``env://``.
         rpc_backend_options: any options object; defaults to the backend's own type.

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from rpcx.messages import MessageKind
 from rpcx.serialization import decode_envelope
-from rpcx.transport import Capabilities, Frame, Transport, TransportContext
+from rpcx.transport import Capabilities, DescribesRoutes, Frame, Transport, TransportContext
 
 __all__ = ["FAULTS_ENV", "PREFIX", "REPLY_PREFIX", "Faults", "FaultyTransport", "faulty_class"]
 
@@ -164,6 +164,11 @@ class FaultyTransport:
     def close(self, timeout: float) -> None:
         """Close the inner transport."""
         self.inner.close(timeout)
+
+    def routes(self) -> Mapping[int, str]:
+        """The inner transport's routes, if it reports any."""
+        inner = self.inner
+        return inner.routes() if isinstance(inner, DescribesRoutes) else {}
 
     def _noting_requests(self, deliver: Callable[[int, Frame], None],
                          answered: frozenset[int]) -> Callable[[int, Frame], None]:

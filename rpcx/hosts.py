@@ -14,9 +14,17 @@ import os
 import socket
 from urllib.parse import urlparse
 
-__all__ = ["address_towards", "host_identity", "interface_with", "source_address"]
+__all__ = [
+    "address_towards", "default_address", "host_identity", "interface_with", "resolve",
+    "source_address",
+]
 
 log = logging.getLogger("rpcx.hosts")
+
+# Any address outside this host will do: connecting a UDP socket sends nothing, it only
+# asks the kernel for the route (and so the source address) towards it. TEST-NET-1 has no
+# route of its own, so this finds the default route's address.
+_PROBE = "192.0.2.1"
 
 
 def address_towards(init_method: str) -> str | None:
@@ -116,3 +124,44 @@ def host_identity() -> str:
     except OSError:
         parts.append("")
     return "|".join(parts)
+
+
+def default_address() -> str:
+    """This host's address when the rendezvous does not say where peers are.
+
+    The address the hostname resolves to, unless that is a loopback one (Debian maps the
+    hostname to ``127.0.1.1``); then the default route's source address; then loopback.
+    """
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+        if not ipaddress.ip_address(address).is_loopback and _can_bind(address):
+            return address
+    except (OSError, ValueError):
+        pass
+    return source_address(socket.AF_INET, _PROBE) or "127.0.0.1"
+
+
+def _can_bind(address: str) -> bool:
+    """Whether this host can listen on ``address`` (a hosts file may say otherwise)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+            return True
+    except OSError:
+        return False
+
+
+def resolve(hostname: str) -> str:
+    """``hostname`` as an IP address (ZeroMQ binds addresses and interfaces, not names)."""
+    try:
+        ipaddress.ip_address(hostname)
+        return hostname
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(hostname, None, proto=socket.IPPROTO_TCP)
+    except OSError as exc:
+        raise ValueError(f"hostname {hostname!r} does not resolve: {exc}") from None
+    # Prefer IPv4, as most clusters' rendezvous does.
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    return str(infos[0][4][0])

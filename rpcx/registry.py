@@ -40,19 +40,26 @@ __all__ = [
 log = logging.getLogger("rpcx.registry")
 
 ENV_VAR = "RPCX_BACKEND"
-# gloo is the default: of the multi-process, multi-host backends it measured fastest on
-# small calls and large tensors (bench/; docs/design/transports.md). tensorpipe is the
-# one that moves CUDA memory directly.
-DEFAULT_BACKEND = "gloo"
+# auto is the default: it routes each pair of workers over the fastest socket that reaches
+# it (shared memory within a host, TCP across hosts) and beat torch's TensorPipe agent on
+# the bench's lines where gloo did not (bench/; docs/design/transports.md). tensorpipe is
+# the one that moves CUDA memory directly.
+DEFAULT_BACKEND = "auto"
 
 
 class BackendType(str, enum.Enum):
     """Names of the built-in backends, for code written against torch's ``BackendType``."""
 
+    AUTO = "auto"
+    """The default: shared memory within a host, TCP across hosts, chosen per pair."""
+    SHM = "shm"
+    """One host: Unix sockets, large tensors through shared memory."""
+    TCP = "tcp"
+    """TCP for every pair of workers."""
     LOOPBACK = "loopback"
     """Every worker a thread of one process."""
     GLOO = "gloo"
-    """gloo send/recv on a private process group (the default)."""
+    """gloo send/recv on a private process group."""
     TENSORPIPE = "tensorpipe"
     """torch's TensorPipe agent, CUDA device to device."""
 
@@ -110,7 +117,8 @@ _lock = threading.Lock()
 _loaded: dict[str, BackendSpec] | None = None
 _errors: dict[str, str] = {}
 
-_BUILTINS = ("rpcx.backends.loopback", "rpcx.backends.gloo", "rpcx.backends.tensorpipe")
+_BUILTINS = ("rpcx.backends.sockets", "rpcx.backends.loopback", "rpcx.backends.gloo",
+             "rpcx.backends.tensorpipe")
 _HOOK = "rpcx_register_backends"
 
 

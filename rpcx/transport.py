@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from rpcx.options import RpcBackendOptions
 
 __all__ = [
-    "Capabilities", "ConnectionAuth", "DeviceRoutes", "Frame", "LostCause", "PeerLost",
+    "Capabilities", "ConnectionAuth", "DescribesRoutes", "DeviceRoutes", "Frame", "LostCause",
+    "PeerLost",
     "ReceiveLane", "Transport", "TransportContext",
 ]
 
@@ -233,6 +234,17 @@ class TransportContext:
     routes: DeviceRoutes | None = None
     receive_lane: Callable[[str, Callable[[], None]], ReceiveLane] | None = None
     auth: ConnectionAuth | None = None
+
+
+@runtime_checkable
+class DescribesRoutes(Protocol):
+    """What a transport that picks a path per peer may add: how it reaches each one.
+
+    ``debug_info()`` shows it under ``routes``; ``rpcx doctor`` explains a fallback."""
+
+    def routes(self) -> Mapping[int, str]:
+        """How this worker reaches each peer, by rank, e.g. ``"shm (same host)"``."""
+        ...
 
 
 class Transport(Protocol):

@@ -62,6 +62,22 @@ def test_doctor_reports_this_machine_and_exits_0(capsys: pytest.CaptureFixture[s
     assert out.rstrip().endswith("no problems found")
 
 
+def test_doctor_says_how_the_default_backend_reaches_peers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RPCX_BACKEND", raising=False)
+    checks = {c.name: c for c in diagnose("tcp://127.0.0.1:1")}
+    assert checks["default backend"].detail == "auto"
+    assert "shared memory" in checks["auto, same host"].detail
+    other = checks["auto, other hosts"]
+    assert "listening on 127.0.0.1 (the address that routes to the rendezvous host)" in (
+        other.detail)
+    monkeypatch.setenv("RPCX_BACKEND", "gloo")
+    checks = {c.name: c for c in diagnose("tcp://127.0.0.1:1")}
+    assert checks["default backend"].detail == "gloo (from $RPCX_BACKEND; without it: auto)"
+    assert "auto, other hosts" not in checks
+
+
 def test_doctor_checks_the_path_to_a_rendezvous() -> None:
     port = free_port()  # nothing listens there: a note, not a problem
     checks = {c.name: c for c in diagnose(f"tcp://127.0.0.1:{port}")}

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from rpcx.registry import DEFAULT_BACKEND
+
 WORKERS = 16
 RUN_BOUND = 240.0
 
@@ -32,9 +34,10 @@ _PROGRAM = textwrap.dedent('''
 def test_a_16_worker_start_up_and_shutdown_print_nothing(
     rpcx_backend: str, tmp_path: Path
 ) -> None:
-    if rpcx_backend != "gloo":
+    if rpcx_backend != DEFAULT_BACKEND:
         pytest.skip("the store waits are rpcx's own, the same on every backend: checked "
-                    "once, on the default backend (gloo), on a tcp store as torchrun's")
+                    f"once, on the default backend ({DEFAULT_BACKEND}), on a tcp store as "
+                    "torchrun's")
     program = tmp_path / "world.py"
     program.write_text(_PROGRAM)
     # `rpcx launch` hosts a TCPStore, as torchrun's agent does, and prefixes each line a

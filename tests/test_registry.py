@@ -62,7 +62,7 @@ def test_builtins_load_without_errors() -> None:
 
 
 def test_default_backend_is_installed() -> None:
-    assert DEFAULT_BACKEND == "gloo"
+    assert DEFAULT_BACKEND == "auto"
     assert DEFAULT_BACKEND in backend_names()
 
 
@@ -256,8 +256,11 @@ def test_main_backends_table(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].split() == ["name", "capabilities", "plugin", "description"]
+    auto = next(line for line in lines if line.startswith("auto"))
+    assert auto.startswith("auto (default)")
+    assert "rpcx.backends.sockets" in auto and "multi_process, multi_host" in auto
     gloo = next(line for line in lines if line.startswith("gloo"))
-    assert gloo.startswith("gloo (default)")
+    assert "(default)" not in gloo
     assert "rpcx.backends.gloo" in gloo
     assert "multi_process, multi_host" in gloo
     loopback = next(line for line in lines if line.startswith("loopback"))

@@ -5,9 +5,9 @@ Each program lives in ``tests/seed_programs/<name>/`` as torch wrote it, on torc
 A test copies it, rewrites its ``torch.distributed`` RPC imports (rpc, autograd, optim,
 nn) to rpcx's and changes nothing else (the fixed ports it rendezvous on are replaced
 by ports from the OS, so that tests can run side by side), runs it on the session's
-backend (the built-in multi-process ones: gloo in ``nox -s tests``, tensorpipe too in
-``nox -s seeds``) and checks what it prints. ``nox -s seeds`` also runs the same
-program on torch.distributed.rpc to show the check holds there too. None of the programs is seeded
+backend (the default backend, auto, in ``nox -s tests``; tensorpipe in ``nox -s seeds``)
+and checks what it prints. ``nox -s seeds`` also runs the same program on
+torch.distributed.rpc to show the check holds there too. None of the programs is seeded
 (the RL policy, the RNN's uninitialised batches, the DDP program's random batches), so
 outputs are checked for what the program promises, not compared number for number.
 
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from rpcx.registry import DEFAULT_BACKEND
 from rpcx.testing.world import free_port
 
 pytest.importorskip("numpy", reason="the seed programs import numpy themselves")
@@ -162,17 +163,31 @@ needs_processes = pytest.mark.rpcx_requires(
 )
 
 
+# The programs exercise the API, not the transport (the conformance kit covers each
+# backend): they run on the default backend in ``nox -s tests`` (what a user who only
+# changes the imports gets) and on tensorpipe in ``nox -s seeds``.
+SEED_BACKENDS = (DEFAULT_BACKEND, "tensorpipe")
+
+
+def _on_a_seed_backend(rpcx_backend: str) -> None:
+    if rpcx_backend not in SEED_BACKENDS:
+        pytest.skip(f"the seed programs run on {' and '.join(SEED_BACKENDS)} (they test "
+                    "the API; the conformance kit tests each backend)")
+
+
 @needs_processes
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_rl_tutorial_runs_on_rpcx(
     rpcx_backend: str, tmp_path: pathlib.Path, world_size: int
 ) -> None:
+    _on_a_seed_backend(rpcx_backend)
     RL.check(_run(RL, tmp_path, rpcx_backend, "--world_size", str(world_size)))
 
 
 @needs_processes
 @pytest.mark.parametrize("name", ["rnn", "ddp_tutorial", "ddp_example"])
 def test_seed_program_runs_on_rpcx(rpcx_backend: str, tmp_path: pathlib.Path, name: str) -> None:
+    _on_a_seed_backend(rpcx_backend)
     program = PROGRAMS[name]
     program.check(_run(program, tmp_path, rpcx_backend))
 
@@ -182,12 +197,13 @@ def test_seed_program_runs_on_torch(
     rpcx_backend: str, tmp_path: pathlib.Path, name: str, request: pytest.FixtureRequest
 ) -> None:
     # The program and its check are right: the same run on torch.distributed.rpc (with
-    # --seeds-on-torch, in the gloo session: it does not depend on rpcx's backend; it
+    # --seeds-on-torch, in the default backend's session: it does not depend on rpcx's
+    # backend; it
     # checks the checks, so it runs when they change, not in every run of the suite).
     if not request.config.getoption("--seeds-on-torch"):
         pytest.skip("checks the checks on torch itself: nox -s seeds")
-    if rpcx_backend != "gloo":
-        pytest.skip("run once, in the gloo session")
+    if rpcx_backend != DEFAULT_BACKEND:
+        pytest.skip(f"run once, in the default backend's session ({DEFAULT_BACKEND})")
     program = PROGRAMS[name]
     program.check(_run(program, tmp_path, None))
 

@@ -50,10 +50,10 @@ def diagnose(init_method: str | None = None) -> list[Check]:
         checks.append(Check("torch.distributed", "PROBLEM", "this torch build has no "
                             "torch.distributed: install an official torch wheel"))
         return checks
-    checks.append(Check("gloo", "ok" if dist.is_gloo_available() else "PROBLEM",
-                        "available (the default backend)" if dist.is_gloo_available() else
-                        "this torch build has no gloo: the default backend cannot run; "
-                        "use backend='shm' or 'zmq' (plugins) or install an official wheel"))
+    checks.append(Check("gloo", "ok" if dist.is_gloo_available() else "note",
+                        "available (backend='gloo')" if dist.is_gloo_available() else
+                        "this torch build has no gloo: backend='gloo' is unavailable; the "
+                        "default backend (auto) does not need it"))
     tensorpipe = hasattr(torch._C, "_distributed_rpc") and hasattr(
         torch._C._distributed_rpc, "TensorPipeAgent")
     checks.append(Check("tensorpipe", "ok" if tensorpipe else "note",
@@ -72,7 +72,35 @@ def diagnose(init_method: str | None = None) -> list[Check]:
         checks.append(Check("cuda", "note", "no CUDA device: CUDA tensors and device maps "
                             "are unavailable; everything else works on CPU"))
     checks.extend(_plugins())
+    checks.extend(_default_backend(init_method))
     checks.extend(_rendezvous(init_method))
+    return checks
+
+
+def _default_backend(init_method: str | None) -> list[Check]:
+    """Which backend ``init_rpc`` picks here, and how auto would reach each kind of peer."""
+    from rpcx.hosts import address_towards, default_address
+    from rpcx.registry import DEFAULT_BACKEND, ENV_VAR
+
+    chosen = os.environ.get(ENV_VAR)
+    checks = [Check("default backend", "ok" if not chosen else "note",
+                    DEFAULT_BACKEND if not chosen else
+                    f"{chosen} (from ${ENV_VAR}; without it: {DEFAULT_BACKEND})")]
+    if (chosen or DEFAULT_BACKEND) != "auto":
+        return checks
+    if hasattr(os, "memfd_create"):
+        checks.append(Check("auto, same host", "ok", "Unix sockets; tensors of 256 KiB or "
+                            "more through shared memory, copied once per hop"))
+    else:
+        checks.append(Check("auto, same host", "PROBLEM", "this platform has no "
+                            "memfd_create (Linux only): use backend='tcp' or 'gloo'"))
+    towards = address_towards(init_method or "env://")
+    where = towards or default_address()
+    why = ("the address that routes to the rendezvous host" if towards else
+           "no rendezvous host given (--init-method or MASTER_ADDR): this host's default "
+           "route")
+    checks.append(Check("auto, other hosts", "ok", f"TCP, listening on {where} ({why}); "
+                        "set SocketRpcBackendOptions(hostname=...) to choose another"))
     return checks
 
 

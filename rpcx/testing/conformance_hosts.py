@@ -12,6 +12,7 @@ be made. Traffic stays inside the namespaces the test makes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -26,7 +27,7 @@ import pytest
 
 from rpcx.testing.world import free_port
 
-__all__ = ["TestTwoHosts"]
+__all__ = ["TestTwoHosts"]  # (Hosts and two_hosts are for rpcx's own tests, imported by name)
 
 BOUND = 120.0
 _INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
@@ -50,7 +51,9 @@ WORKER = textwrap.dedent("""
 
 
 @dataclass
-class _Hosts:
+class Hosts:
+    """Two network namespaces standing in for two hosts, and each one's address."""
+
     namespaces: tuple[str, str]
     addresses: tuple[str, str]
 
@@ -59,44 +62,52 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
+@contextlib.contextmanager
+def two_hosts() -> Iterator[Hosts]:
+    """Two namespaces, a veth pair between them, an address on each end; removed at the
+    end. Skips the test (with the reason) where namespaces cannot be made."""
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's ip command")
+    tag = uuid.uuid4().hex[:6]
+    names = (f"rpcx{tag}a", f"rpcx{tag}b")
+    subnet = f"10.{random.randrange(64, 250)}.{random.randrange(1, 250)}"
+    addresses = (f"{subnet}.1", f"{subnet}.2")
+    links = (f"rx{tag}a", f"rx{tag}b")
+    made: list[str] = []
+    try:
+        for name in names:
+            _ip("netns", "add", name)
+            made.append(name)
+        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for name, link, address in zip(names, links, addresses, strict=True):
+            _ip("link", "set", link, "netns", name)
+            _ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
+            _ip("-n", name, "link", "set", link, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+    except (subprocess.CalledProcessError, OSError) as exc:
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        detail = getattr(exc, "stderr", "") or exc
+        pytest.skip(f"cannot make network namespaces here (needs root): {detail}")
+    try:
+        yield Hosts(names, addresses)
+    finally:
+        for name in names:  # (the veth pair goes with them)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
 @pytest.mark.rpcx_requires("multi_host", reason="workers of this backend share one host")
 class TestTwoHosts:
     """Worker 0 and worker 1 on two "hosts" (network namespaces)."""
 
-    @pytest.fixture
-    def two_hosts(self) -> Iterator[_Hosts]:
+    @pytest.fixture(name="two_hosts")
+    def two_hosts_fixture(self) -> Iterator[Hosts]:
         """Two namespaces, a veth pair between them, an address on each end."""
-        if shutil.which("ip") is None:
-            pytest.skip("needs iproute2's ip command")
-        tag = uuid.uuid4().hex[:6]
-        names = (f"rpcx{tag}a", f"rpcx{tag}b")
-        subnet = f"10.{random.randrange(64, 250)}.{random.randrange(1, 250)}"
-        addresses = (f"{subnet}.1", f"{subnet}.2")
-        links = (f"rx{tag}a", f"rx{tag}b")
-        made: list[str] = []
-        try:
-            for name in names:
-                _ip("netns", "add", name)
-                made.append(name)
-            _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
-            for name, link, address in zip(names, links, addresses, strict=True):
-                _ip("link", "set", link, "netns", name)
-                _ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
-                _ip("-n", name, "link", "set", link, "up")
-                _ip("-n", name, "link", "set", "lo", "up")
-        except (subprocess.CalledProcessError, OSError) as exc:
-            for name in made:
-                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
-            detail = getattr(exc, "stderr", "") or exc
-            pytest.skip(f"cannot make network namespaces here (needs root): {detail}")
-        try:
-            yield _Hosts(names, addresses)
-        finally:
-            for name in names:  # (the veth pair goes with them)
-                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        with two_hosts() as hosts:
+            yield hosts
 
     def test_calls_tensors_and_rrefs_cross_hosts_with_no_interface_variable(
-        self, rpcx_backend: str, two_hosts: _Hosts, tmp_path: object
+        self, rpcx_backend: str, two_hosts: Hosts, tmp_path: object
     ) -> None:
         script = os.path.join(str(tmp_path), "host_worker.py")
         with open(script, "w") as file:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import selectors
 import socket
 import struct
 import time
@@ -107,6 +108,23 @@ class SocketReader:
         view = memoryview(self.buffer)[self.start : self.start + count]
         self.start += count
         return view
+
+    def read_into(self, target: memoryview) -> None:
+        """Fill ``target`` with the next ``len(target)`` bytes of the stream: what is
+        buffered first, the rest received straight into it (a large tensor's bytes are
+        not copied through the buffer). ``EOFError`` if the peer left."""
+        size = len(target)
+        got = min(size, self.end - self.start)
+        with memoryview(self.buffer) as whole:
+            target[:got] = whole[self.start : self.start + got]
+        self.start += got
+        while got < size:
+            if self.before_wait is not None:
+                self.before_wait()
+            count = self.sock.recv_into(target[got:])
+            if count == 0:
+                raise EOFError
+            got += count
 
     def close(self) -> None:
         """Close descriptors that arrived but were never used."""
@@ -341,7 +359,7 @@ def hello(ctx: TransportContext, label: str, rank: int | None = None) -> bytes:
 
 def connect_stream_mesh(
     ctx: TransportContext,
-    listener: socket.socket,
+    listener: socket.socket | Sequence[socket.socket],
     address: Any,
     dial: Callable[[Any, float | None], socket.socket],
     label: str,
@@ -349,7 +367,8 @@ def connect_stream_mesh(
 ) -> dict[int, socket.socket]:
     """One connected, introduced stream socket per peer, bounded by ``rpc_timeout``.
 
-    ``listener`` is bound and listening; ``address`` (anything JSON can write) is how
+    ``listener`` is bound and listening (or several, e.g. a Unix socket for peers on
+    this host and a TCP one for the others); ``address`` (anything JSON can write) is how
     peers reach it, published in the store as ``"<label>/<rank>"``. ``check(addresses)``
     may refuse the world (raise) once every peer's address is known. Each worker dials
     the lower ranks (``dial(address, timeout)`` returns a connected socket) and accepts
@@ -363,15 +382,15 @@ def connect_stream_mesh(
     if check is not None:
         check(addresses)
     sockets: dict[int, socket.socket] = {}
+    acceptor = _Acceptor(listener, limit)
     try:
         for rank in range(ctx.rank):
             sock = sockets[rank] = dial(addresses[rank], limit)
             sock.settimeout(limit)
             introduce(sock, ctx, rank, label)
-        listener.settimeout(limit)
         while len(sockets) < ctx.world_size - 1:
             try:
-                conn, _ = listener.accept()
+                conn = acceptor.accept()
             except TimeoutError:
                 missing = [ctx.names[r] for r in range(ctx.rank + 1, ctx.world_size)
                            if r not in sockets]
@@ -389,9 +408,42 @@ def connect_stream_mesh(
         for sock in sockets.values():
             sock.close()
         raise
+    finally:
+        acceptor.close()
     for sock in sockets.values():
         sock.settimeout(None)
     return sockets
+
+
+class _Acceptor:
+    """Accepts the next connection on any of several listeners, all within one bound."""
+
+    def __init__(self, listener: socket.socket | Sequence[socket.socket],
+                 limit: float | None) -> None:
+        listeners = [listener] if isinstance(listener, socket.socket) else list(listener)
+        self._selector = selectors.DefaultSelector()
+        for each in listeners:
+            each.setblocking(False)
+            self._selector.register(each, selectors.EVENT_READ)
+        self._deadline = None if limit is None else time.monotonic() + limit
+
+    def accept(self) -> socket.socket:
+        """The next connection, blocking; ``TimeoutError`` past the bound."""
+        while True:
+            left = None if self._deadline is None else self._deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError
+            for key, _ in self._selector.select(left):
+                listener: socket.socket = key.fileobj  # type: ignore[assignment]
+                try:
+                    conn, _ = listener.accept()
+                except BlockingIOError:  # the connection attempt went away meanwhile
+                    continue
+                conn.setblocking(True)
+                return conn
+
+    def close(self) -> None:
+        self._selector.close()
 
 
 # ------------------------------------------------------------------------- transport

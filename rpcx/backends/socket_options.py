@@ -1,4 +1,4 @@
-"""Options of the shm backend."""
+"""Options of the socket backends (``auto``, the default; ``shm``; ``tcp``)."""
 
 from __future__ import annotations
 
@@ -6,19 +6,23 @@ from typing import Any
 
 from rpcx.options import TensorPipeRpcBackendOptions
 
-__all__ = ["ShmRpcBackendOptions"]
+__all__ = ["SocketRpcBackendOptions"]
 
 
-class ShmRpcBackendOptions(TensorPipeRpcBackendOptions):
-    """torch's TensorPipe fields, plus where large tensors stop travelling through sockets.
+class SocketRpcBackendOptions(TensorPipeRpcBackendOptions):
+    """torch's TensorPipe fields, plus where large tensors leave the socket and where a
+    worker listens for peers on other hosts.
 
     Args:
-        shm_min_bytes: a tensor buffer of at least this many bytes goes through a shared
-            memory file (one copy, by the sender) instead of the socket (two copies,
-            through the kernel). Default 256 KiB.
+        shm_min_bytes: between workers of one host, a tensor buffer of at least this many
+            bytes goes through a shared memory file (one copy, by the sender) instead of
+            the socket (two copies, through the kernel). Default 256 KiB.
         shm_pool_bytes: shared memory kept paged in per peer for those buffers, reused
             as the peer frees them. Past it, a buffer goes through a one-off segment
             (slower: fresh pages). Default 1 GiB.
+        hostname: address or hostname to listen on for peers on other hosts. By default
+            the local address that routes to the rendezvous host (``127.0.0.1`` when
+            that host is local), so no interface variable is needed on a cluster.
     """
 
     DEFAULT_SHM_MIN_BYTES = 256 << 10
@@ -26,11 +30,13 @@ class ShmRpcBackendOptions(TensorPipeRpcBackendOptions):
 
     def __init__(
         self, *, shm_min_bytes: int = DEFAULT_SHM_MIN_BYTES,
-        shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES, **kwargs: Any,
+        shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES, hostname: str | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.shm_min_bytes = int(shm_min_bytes)
         self.shm_pool_bytes = int(shm_pool_bytes)
+        self.hostname = hostname
 
     def validate(self) -> None:
         """Raise ``ValueError`` for a threshold below one byte or a negative pool."""

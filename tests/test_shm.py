@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rpcx_shm import ShmRpcBackendOptions, ShmTransport, host_identity
-from rpcx_shm import transport as transport_module
-from rpcx_shm.segments import ReceivedSegments, SendPool
-from rpcx_shm.transport import _connect_mesh
 
 import rpcx
+from rpcx.backends import sockets as transport_module
+from rpcx.backends.segments import ReceivedSegments, SendPool
+from rpcx.backends.socket_mesh import Policy, Route, connect_mesh
+from rpcx.backends.socket_options import SocketRpcBackendOptions
+from rpcx.backends.sockets import ShmTransport
 from rpcx.errors import LostCause, ProtocolError, lost_reason
 from rpcx.registry import available_backends
 from rpcx.testing.transports import ReceiveLane, current_agent, receive_lane
@@ -57,12 +58,12 @@ def drop_kept() -> None:
     _kept.clear()
 
 
-def test_registered_through_the_entry_point() -> None:
+def test_registered_as_a_built_in() -> None:
     spec = available_backends()["shm"]
     assert spec.factory is ShmTransport
-    assert spec.options_type is ShmRpcBackendOptions
+    assert spec.options_type is SocketRpcBackendOptions
     assert spec.capabilities.multi_process and not spec.capabilities.multi_host
-    assert spec.plugin.startswith("shm (rpcx_shm.plugin")
+    assert spec.plugin == "rpcx.backends.sockets"
 
 
 def test_large_tensor_arrives_in_shared_memory_and_small_one_inline() -> None:
@@ -157,15 +158,15 @@ def test_send_pool_reuses_best_fit_and_respects_its_limit() -> None:
 
 def test_threshold_and_pool_are_checked() -> None:
     with pytest.raises(ValueError, match="shm_min_bytes"):
-        ShmRpcBackendOptions(shm_min_bytes=0).validate()
+        SocketRpcBackendOptions(shm_min_bytes=0).validate()
     with pytest.raises(ValueError, match="shm_pool_bytes"):
-        ShmRpcBackendOptions(shm_pool_bytes=-1).validate()
+        SocketRpcBackendOptions(shm_pool_bytes=-1).validate()
 
 
 def _context(rank: int, store: Any) -> TransportContext:
     return TransportContext(
         rank=rank, world_size=2, names=["alpha", "beta"], store=store,
-        options=ShmRpcBackendOptions(rpc_timeout=TIMEOUT), init_method="file://unused",
+        options=SocketRpcBackendOptions(rpc_timeout=TIMEOUT), init_method="file://unused",
         deliver=lambda src, frame: None, peer_lost=lambda rank, cause, detail="": None,
     )
 
@@ -177,7 +178,9 @@ def test_workers_on_different_hosts_are_refused_naming_both() -> None:
 
     def join(rank: int, host: str) -> None:
         try:
-            for sock in _connect_mesh(_context(rank, store), host).values():
+            sockets, _ = connect_mesh(_context(rank, store), "shm", Policy.SHM,
+                                      SocketRpcBackendOptions(), host=host)
+            for sock in sockets.values():
                 sock.close()
         except BaseException as exc:
             errors[rank] = exc
@@ -191,13 +194,7 @@ def test_workers_on_different_hosts_are_refused_naming_both() -> None:
     assert set(errors) == {0, 1}
     message = str(errors[0])
     assert "one host only" in message and "'alpha' (rank 0) is on hostA/boot" in message
-    assert "'beta' (rank 1) on hostB/boot" in message and "'gloo'" in message
-
-
-def test_host_identity_names_this_host() -> None:
-    import socket
-
-    assert host_identity().startswith(socket.gethostname())
+    assert "'beta' (rank 1) on hostB/boot" in message and "'auto'" in message
 
 
 def count_of(values: list[torch.Tensor]) -> int:
@@ -551,8 +548,8 @@ def test_any_bytes_read_as_frames_or_end_the_connection_within_bounds(wire: byte
     transport = ShmTransport()
     transport.max_frame = 1 << 30
     ours, theirs = socket.socketpair()
-    peer = transport_module._Peer(1, "beta", ours, "rpcx-test-send", SendPool(1 << 20),
-                                  ReceivedSegments(lambda _: None))
+    peer = transport_module._Peer(1, "beta", ours, "rpcx-test-send", Route(True, "test"),
+                                  1 << 18, SendPool(1 << 20), ReceivedSegments(lambda _: None))
     try:
         theirs.sendall(wire)
         theirs.shutdown(socket.SHUT_WR)

@@ -1,12 +1,18 @@
-"""The shm transport: frames over Unix domain sockets, large tensors through shared memory.
+"""The socket backends: ``auto`` (the default), ``shm`` and ``tcp``.
 
-One host only. Every pair of workers shares one Unix stream socket. A frame is written
-with one ``sendmsg``: a fixed head, the buffer sizes, the opaque header and the small
-buffers inline. A buffer of ``shm_min_bytes`` or more does not travel through the
-socket: the sender copies it into a shared-memory segment from its pool for that peer
-(:mod:`rpcx_shm.segments`), and the receiver hands a view of its own mapping of the
+One transport, one wire format, one socket per pair of workers; only the socket differs
+(:mod:`rpcx.backends.socket_mesh` picks it per pair). Workers of one host share a Unix
+stream socket, and a buffer of ``shm_min_bytes`` or more does not travel through it: the
+sender copies it into a shared-memory segment from its pool for that peer
+(:mod:`rpcx.backends.segments`), and the receiver hands a view of its own mapping of the
 segment to rpcx as the tensor's memory. So a large tensor is copied once per hop, by the
-sender, into memory already paged in. A segment's descriptor travels beside the first
+sender, into memory already paged in. Workers on two hosts share a TCP connection, and
+every buffer travels inline (received straight into the tensor's memory). ``auto``
+routes each pair by host; ``shm`` refuses a world that spans hosts; ``tcp`` uses TCP
+for every pair (the network path, measurable on one host).
+
+A frame is written with one ``sendmsg``: a fixed head, the buffer sizes, the opaque
+header and the small buffers inline. A segment's descriptor travels beside the first
 frame that uses it (``SCM_RIGHTS``); later frames name it by id. When the receiving
 tensor is freed, the receiver sends ``FREE`` with the segment's id and the sender may
 fill it again.
@@ -43,13 +49,17 @@ import functools
 import os
 import socket
 import struct
-import tempfile
+import sys
 import threading
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
-from rpcx.hosts import host_identity
+from rpcx.backends.segments import ONE_OFF, ReceivedSegments, Segment, SendPool, one_off_copy
+from rpcx.backends.socket_mesh import Policy, Route, connect_mesh
+from rpcx.backends.socket_options import SocketRpcBackendOptions
+from rpcx.hookspecs import hookimpl
 from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx.transport_kit import (
     ProtocolError,
@@ -58,15 +68,12 @@ from rpcx.transport_kit import (
     as_bytes,
     check_count,
     check_frame_size,
-    connect_stream_mesh,
     lost_error,
     memory_of,
     options_as,
 )
-from rpcx_shm.options import ShmRpcBackendOptions
-from rpcx_shm.segments import ONE_OFF, ReceivedSegments, Segment, SendPool, one_off_copy
 
-__all__ = ["ShmTransport", "host_identity"]
+__all__ = ["AutoTransport", "ShmTransport", "SocketTransport", "TcpTransport"]
 
 _HEAD = struct.Struct("<BxxxII")  # kind, number of buffers, header length
 _FRAME, _BYE, _FREE, _RETIRE = 1, 2, 3, 4
@@ -74,7 +81,7 @@ _PACK_PARTS = 64  # more inline buffers than this are packed into one (the iovec
 _INLINE, _NEW_SEGMENT, _MAPPED_SEGMENT = 0, 1, 2
 _MAX_FDS = 64  # descriptors one frame may carry; more large buffers travel inline
 _MAX_BUFFERS = 1 << 20  # buffers in one frame, at most (their sizes are read up front)
-_SOCKET_BUFFER = 4 << 20  # SO_SNDBUF/SO_RCVBUF: room for a burst of small frames
+_DIRECT_READ = 64 << 10  # an inline buffer this large is received straight into its tensor
 _FLUSH_CHECK_S = 0.5  # the flusher's bound on a wait, so it sees close() promptly
 
 
@@ -92,30 +99,41 @@ def _drain(queue: collections.deque[int]) -> list[int]:
 
 
 class _Peer(SocketLink):
-    """A peer's link, plus the segments this worker fills for it and those it fills."""
+    """A peer's link, its route, and the segments this worker fills for it and those it
+    fills (a peer on another host has none: ``shm_min`` is then past any buffer)."""
 
-    __slots__ = ("freed", "pool", "received")
+    __slots__ = ("freed", "pool", "received", "route", "shm_min")
 
     def __init__(self, rank: int, name: str, sock: socket.socket, writer_name: str,
-                 pool: SendPool, received: ReceivedSegments) -> None:
+                 route: Route, shm_min: int, pool: SendPool,
+                 received: ReceivedSegments) -> None:
         super().__init__(rank, name, sock, writer_name)
+        self.route = route
+        self.shm_min = shm_min if route.local else sys.maxsize
         self.pool = pool
         self.received = received
         self.freed: collections.deque[int] = collections.deque()  # ids to send in FREE
 
 
-class ShmTransport(StreamTransport):
-    """Moves frames between workers of one host: Unix sockets and shared memory."""
+class SocketTransport(StreamTransport):
+    """Moves frames over one stream socket per pair of workers: Unix and shared memory
+    within a host, TCP across hosts, as ``policy`` says."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=False)
-    label: ClassVar[str] = "shm"
+    capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True)
+    policy: ClassVar[Policy] = Policy.AUTO
+    label: ClassVar[str] = "auto"
     bye: ClassVar[bytes] = _HEAD.pack(_BYE, 0, 0)
 
     def __init__(self) -> None:
         super().__init__()
-        self._options = ShmRpcBackendOptions()
+        self._options = SocketRpcBackendOptions()
+        self._routes: dict[int, Route] = {}
         self._flush_wanted = threading.Event()
         self._flusher_thread: threading.Thread | None = None
+
+    def routes(self) -> Mapping[int, str]:
+        """How this worker reaches each peer, by rank, e.g. ``"shm (same host)"``."""
+        return {rank: route.describe() for rank, route in self._routes.items()}
 
     @property
     def _peers(self) -> dict[int, _Peer]:
@@ -125,8 +143,8 @@ class ShmTransport(StreamTransport):
     # ------------------------------------------------------------------------ start
 
     def start(self, ctx: TransportContext) -> None:
-        """Check every worker is on this host, connect to each, start receiving."""
-        self._options = options_as(ctx, ShmRpcBackendOptions)
+        """Learn every worker's host, connect to each by its route, start receiving."""
+        self._options = options_as(ctx, SocketRpcBackendOptions)
         super().start(ctx)
         self._flusher_thread = threading.Thread(
             target=self._flusher, name=f"rpcx-{ctx.names[ctx.rank]}-shm-free", daemon=True
@@ -134,11 +152,8 @@ class ShmTransport(StreamTransport):
         self._flusher_thread.start()
 
     def connect(self, ctx: TransportContext) -> dict[int, socket.socket]:
-        """One connected Unix socket per peer (all on this host)."""
-        sockets = _connect_mesh(ctx, host_identity())
-        for sock in sockets.values():
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+        """One connected socket per peer: Unix on this host, TCP to other hosts."""
+        sockets, self._routes = connect_mesh(ctx, self.label, self.policy, self._options)
         return sockets
 
     def make_link(self, rank: int, sock: socket.socket) -> _Peer:
@@ -146,6 +161,7 @@ class ShmTransport(StreamTransport):
         assert ctx is not None
         return _Peer(rank, ctx.names[rank], sock,
                      f"rpcx-{ctx.names[ctx.rank]}-send-{ctx.names[rank]}",
+                     self._routes[rank], self._options.shm_min_bytes,
                      SendPool(self._options.shm_pool_bytes),
                      ReceivedSegments(functools.partial(self._segment_freed, rank)))
 
@@ -165,7 +181,7 @@ class ShmTransport(StreamTransport):
             peer.send([_HEAD.pack(_FRAME, 0, len(frame.header)) + frame.header],
                       deadline=frame.deadline, cork=self.cork_bytes)
             return
-        shm_min = self._options.shm_min_bytes
+        shm_min = peer.shm_min
         buffers = [as_bytes(b) for b in frame.buffers]
         sizes = [b.numel() for b in buffers]
         count = len(sizes)
@@ -315,8 +331,10 @@ class ShmTransport(StreamTransport):
         if any(w > _MAPPED_SEGMENT for w in where):
             raise ProtocolError(f"unknown buffer placements {sorted(set(where))}")
         check_frame_size(sum(sizes) + header_len, self.max_frame)
-        inline = sum(size for size, w in zip(sizes, where, strict=True) if w == _INLINE)
-        reader.fill(inline)
+        small = sum(size for size, w in zip(sizes, where, strict=True)
+                    if w == _INLINE and size < _DIRECT_READ)
+        if small == sum(size for size, w in zip(sizes, where, strict=True) if w == _INLINE):
+            reader.fill(small)  # every inline byte, in as few reads as they take
         buffers = []
         for size, w, segment_id in zip(sizes, where, ids, strict=True):
             if w == _NEW_SEGMENT:
@@ -327,7 +345,17 @@ class ShmTransport(StreamTransport):
                     os.close(fd)
             elif w == _MAPPED_SEGMENT:
                 buffers.append(peer.received.tensor(segment_id, size, None))
+            elif size >= _DIRECT_READ:
+                # Pages of a fresh large allocation are not touched until bytes land in
+                # them, so memory still follows what was received (within max_frame).
+                try:
+                    tensor = torch.empty(size, dtype=torch.uint8)
+                except RuntimeError as exc:
+                    raise ProtocolError(f"a buffer of {size} bytes: {exc}") from None
+                reader.read_into(memory_of(tensor))
+                buffers.append(tensor)
             elif size:
+                reader.fill(size)
                 buffers.append(torch.frombuffer(bytearray(reader.take(size)), dtype=torch.uint8))
             else:
                 buffers.append(torch.empty(0, dtype=torch.uint8))
@@ -350,48 +378,38 @@ class ShmTransport(StreamTransport):
             self._flusher_thread.join(timeout)
 
 
-# ------------------------------------------------------------------------------ mesh
+# ------------------------------------------------------------------------- backends
 
 
-def _connect_mesh(ctx: TransportContext, host: str) -> dict[int, socket.socket]:
-    """One connected Unix socket per peer; refuses peers on another host than ``host``.
+class AutoTransport(SocketTransport):
+    """The default: shared memory within a host, TCP across hosts, chosen per pair."""
 
-    Every worker listens on a socket file in a private directory and publishes its path
-    and host in the store (the kit's stream mesh: each connects to the lower ranks and
-    accepts the higher ones, each connection introduced, with a world key proven).
-    """
-    me = ctx.names[ctx.rank]
+    policy = Policy.AUTO
+    label = "auto"
 
-    def same_host(addresses: dict[int, Any]) -> None:
-        elsewhere = {rank: a["host"] for rank, a in addresses.items() if a["host"] != host}
-        if elsewhere:
-            others = ", ".join(f"{ctx.names[r]!r} (rank {r}) on {h}" for r, h in elsewhere.items())
-            raise RuntimeError(
-                f"init_rpc: the shm backend connects workers of one host only: worker {me!r} "
-                f"(rank {ctx.rank}) is on {host}, but {others}; use a multi-host backend "
-                "such as 'gloo' across hosts"
-            )
 
-    def dial(address: Any, timeout: float | None) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout)
-            sock.connect(address["path"])
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+class ShmTransport(SocketTransport):
+    """Workers of one host only: Unix sockets and shared memory."""
 
-    directory = tempfile.mkdtemp(prefix="rpcx-shm-")
-    path = os.path.join(directory, "socket")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(path)
-        listener.listen(max(1, ctx.world_size))
-        return connect_stream_mesh(ctx, listener, {"host": host, "path": path}, dial,
-                                   "shm", check=same_host)
-    finally:
-        listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        os.rmdir(directory)
+    capabilities = Capabilities(multi_process=True, multi_host=False)
+    policy = Policy.SHM
+    label = "shm"
+
+
+class TcpTransport(SocketTransport):
+    """TCP for every pair of workers, even on one host."""
+
+    policy = Policy.TCP
+    label = "tcp"
+
+
+@hookimpl
+def rpcx_register_backends(register: Any) -> None:
+    """Register ``auto``, ``shm`` and ``tcp``."""
+    options = {"options_type": SocketRpcBackendOptions}
+    register("auto", AutoTransport, **options,
+             description="the default: shared memory within a host, TCP across hosts, per pair")
+    register("shm", ShmTransport, **options,
+             description="one host: Unix sockets, large tensors through shared memory")
+    register("tcp", TcpTransport, **options,
+             description="TCP for every pair of workers (the network path, even on one host)")
