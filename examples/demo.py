@@ -84,7 +84,7 @@ def run(rank: int, world_size: int, init_method: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default=None, help="default: $RPCX_BACKEND or gloo")
+    parser.add_argument("--backend", default=None, help="default: $RPCX_BACKEND or auto")
     parser.add_argument("--workers", type=int, default=3)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
