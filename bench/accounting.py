@@ -221,7 +221,8 @@ class Window:
             proc = procstat.delta(self._before[role]["proc"], self._after[role]["proc"])
             frames = _count_delta(self._before[role]["frames"], self._after[role]["frames"])
             per_step = {k: v / steps for k, v in proc.items()
-                        if k not in ("threads", "threads_started", "threads_ended")}
+                        if k not in ("threads", "threads_started", "threads_ended",
+                                     "per_thread")}
             if frames is not None:
                 per_step["frames"] = frames["frames"] / steps
                 per_step["frame_bytes"] = frames["bytes"] / steps

@@ -94,6 +94,12 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "wakeups": (sum(after["threads"][t]["switches"] - before["threads"][t]["switches"]
                         for t in common)
                     + sum(after["threads"][t]["switches"] for t in started)),
+        "per_thread": {
+            t: {"wakeups": after["threads"][t]["switches"]
+                - before["threads"].get(t, {"switches": 0})["switches"],
+                "cpu_ms": (after["threads"][t]["cpu_ns"]
+                           - before["threads"].get(t, {"cpu_ns": 0})["cpu_ns"]) / 1e6}
+            for t in after["threads"]},
         "threads": len(after["threads"]),
         "threads_started": len(started),
         "threads_ended": len(before["threads"].keys() - after["threads"].keys()),

@@ -11,7 +11,7 @@ remote          ``remote(...).to_here()``                                       
 rref_proxy      ``rref.rpc_sync().m()``, the object owned by the other worker     us
 rnn             the RPC tutorial's distributed RNN, per iteration                 ms
 hybrid          DDP + RPC hybrid (master, ps, 2 DDP trainers), per epoch          ms
-idle            an idle worker's CPU over 5 s after init_rpc (see idle.py)         % core
+idle            an idle worker's CPU over 5 s after init_rpc, two rows (idle.py)    % core
 size_sweep      echo latency and GB/s, 64 B .. 256 MiB                           plot
 clients_sweep   1..7 clients calling one server, aggregate calls/s                plot
 floors          Unix socket and TCP ping-pong, memcpy: the machine's own floors
@@ -60,7 +60,7 @@ import machine
 import report
 import sweeps
 import systems
-from workloads import PAIR_ORDER, WORKLOADS
+from workloads import IDLE_ROWS, PAIR_ORDER, WORKLOADS
 from world import WorldSpec, one_line, run_world
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -90,8 +90,9 @@ def world_specs(system: str, selected: list[str], quick: bool, label: str,
                                budgets, {"ddp_port": free_port(),
                                          "epochs": params.get("hybrid_epochs")
                                          or (3 if quick else 10)}))
-    if "idle" in selected:
-        specs.append(WorldSpec("idle:idle_world", system, 2, ("idle",), quick, label, budgets))
+    idle = tuple(name for name in IDLE_ROWS if name in selected)
+    if idle:
+        specs.append(WorldSpec("idle:idle_world", system, 2, idle, quick, label, budgets))
     if "clients_sweep" in selected:
         specs.append(WorldSpec("sweeps:clients_world", system, 1 + sweeps.MAX_CLIENTS,
                                ("clients_sweep",), quick, label, budgets,
@@ -142,6 +143,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         unknown = [s for s in only if s not in ALL_NAMES]
         if unknown:
             parser.error(f"unknown workload(s) {unknown}; known: {', '.join(ALL_NAMES)}")
+        if set(only) & set(IDLE_ROWS):
+            only += IDLE_ROWS  # one world measures both rows
         args.only = [name for name in ALL_NAMES if name in only]  # the table's order
     else:
         args.only = list(ALL_NAMES)

@@ -55,7 +55,10 @@ WORKLOADS: dict[str, Workload] = {
         Workload("rref_proxy", "rref.rpc_sync().m(), remote owner", "us", False, "pair", 90),
         Workload("rnn", "distributed RNN (tutorial), per iteration", "ms", False, "pair", 180),
         Workload("hybrid", "DDP + RPC hybrid (4 procs), per epoch", "ms", False, "hybrid", 300),
-        Workload("idle", "idle worker's CPU, 5 s after init_rpc", "% core", False, "idle", 60),
+        Workload("idle", "idle worker in shutdown(): CPU over 5 s", "% core", False, "idle",
+                 60),
+        Workload("idle_sleep", "idle worker in its own code: CPU over 5 s", "% core", False,
+                 "idle", 60),
         Workload("size_sweep", "echo latency and GB/s per message size", "", True, "pair", 300,
                  kind="sweep"),
         Workload("clients_sweep", "aggregate rpc_sync calls/s, 1-7 clients", "calls/s", True,
@@ -63,6 +66,8 @@ WORKLOADS: dict[str, Workload] = {
     ]
 }
 PAIR_ORDER = [name for name, w in WORKLOADS.items() if w.topology == "pair"]
+# One world measures both idle rows; selecting either selects both.
+IDLE_ROWS = [name for name, w in WORKLOADS.items() if w.topology == "idle"]
 
 
 # ------------------------------------------------------------------------ measurements
