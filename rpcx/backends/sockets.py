@@ -83,6 +83,10 @@ _MAX_FDS = 64  # descriptors one frame may carry; more large buffers travel inli
 _MAX_BUFFERS = 1 << 20  # buffers in one frame, at most (their sizes are read up front)
 _DIRECT_READ = 64 << 10  # an inline buffer this large is received straight into its tensor
 _FLUSH_CHECK_S = 0.5  # the flusher's bound on a wait, so it sees close() promptly
+# How long freed segment ids wait for a frame to the peer to carry them before the
+# flusher sends them on their own: in a call-and-reply exchange the next frame comes
+# sooner, so the ids cost neither a write of their own nor a thread wake-up.
+_FREE_DELAY_S = 0.005
 
 
 def _ids_message(kind: int, ids: list[int]) -> bytes:
@@ -129,6 +133,7 @@ class SocketTransport(StreamTransport):
         self._options = SocketRpcBackendOptions()
         self._routes: dict[int, Route] = {}
         self._flush_wanted = threading.Event()
+        self._closed = threading.Event()  # set at close: the flusher stops waiting
         self._flusher_thread: threading.Thread | None = None
 
     def routes(self) -> Mapping[int, str]:
@@ -177,8 +182,10 @@ class SocketTransport(StreamTransport):
         Returns once the frame is written, or at ``frame.deadline`` with the rest queued
         for the peer's writer thread."""
         peer = self._peers[dst]
+        freed = _drain(peer.freed) if peer.freed else None
         if not frame.buffers:  # most calls and replies: the head and header, one write
-            peer.send([_HEAD.pack(_FRAME, 0, len(frame.header)) + frame.header],
+            head = _HEAD.pack(_FRAME, 0, len(frame.header)) + frame.header
+            peer.send([_ids_message(_FREE, freed) + head if freed else head],
                       deadline=frame.deadline, cork=self.cork_bytes)
             return
         shm_min = peer.shm_min
@@ -229,6 +236,8 @@ class SocketTransport(StreamTransport):
                 retired = peer.pool.take_retired() if used or one_offs else None
                 if retired:  # ahead of the frame: the peer unmaps before it maps anew
                     head = _ids_message(_RETIRE, retired) + head
+                if freed:
+                    head = _ids_message(_FREE, freed) + head
                 try:
                     pending = peer.write_locked([head, frame.header, *parts], fds)
                 except OSError as exc:
@@ -257,7 +266,8 @@ class SocketTransport(StreamTransport):
         if peer is None or self._closing:
             return
         peer.freed.append(segment_id)
-        self._flush_wanted.set()
+        if not self._flush_wanted.is_set():
+            self._flush_wanted.set()
 
     @property
     def _closing(self) -> bool:
@@ -266,7 +276,10 @@ class SocketTransport(StreamTransport):
     def _flusher(self) -> None:
         """Send queued FREE ids, off the threads whose finalizers produced them."""
         while not self._closing:
-            self._flush_wanted.wait(_FLUSH_CHECK_S)
+            if not self._flush_wanted.wait(_FLUSH_CHECK_S):
+                continue
+            # Give frames to the peers a moment to carry the ids (see _FREE_DELAY_S).
+            self._closed.wait(_FREE_DELAY_S)
             self._flush_wanted.clear()
             for peer in self._peers.values():
                 ids = _drain(peer.freed)
@@ -366,6 +379,7 @@ class SocketTransport(StreamTransport):
     def close(self, timeout: float) -> None:
         """Goodbye to every peer, a bounded wait for theirs, then close the sockets and
         release the segments."""
+        self._closed.set()
         self._flush_wanted.set()
         super().close(timeout)
 
