@@ -402,6 +402,24 @@ def test_bytes_that_are_no_frame_end_the_connection_on_both_sides(
         pair.close()
 
 
+def test_freed_segment_ids_ride_on_the_next_frame_to_the_peer(monkeypatch: Any) -> None:
+    # The flusher would send them only after a minute here: the reply carries them.
+    monkeypatch.setattr(transport_module, "_FREE_DELAY_S", 60.0)
+    pair = _Pair(lambda frame, lane: None)  # b drops each frame (and its tensor) at once
+    try:
+        pair.a.send(1, Frame(b"call", [torch.zeros(1 << 20, dtype=torch.uint8)]))
+        pool = pair.a._peers[1].pool
+        assert not pool.wait_busy_at_most(0, 0.0)  # b maps a's segment, a waits for it
+        assert pair.b._flush_wanted.wait(TIMEOUT), "b never freed the tensor"
+        assert list(pair.b._peers[0].freed), "the id left before any frame to a"
+        pair.b.send(0, Frame(b"reply", []))
+        assert pair.wait_replies(1) == [b"reply"]
+        assert pool.wait_busy_at_most(0, 0.0), "the reply came without the freed id"
+        assert not pair.b._peers[0].freed
+    finally:
+        pair.close()
+
+
 def test_a_corked_reply_leaves_when_its_lane_moves_to_another_thread() -> None:
     # Request 1's reply is corked (request 2 is already buffered); request 2's handler
     # gives the lane away and waits for a's receipt of reply 1, which only the new
