@@ -29,6 +29,7 @@ class MessageKind(enum.IntEnum):
     AUTOGRAD_CHAIN = 12  # one-way, payload: (context_id, [(tag, index, grad)], chain)
     AUTOGRAD_CHAIN_END = 13  # one-way, payload: (token, next round's ranks, error info)
     HEARTBEAT = 14  # one-way, payload: PING (answered with a PONG) or PONG
+    RREF_CALL = 15  # payload: (rref_id, method name, args, kwargs); an RRef proxy's call
 
 
 

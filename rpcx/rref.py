@@ -12,6 +12,9 @@ Requests (all through the agent, so they time out and fail like any call):
 * ``RREF_FETCH id``: the owner replies with the value once it exists.
 * ``RREF_FORKS`` / ``RREF_DELETE`` / ``RREF_CONFIRM``: reference bookkeeping.
 
+* ``RREF_CALL (id, name, args, kwargs)``: a proxy call, ``value.name(*args, **kwargs)``
+  on the owner, run once the value exists.
+
 Proxy calls (``rref.rpc_sync().m()``) send only the id: the caller's RRef stays alive
 (the pending call holds it) until the reply, so the owner need not register a fork.
 """
@@ -383,7 +386,7 @@ class _ProxyMethod:
             return create_remote(agent, rref._owner, _invoke_on_owner, call_args, {},
                                  timeout, target=rref, describe_target=describe)
         future = agent.request(
-            rref._owner, MessageKind.CALL, (_invoke_on_owner, call_args, {}),
+            rref._owner, MessageKind.RREF_CALL, call_args,
             timeout=agent.timeout_for(timeout), api=api, target=rref,
             describe_target=describe,
         )
@@ -422,6 +425,29 @@ def _invoke_on_owner(
     agent = _context.current_agent()
     service(agent).slot(rref_id).add_done_callback(run)
     return result
+
+
+def _handle_rref_call(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
+    svc = service(agent)
+
+    def handle(caller: WorkerInfo, payload: Any) -> Any:
+        rref_id, name, args, kwargs = payload
+        slot = svc.slot(rref_id)
+        if not slot.done():  # remote() has not made the value yet: run once it has
+            return Deferred(_invoke_on_owner(rref_id, name, args, kwargs))
+        # The common case, without a future: the value exists (or failed), run it now.
+        method = getattr(wait(slot), name)
+        out = method(*args, **kwargs)
+        if not is_async_execution(method):
+            return out
+        if not isinstance(out, torch._C.Future):
+            raise TypeError(
+                f"@async_execution method {describe_callable(method)} must return a "
+                f"torch.futures.Future, but returned {type(out).__name__}"
+            )
+        return Deferred(out)
+
+    return handle
 
 
 def _forward(source: torch.futures.Future[Any], target: torch.futures.Future[Any]) -> None:
@@ -618,6 +644,7 @@ def install(agent: ServiceHost) -> None:
     # A fetch needs no ordering: the fetching RRef stays alive until the reply. Reference
     # bookkeeping is handled in arrival order (see rpcx.rref_protocol).
     agent.register_handler(MessageKind.RREF_FETCH, _handle_fetch(agent))
+    agent.register_handler(MessageKind.RREF_CALL, _handle_rref_call(agent))
     agent.register_handler(MessageKind.RREF_FORKS, _handle_forks(agent), in_order=True)
     agent.register_handler(MessageKind.RREF_DELETE, _handle_delete(agent), in_order=True)
     agent.register_handler(MessageKind.RREF_CONFIRM, _handle_confirm(agent), in_order=True)
