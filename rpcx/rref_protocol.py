@@ -69,7 +69,7 @@ log = logging.getLogger("rpcx.rref")
 _FREED_IDS_KEPT = 65536  # recently freed ids remembered, to answer late calls
 _CONFIRMED_EARLY_KEPT = 65536  # confirmations parked for RRefs not decoded yet
 _FLUSH_TIMEOUT = 30.0
-_LINGER = 0.002  # seconds a deletion waits for a frame to ride on before going alone
+_LINGER = 0.01  # seconds a deletion waits for a frame to ride on before going alone
 
 
 @dataclass
@@ -80,6 +80,24 @@ class _Entry:
     forks: dict[ForkId, int] = field(default_factory=dict)  # fork -> holding rank
     cancelled: set[ForkId] = field(default_factory=set)  # deleted before announced
     created: bool = False  # the value exists, or its creating call has started
+
+
+_INERT_TYPES = frozenset({int, float, bool, complex, str, bytes, type(None)})
+
+
+def _inert(value: torch.futures.Future[Any]) -> bool:
+    """Whether dropping the value in ``value`` can run no code but the interpreter's:
+    a number, a string, bytes, ``None``, or a tensor outside any autograd graph."""
+    if not value.done():
+        return True  # (never created: nothing to drop)
+    try:
+        held = value.value()
+    except BaseException:  # an error's object may hold anything
+        return False
+    kind = type(held)
+    if kind in _INERT_TYPES:
+        return True
+    return kind is torch.Tensor and held.grad_fn is None
 
 
 class Announced(Protocol):
@@ -252,7 +270,13 @@ class RRefService:
     def _release(self, freed: list[_Entry]) -> None:
         # Dropping a value runs whatever __del__ it has: not on a delivering thread.
         # Counted, so that flush() (shutdown's drain) also waits for the values to go.
+        # Values whose going runs no Python code (numbers, strings, plain tensors: what
+        # remote() of a small function leaves) are dropped here, saving the lane a
+        # wake-up per freed value.
         if freed:
+            if all(_inert(entry.value) for entry in freed):
+                freed.clear()
+                return
             with self._lock:
                 self._freeing += 1
             self.agent.call_soon(self._free, freed)
