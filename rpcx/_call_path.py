@@ -196,7 +196,13 @@ class CallPath:
             frame.deadline = started + timeout
             self._executors.timer.schedule(frame.deadline, rid)
         self._retransmission.sent(kind, rid, dst.id, frame)
-        self._transmit(dst.id, frame, ctx, rid)
+        if _receiving.delivering or ctx.before_send or dst.id == self._rank:
+            self._transmit(dst.id, frame, ctx, rid)
+            return future
+        try:  # the common case, _transmit_now without the hooks it would skip
+            self._transmit_frame(dst.id, frame)
+        except Exception as exc:
+            self._not_sent(dst.id, rid, exc)
         return future
 
     def _gone(self, rank: int) -> bool:
@@ -292,12 +298,16 @@ class CallPath:
             self.send_frame(dst, frame)
             ctx.keep_alive.clear()  # handed to the transport: later messages follow it
         except Exception as exc:
-            reason = exc.args[0] if isinstance(exc, PeerLostError) and exc.args else str(exc)
-            if rid:
-                self.complete(rid, exception=lambda p: self._lost_error(p, reason))
-            else:
-                log.debug("%s: one-way message to rank %d not sent: %s", self._name, dst,
-                          reason)
+            self._not_sent(dst, rid, exc)
+
+    def _not_sent(self, dst: int, rid: int, exc: Exception) -> None:
+        """Sending request ``rid`` (0: a one-way message or a reply) to ``dst`` failed."""
+        reason = exc.args[0] if isinstance(exc, PeerLostError) and exc.args else str(exc)
+        if rid:
+            self.complete(rid, exception=lambda p: self._lost_error(p, reason))
+        else:
+            log.debug("%s: one-way message to rank %d not sent: %s", self._name, dst,
+                      reason)
 
     def send_frame(self, dst: int, frame: Frame) -> None:
         """Hand an encoded frame to the transport (or, to oneself, straight to
@@ -442,26 +452,11 @@ class CallPath:
             handler = self.handlers.get(kind)
             if handler is None:
                 raise RpcError(f"worker {self._name!r} does not handle message kind {kind}")
-            with self._entered(scope, src):
-                try:
-                    ctx = DecodeContext(src, self._host, scope=scope, scope_tag=tag)
-                    payload = decode_payload(frame, ctx)
-                except SerializationError as exc:
-                    error = SerializationError(
-                        f"worker {self._name!r} could not unpickle the request: {exc}"
-                    )
-                    self._recover_undecodable(caller, kind, frame, error)
-                    raise error from None
-                gates = ctx.before_serve
-                del ctx
-                if gates is not None:
-                    # (never blocking a delivering thread: in-order handlers skip them)
-                    if not _receiving.delivering:
-                        for gate in gates:
-                            gate()
-                    del gates
-                result = handler(caller, payload)
-                del payload  # the arguments (RRefs among them) need not outlive the call
+            if scope is None or self.scope is None:
+                result = self._run(caller, handler, kind, frame, None, 0)
+            else:
+                with self.scope.entered(scope, src):
+                    result = self._run(caller, handler, kind, frame, scope, tag)
         except BaseException as exc:
             self._reply_error(src, rid, exc)
             return
@@ -472,10 +467,29 @@ class CallPath:
         else:
             self._reply(src, rid, result, scope)
 
-    def _entered(self, scope: int | None, src: int) -> contextlib.AbstractContextManager[Any]:
-        if scope is None or self.scope is None:
-            return contextlib.nullcontext()
-        return self.scope.entered(scope, src)
+    def _run(self, caller: WorkerInfo, handler: Handler, kind: int, frame: Frame,
+             scope: int | None, tag: int) -> Any:
+        """Decode the request, pass its gates, run its handler (inside its scope)."""
+        try:
+            ctx = DecodeContext(caller.id, self._host, scope=scope, scope_tag=tag)
+            payload = decode_payload(frame, ctx)
+        except SerializationError as exc:
+            error = SerializationError(
+                f"worker {self._name!r} could not unpickle the request: {exc}"
+            )
+            self._recover_undecodable(caller, kind, frame, error)
+            raise error from None
+        gates = ctx.before_serve
+        del ctx
+        if gates is not None:
+            # (never blocking a delivering thread: in-order handlers skip them)
+            if not _receiving.delivering:
+                for gate in gates:
+                    gate()
+            del gates
+        return handler(caller, payload)
+        # (the arguments, RRefs among them, go as this returns: they need not outlive
+        # the call)
 
     def _recover_undecodable(
         self, caller: WorkerInfo, kind: int, frame: Frame, error: BaseException
@@ -518,7 +532,14 @@ class CallPath:
             return
         frame.reply_to = rid
         self._retransmission.answered(src, rid, frame)
-        self._transmit(src, frame, ctx, 0)  # a failed reply is the caller's to notice
+        # A failed reply is the caller's to notice.
+        if _receiving.delivering or ctx.before_send or src == self._rank:
+            self._transmit(src, frame, ctx, 0)
+            return
+        try:
+            self._transmit_frame(src, frame)
+        except Exception as exc:
+            self._not_sent(src, 0, exc)
 
     def _reply_error(self, src: int, rid: int, exc: BaseException) -> None:
         if rid == 0:

@@ -28,7 +28,6 @@ import pickle
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,7 +68,6 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-@dataclass
 class EncodeContext:
     """Per-message state while encoding.
 
@@ -99,23 +97,45 @@ class EncodeContext:
         owned: indices of buffers the codec copied while encoding (``Frame.owned``).
     """
 
-    peer: int
-    agent: Any = None
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    before_send: list[Callable[[], None]] = field(default_factory=list)
-    scope: int | None = None
-    scope_tag: int = 0
-    notes: list[tuple[int, Any]] = field(default_factory=list)
-    keep_alive: list[Any] = field(default_factory=list)
-    routes: DeviceRoutes | None = None
-    response: bool = False
-    stage_devices: bool = True
-    placements: dict[int, torch.device] = field(default_factory=dict)
-    owned: list[int] = field(default_factory=list)
+    # A plain class with slots, not a dataclass: one is made per message sent, and the
+    # dataclass's default factories cost a call each.
+    __slots__ = ("agent", "before_send", "buffers", "keep_alive", "notes", "owned", "peer",
+                 "placements", "response", "routes", "scope", "scope_tag", "stage_devices",
+                 "tensors")
+
+    def __init__(
+        self,
+        peer: int,
+        agent: Any = None,
+        buffers: list[torch.Tensor] | None = None,
+        tensors: list[torch.Tensor] | None = None,
+        before_send: list[Callable[[], None]] | None = None,
+        scope: int | None = None,
+        scope_tag: int = 0,
+        notes: list[tuple[int, Any]] | None = None,
+        keep_alive: list[Any] | None = None,
+        routes: DeviceRoutes | None = None,
+        response: bool = False,
+        stage_devices: bool = True,
+        placements: dict[int, torch.device] | None = None,
+        owned: list[int] | None = None,
+    ) -> None:
+        self.peer = peer
+        self.agent = agent
+        self.buffers: list[torch.Tensor] = [] if buffers is None else buffers
+        self.tensors: list[torch.Tensor] = [] if tensors is None else tensors
+        self.before_send: list[Callable[[], None]] = [] if before_send is None else before_send
+        self.scope = scope
+        self.scope_tag = scope_tag
+        self.notes: list[tuple[int, Any]] = [] if notes is None else notes
+        self.keep_alive: list[Any] = [] if keep_alive is None else keep_alive
+        self.routes = routes
+        self.response = response
+        self.stage_devices = stage_devices
+        self.placements: dict[int, torch.device] = {} if placements is None else placements
+        self.owned: list[int] = [] if owned is None else owned
 
 
-@dataclass
 class DecodeContext:
     """Per-message state while decoding.
 
@@ -134,15 +154,30 @@ class DecodeContext:
             ``None`` until an extension adds one; ignored for responses.
     """
 
-    peer: int
-    agent: Any = None
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    scope: int | None = None
-    scope_tag: int = 0
-    scope_count: int = 0
-    source_device: torch.device | None = None
-    before_serve: list[Callable[[], None]] | None = None
+    __slots__ = ("agent", "before_serve", "buffers", "peer", "scope", "scope_count",
+                 "scope_tag", "source_device", "tensors")
+
+    def __init__(
+        self,
+        peer: int,
+        agent: Any = None,
+        buffers: list[torch.Tensor] | None = None,
+        tensors: list[torch.Tensor] | None = None,
+        scope: int | None = None,
+        scope_tag: int = 0,
+        scope_count: int = 0,
+        source_device: torch.device | None = None,
+        before_serve: list[Callable[[], None]] | None = None,
+    ) -> None:
+        self.peer = peer
+        self.agent = agent
+        self.buffers: list[torch.Tensor] = [] if buffers is None else buffers
+        self.tensors: list[torch.Tensor] = [] if tensors is None else tensors
+        self.scope = scope
+        self.scope_tag = scope_tag
+        self.scope_count = scope_count
+        self.source_device = source_device
+        self.before_serve = before_serve
 
 
 class ReduceError(Exception):
@@ -440,6 +475,12 @@ def _dispatch_table() -> dict[type, Callable[[Any], Any]]:
     return _dispatch
 
 
+class _Pickler(pickle.Pickler):
+    # The table as a class attribute: the pickler finds it at creation, with no
+    # per-message assignment. ``_dispatch`` is updated in place (_dispatch_table).
+    dispatch_table = _dispatch
+
+
 def register_extension(cls: type, reduce: Callable[[Any, EncodeContext], Any]) -> None:
     """Pickle instances of exactly ``cls`` with ``reduce(obj, ctx)``.
 
@@ -499,8 +540,8 @@ def encode(kind: int, request_id: int, payload: Any, ctx: EncodeContext) -> Fram
     file.write(_ENVELOPE.pack(kind, request_id))
     if ctx.scope is not None:
         file.write(bytes(_SCOPE.size))  # filled in below: hooks may set the tag meanwhile
-    pickler = pickle.Pickler(file, _PROTOCOL)
-    pickler.dispatch_table = _dispatch_table()
+    _dispatch_table()  # (refreshed if copyreg gained a reducer)
+    pickler = _Pickler(file, _PROTOCOL)
     outer = _contexts.encoding
     _contexts.encoding = ctx
     try:
