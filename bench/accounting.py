@@ -6,9 +6,9 @@ DDP trainers, the master and the parameter server; see ``hybrid.py``), on torch 
 each rpcx backend, per process and per step:
 
 * **frames sent, bytes sent** (rpcx only): every frame rpcx's agent hands to its
-  transport (``CallPath.send_frame``, wrapped in each worker process, as
-  ``profile_rtt.py`` wraps it; nothing in the library changes), its size (header and
-  tensors) and its message kind. torch's agent counts no messages:
+  transport (the ``transmit_frame`` its ``CallPath`` is built with, wrapped in each
+  worker process, as ``profile_rtt.py`` wraps the call path; nothing in the library
+  changes), its size (header and tensors) and its message kind. torch's agent counts no messages:
   ``_get_current_rpc_agent().get_debug_info()`` gives thread and active-call gauges
   only (kept in the JSON), so its column shows ``n/a`` and the transport-neutral rows
   below are the comparison;
@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import inspect
 import mmap
 import os
 import pathlib
@@ -47,7 +49,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -105,23 +107,37 @@ class FrameCounter:
             _LAYOUT.pack_into(self._map, 0, *counts)
 
     def install(self) -> bool:
-        """Wrap rpcx's ``CallPath.send_frame``; False if this rpcx has none."""
+        """Count what rpcx's call path hands its transport; False if this rpcx has no
+        ``CallPath`` taking a ``transmit_frame``.
+
+        ``CallPath.__init__`` is wrapped so that the ``transmit_frame`` it is given (the
+        transport's ``send``, sealed first with a world key) counts each frame: every
+        frame to another worker passes there, whichever of the call path's routes sent
+        it (requests, replies, one-way messages).
+        """
         try:
             from rpcx._call_path import CallPath
             from rpcx.serialization import decode_envelope
         except ImportError:
             return False
-        original = getattr(CallPath, "send_frame", None)
-        if original is None:
+        original_init = CallPath.__init__
+        if "transmit_frame" not in inspect.signature(original_init).parameters:
             return False
         counter = self
 
-        def send_frame(path: Any, dst: int, frame: Any) -> Any:
-            if dst != getattr(path, "_rank", None):  # a call to oneself is not sent
+        def counting(transmit: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
+            def transmit_frame(dst: int, frame: Any) -> None:
                 counter.add(decode_envelope(frame)[0], frame.nbytes)
-            return original(path, dst, frame)
+                transmit(dst, frame)
+            return transmit_frame
 
-        CallPath.send_frame = send_frame  # type: ignore[method-assign]
+        @functools.wraps(original_init)
+        def __init__(path: Any, *args: Any, **kwargs: Any) -> None:
+            bound = inspect.signature(original_init).bind(path, *args, **kwargs)
+            bound.arguments["transmit_frame"] = counting(bound.arguments["transmit_frame"])
+            original_init(*bound.args, **bound.kwargs)
+
+        CallPath.__init__ = __init__  # type: ignore[method-assign]
         return True
 
 
@@ -279,7 +295,7 @@ def rnn_world(rank: int, spec: WorldSpec, init_method: str, recorder: Recorder) 
 
 
 def _no_counter() -> dict[str, Any]:
-    raise RuntimeError("this rpcx has no CallPath.send_frame to count frames at")
+    raise RuntimeError("this rpcx has no CallPath(transmit_frame=...) to count frames at")
 
 
 HYBRID_RANKS = {"trainer0": 0, "trainer1": 1, "master": 2, "ps": 3}
