@@ -319,6 +319,8 @@ SYSTEM_STYLE = {
     "tensorpipe": {"color": "tab:orange", "marker": "^", "linestyle": "-"},
     "loopback": {"color": "tab:green", "marker": "D", "linestyle": "--"},
     "shm": {"color": "tab:purple", "marker": "v", "linestyle": "-"},
+    "auto": {"color": "darkviolet", "marker": "*", "linestyle": "-"},
+    "tcp": {"color": "teal", "marker": "p", "linestyle": "-"},
     "zmq": {"color": "tab:red", "marker": "P", "linestyle": "-"},
 }
 # A backend without a style of its own (a third-party plugin) gets one of these in turn.
