@@ -38,6 +38,7 @@ __all__ = ["WATCH_INTERVAL", "LaneWatch", "ReceiveLane", "current_lane"]
 log = logging.getLogger("rpcx.lanes")
 
 WATCH_INTERVAL = 0.01  # seconds between the watchdog's looks at lanes that serve
+_IDLE_CHECK = 1.0  # the sleeping watchdog's bound on a wait, so it sees close() promptly
 
 
 class _Local(threading.local):
@@ -61,8 +62,8 @@ class ReceiveLane:
     must stop receiving and return.
     """
 
-    __slots__ = ("__weakref__", "_holder", "_lock", "_serving", "_start_thread", "name",
-                 "owner", "resume")
+    __slots__ = ("__weakref__", "_holder", "_lock", "_serving", "_start_thread", "_watch",
+                 "name", "owner", "resume")
 
     def __init__(
         self,
@@ -79,6 +80,7 @@ class ReceiveLane:
         self._holder: threading.Thread | None = None
         # What is being served now: a token that changes with every request, or None.
         self._serving: object | None = None
+        self._watch: LaneWatch | None = None  # told when serving starts (it sleeps idle)
 
     # ------------------------------------------------------------- transport side
 
@@ -128,6 +130,8 @@ class ReceiveLane:
             nested = held and self._serving is not None
             if held and not nested:
                 self._serving = token
+        if held and not nested and self._watch is not None:
+            self._watch.wake()
         if not held or nested:
             # Not held: the role moved on while this thread served an earlier request
             # (it keeps the lane as its current one until it returns to its loop).
@@ -181,18 +185,25 @@ class ReceiveLane:
 
 
 class LaneWatch:
-    """One watchdog thread that moves the role off lanes whose handler runs long."""
+    """One watchdog thread that moves the role off lanes whose handler runs long.
+
+    It looks every ``interval`` only while some lane serves a request; with nothing
+    served it sleeps until a lane starts serving (an idle worker's watchdog used to wake
+    100 times a second: about 1% of a core, the whole of an idle worker's cost).
+    """
 
     def __init__(self, name: str, interval: float = WATCH_INTERVAL) -> None:
         self._name = name
         self._interval = interval
         self._lanes: weakref.WeakSet[ReceiveLane] = weakref.WeakSet()
+        self._wanted = threading.Event()  # a lane started serving since the last look
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def add(self, lane: ReceiveLane) -> None:
         """Watch ``lane`` (until it is garbage or the watch closes)."""
+        lane._watch = self
         with self._lock:
             self._lanes.add(lane)
             if self._thread is None and not self._stop.is_set():
@@ -201,9 +212,15 @@ class LaneWatch:
                 )
                 self._thread.start()
 
+    def wake(self) -> None:
+        """A lane started serving: look at the lanes (soon) until none serves."""
+        if not self._wanted.is_set():
+            self._wanted.set()
+
     def close(self, timeout: float) -> None:
         """Stop watching; joins the thread for at most ``timeout`` seconds."""
         self._stop.set()
+        self._wanted.set()
         with self._lock:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -211,14 +228,26 @@ class LaneWatch:
 
     def _run(self) -> None:
         seen: dict[int, object | None] = {}
-        while not self._stop.wait(self._interval):
-            with self._lock:
-                lanes = list(self._lanes)
-            for lane in lanes:
-                try:
-                    seen[id(lane)] = lane._look(seen.get(id(lane)))
-                except Exception:  # a follower that cannot start: logged, retried
-                    log.exception("%s: could not hand off lane %s", self._name, lane.name)
-            if len(seen) > 2 * len(lanes) + 16:
-                live = {id(lane) for lane in lanes}
-                seen = {key: value for key, value in seen.items() if key in live}
+        while not self._stop.is_set():
+            if not self._wanted.wait(_IDLE_CHECK):
+                continue
+            # Cleared before looking: a lane that starts serving after this sets it
+            # again, so the watch comes back for it however the looks below end.
+            self._wanted.clear()
+            while not self._stop.wait(self._interval):
+                with self._lock:
+                    lanes = list(self._lanes)
+                serving = False
+                for lane in lanes:
+                    try:
+                        seen[id(lane)] = lane._look(seen.get(id(lane)))
+                        serving = serving or seen[id(lane)] is not None
+                    except Exception:  # a follower that cannot start: logged, retried
+                        serving = True
+                        log.exception("%s: could not hand off lane %s", self._name,
+                                      lane.name)
+                if len(seen) > 2 * len(lanes) + 16:
+                    live = {id(lane) for lane in lanes}
+                    seen = {key: value for key, value in seen.items() if key in live}
+                if not serving:
+                    break  # nothing is being served: sleep until something is

@@ -201,3 +201,46 @@ def test_a_nested_serve_keeps_the_outer_requests_hand_off() -> None:
 
     lane.serve(outer)
     assert len(started) == 1 and not lane.still_held()
+
+
+def test_the_watchdog_looks_only_while_a_request_is_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An idle worker's watchdog used to look 100 times a second; it now sleeps until a
+    # lane starts serving, and again once nothing is served.
+    looked, saw_nothing = threading.Event(), threading.Event()
+    looks: list[object | None] = []
+    real_look = ReceiveLane._look
+
+    def counting_look(lane: ReceiveLane, seen: object | None) -> object | None:
+        result = real_look(lane, seen)
+        looks.append(result)
+        looked.set()
+        if result is None:
+            saw_nothing.set()
+        return result
+
+    monkeypatch.setattr(ReceiveLane, "_look", counting_look)
+    served = threading.Event()
+
+    def serves_until_looked_at() -> None:
+        assert looked.wait(TIMEOUT), "the watchdog never looked at a lane that serves"
+        served.set()
+
+    loop = Loop([serves_until_looked_at])
+    watch = LaneWatch("test", interval=0.002)
+    watch.add(loop.lane)
+    try:
+        assert not looked.wait(0.05), "the watchdog looked with nothing being served"
+        worker = threading.Thread(target=loop.run, name="receiver")
+        worker.start()
+        assert loop.done.wait(TIMEOUT) and served.is_set()
+        worker.join(TIMEOUT)
+        saw_nothing.clear()
+        assert saw_nothing.wait(TIMEOUT), "the watchdog never saw the serving end"
+        count = len(looks)
+        looked.clear()
+        assert not looked.wait(0.05), "the watchdog kept looking after serving ended"
+        assert len(looks) == count
+    finally:
+        watch.close(TIMEOUT)
