@@ -40,6 +40,8 @@ log = logging.getLogger("rpcx.transport_kit")
 HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection may take to introduce itself
 READ_CHUNK = 256 << 10  # bytes asked for per read: many small frames per system call
 MAX_FDS = 64  # descriptors one read may carry
+# Plain ints: testing a flag against the enum member costs ~3 us a read (enum.__and__).
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
 _HELLO = struct.Struct("<16sI")  # magic (the transport's label), rank of the connecting worker
 _NONCE, _PROOF = _auth.NONCE_BYTES, _auth.TAG_BYTES
 
@@ -90,7 +92,7 @@ class SocketReader:
             with memoryview(self.buffer) as whole, whole[self.end :] as view:
                 count, ancillary, flags, _ = self.sock.recvmsg_into(
                     [view], socket.CMSG_SPACE(MAX_FDS * 4))
-            if flags & socket.MSG_CTRUNC:
+            if flags & _MSG_CTRUNC:
                 # Descriptors were dropped (this process is out of them, most likely):
                 # they pair with frames by order, so the stream cannot go on.
                 raise OSError("descriptors lost in transit (MSG_CTRUNC); raise the "
