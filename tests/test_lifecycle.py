@@ -120,7 +120,8 @@ def test_bad_rank_and_world_size() -> None:
 
 
 def test_unknown_backend_lists_installed() -> None:
-    with pytest.raises(rpcx.BackendNotFoundError, match="installed backends: auto, gloo, loopback, shm, tcp"):
+    with pytest.raises(rpcx.BackendNotFoundError,
+                       match="installed backends: auto, gloo, loopback, shm, tcp"):
         rpcx.init_rpc("w", backend="carrier-pigeon", rank=0, world_size=1)
 
 
