@@ -48,9 +48,9 @@ def _install(session: nox.Session, extras: str = "") -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Unit tests plus the conformance kit, lifecycle tests and examples, on every backend
-    one after another, in one environment (installing torch is most of an environment's
-    set-up, ~30 s each).
+    """Unit tests plus the conformance kit and lifecycle tests on every backend (the
+    examples and seed programs on loopback and the default backend), one after another,
+    in one environment (installing torch is most of an environment's set-up, ~30 s each).
 
     ``nox -s tests -- --backends=auto,zmq`` runs some backends; other arguments after
     ``--`` go to pytest (``nox -s tests -- --backends=loopback -k rref``). A plugin's

@@ -1,4 +1,5 @@
-"""The examples run unchanged on every selected backend (and the torch-style one on torch)."""
+"""The examples run unchanged on loopback and the default backend (and the torch-style one
+on torch)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 
 import pytest
 import torch
+
+from rpcx.registry import DEFAULT_BACKEND
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -26,6 +29,24 @@ def _run(script: pathlib.Path, backend: str | None, *args: str, timeout: float =
     )
     assert out.returncode == 0, f"{script.name} failed:\n{out.stdout}\n{out.stderr}"
     return out.stdout
+
+
+# The examples exercise the API above the transport, which the conformance kit checks on
+# every backend: they run where users run them, on loopback and the default backend,
+# and ddp_rpc on GPUs on tensorpipe too (device-to-device CUDA).
+EXAMPLE_BACKENDS = ("loopback", DEFAULT_BACKEND)
+
+
+@pytest.fixture(autouse=True)
+def _where_users_run_them(request: pytest.FixtureRequest) -> None:
+    if "rpcx_backend" not in request.fixturenames:
+        return
+    backend = request.getfixturevalue("rpcx_backend")
+    if backend in EXAMPLE_BACKENDS or (
+            backend == "tensorpipe" and request.node.name.startswith("test_ddp_rpc_on_gpus")):
+        return
+    pytest.skip(f"the examples run on {' and '.join(EXAMPLE_BACKENDS)} (they test the "
+                "API; the conformance kit tests each backend)")
 
 
 def test_demo(rpcx_backend: str) -> None:
