@@ -30,6 +30,7 @@ import torch
 
 from rpcx import _context
 from rpcx._pool import blocking
+from rpcx.calls import run_user_function
 from rpcx.errors import RpcError, RpcShutdownError, RpcTimeoutError
 from rpcx.functions import async_execution, is_async_execution
 from rpcx.futures import RpcFuture, add_internal_callback, wait, wait_done
@@ -436,16 +437,7 @@ def _handle_rref_call(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
         if not slot.done():  # remote() has not made the value yet: run once it has
             return Deferred(_invoke_on_owner(rref_id, name, args, kwargs))
         # The common case, without a future: the value exists (or failed), run it now.
-        method = getattr(wait(slot), name)
-        out = method(*args, **kwargs)
-        if not is_async_execution(method):
-            return out
-        if not isinstance(out, torch._C.Future):
-            raise TypeError(
-                f"@async_execution method {describe_callable(method)} must return a "
-                f"torch.futures.Future, but returned {type(out).__name__}"
-            )
-        return Deferred(out)
+        return run_user_function(getattr(wait(slot), name), args, kwargs)
 
     return handle
 
