@@ -9,16 +9,13 @@ made as the conformance kit's two-host test makes them: needs root).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 from rpcx.backends.socket_mesh import Policy, route_between
-from rpcx.testing.conformance_hosts import two_hosts
+from rpcx.testing.conformance_hosts import run_on_hosts, two_hosts
 from rpcx.testing.world import free_port
-
-BOUND = 120.0
 
 
 def test_one_host_shares_memory_two_hosts_use_tcp() -> None:
@@ -79,23 +76,12 @@ def test_a_world_on_two_hosts_shares_memory_within_one_and_tcp_across(
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RPCX_BACKEND")}
     with two_hosts() as hosts:
         url = f"tcp://{hosts.addresses[0]}:{free_port()}"
-        runs = [subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable,
-                                  str(script), ranks, url],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env=env)
-                for namespace, ranks in zip(hosts.namespaces, ("0,1", "2"), strict=True)]
-        outputs = []
-        try:
-            for run in runs:
-                outputs.append(run.communicate(timeout=BOUND))
-        finally:
-            for run in runs:
-                if run.poll() is None:
-                    run.kill()
-                    run.wait(BOUND)
-    for run, (out, err) in zip(runs, outputs, strict=True):
-        assert run.returncode == 0, f"{out}\n{err}"
-    lines = set(outputs[0][0].splitlines())
+        results = run_on_hosts(
+            [(namespace, [sys.executable, str(script), ranks, url])
+             for namespace, ranks in zip(hosts.namespaces, ("0,1", "2"), strict=True)], env)
+    for status, out, err in results:
+        assert status == 0, f"{out}\n{err}"
+    lines = set(results[0][1].splitlines())
     other_a = "tcp (other host: "
     expected_shm = {"w0 -> w1: shm (same host)", "w1 -> w0: shm (same host)"}
     assert expected_shm <= lines, lines

@@ -96,6 +96,26 @@ def two_hosts() -> Iterator[Hosts]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
+def run_on_hosts(commands: list[tuple[str, list[str]]], env: dict[str, str]
+                 ) -> list[tuple[int, str, str]]:
+    """Run each ``(namespace, argv)`` in its namespace at once; each one's exit status,
+    stdout and stderr, in order. Killed at ``BOUND`` seconds if still running."""
+    runs = [subprocess.Popen(["ip", "netns", "exec", namespace, *argv],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
+            for namespace, argv in commands]
+    outputs = []
+    try:
+        for run in runs:
+            outputs.append(run.communicate(timeout=BOUND))
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait(BOUND)
+    return [(run.returncode, out, err) for run, (out, err) in zip(runs, outputs, strict=True)]
+
+
 @pytest.mark.rpcx_requires("multi_host", reason="workers of this backend share one host")
 class TestTwoHosts:
     """Worker 0 and worker 1 on two "hosts" (network namespaces)."""
@@ -114,21 +134,9 @@ class TestTwoHosts:
             file.write(WORKER)
         url = f"tcp://{two_hosts.addresses[0]}:{free_port()}"
         env = {k: v for k, v in os.environ.items() if k not in _INTERFACE_VARIABLES}
-        workers = [
-            subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, script,
-                              str(rank), rpcx_backend, url],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for rank, namespace in enumerate(two_hosts.namespaces)
-        ]
-        outputs = []
-        try:
-            for worker in workers:
-                outputs.append(worker.communicate(timeout=BOUND))
-        finally:
-            for worker in workers:
-                if worker.poll() is None:
-                    worker.kill()
-                    worker.wait(BOUND)
-        for worker, (out, err) in zip(workers, outputs, strict=True):
-            assert worker.returncode == 0, f"{rpcx_backend} across hosts:\n{out}\n{err}"
-        assert "two hosts: ok (host1)" in outputs[0][0]
+        results = run_on_hosts(
+            [(namespace, [sys.executable, script, str(rank), rpcx_backend, url])
+             for rank, namespace in enumerate(two_hosts.namespaces)], env)
+        for status, out, err in results:
+            assert status == 0, f"{rpcx_backend} across hosts:\n{out}\n{err}"
+        assert "two hosts: ok (host1)" in results[0][1]
