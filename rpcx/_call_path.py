@@ -196,13 +196,7 @@ class CallPath:
             frame.deadline = started + timeout
             self._executors.timer.schedule(frame.deadline, rid)
         self._retransmission.sent(kind, rid, dst.id, frame)
-        if _receiving.delivering or ctx.before_send or dst.id == self._rank:
-            self._transmit(dst.id, frame, ctx, rid)
-            return future
-        try:  # the common case, _transmit_now without the hooks it would skip
-            self._transmit_frame(dst.id, frame)
-        except Exception as exc:
-            self._not_sent(dst.id, rid, exc)
+        self._transmit(dst.id, frame, ctx, rid)
         return future
 
     def _gone(self, rank: int) -> bool:
@@ -288,6 +282,13 @@ class CallPath:
                 return
             except RpcShutdownError:
                 pass
+        elif not ctx.before_send and dst != self._rank:
+            # The common case: no hook to run, straight to the transport.
+            try:
+                self._transmit_frame(dst, frame)
+            except Exception as exc:
+                self._not_sent(dst, rid, exc)
+            return
         self._transmit_now(dst, frame, ctx, rid)
 
     def _transmit_now(self, dst: int, frame: Frame, ctx: EncodeContext, rid: int) -> None:
@@ -532,14 +533,7 @@ class CallPath:
             return
         frame.reply_to = rid
         self._retransmission.answered(src, rid, frame)
-        # A failed reply is the caller's to notice.
-        if _receiving.delivering or ctx.before_send or src == self._rank:
-            self._transmit(src, frame, ctx, 0)
-            return
-        try:
-            self._transmit_frame(src, frame)
-        except Exception as exc:
-            self._not_sent(src, 0, exc)
+        self._transmit(src, frame, ctx, 0)  # a failed reply is the caller's to notice
 
     def _reply_error(self, src: int, rid: int, exc: BaseException) -> None:
         if rid == 0:
