@@ -14,6 +14,11 @@ Differences from the example, for timing: a fixed number of batches per epoch
 trainers return their epoch times. The code is the same for torch and rpcx; only the
 modules in ``API`` differ. The trainers' process group rendezvous on its own TCP port,
 which the parent got from the OS (``params["ddp_port"]``); the RPC rendezvous is a file.
+Across hosts (placement.py: trainer0 and the master on host a, trainer1 and ps on b) the
+trainers' group connects to trainer0's host (``params["ddp_host"]``) and is told the
+host's interface while it connects, in every system: it is torch's gloo, which binds to
+127.0.0.1 in a namespace otherwise; rpcx's ``init_rpc``, after it, sees no interface
+variable.
 On loopback, where all workers are threads of one process and there is one default
 process group per process, the trainers build their gloo group directly on a TCPStore
 at that port (as the example does on a FileStore).
@@ -23,18 +28,23 @@ The figure is the median over timed epochs of the slower trainer's epoch.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
+import placement
 import systems
 import torch
 import torch.distributed as dist
 from torch import optim
 from torch.nn.parallel import DistributedDataParallel as DDP
+from workloads import note_routes
 from world import Recorder, WorldSpec
 
 NUM_EMBEDDINGS = 100
@@ -148,6 +158,23 @@ def measure_hybrid(ns: SimpleNamespace, port: int, epochs: int) -> dict[str, Any
             "ddp_weights_identical": equal}
 
 
+@contextlib.contextmanager
+def _gloo_interface() -> Iterator[None]:
+    """``GLOO_SOCKET_IFNAME`` set to this host's interface for the block, on a host of a
+    world across hosts (where the bench names it); left as it was afterwards."""
+    interface = os.environ.get(placement.HOST_IFNAME_VAR)
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = before
+
+
 def hybrid_world(rank: int, spec: WorldSpec, init_method: str, recorder: Recorder) -> None:
     """Entry point of the four-worker world (ranks: trainer0, trainer1, master, ps)."""
     global API
@@ -157,11 +184,15 @@ def hybrid_world(rank: int, spec: WorldSpec, init_method: str, recorder: Recorde
     if rank == 2:
         systems.init_worker(ns, "master", rank, world_size, init_method)
         recorder.run("hybrid", measure_hybrid, ns, port, spec.params["epochs"])
+        note_routes(recorder, ns, ["trainer0", "trainer1", "master", "ps"])
         recorder.done()
     elif rank <= 1:
         if not systems.in_process(spec.system):
-            dist.init_process_group(backend="gloo", rank=rank, world_size=2,
-                                    init_method=f"tcp://127.0.0.1:{port}", timeout=DDP_TIMEOUT)
+            host = spec.params.get("ddp_host", "127.0.0.1")
+            with _gloo_interface():
+                dist.init_process_group(backend="gloo", rank=rank, world_size=2,
+                                        init_method=f"tcp://{host}:{port}",
+                                        timeout=DDP_TIMEOUT)
         systems.init_worker(ns, f"trainer{rank}", rank, world_size, init_method)
     else:
         systems.init_worker(ns, "ps", rank, world_size, init_method)

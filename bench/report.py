@@ -179,11 +179,12 @@ def _cell(cell: dict[str, Any] | None, base: float | None, higher: bool, system:
 
 def table(summary: dict[str, Any], systems: list[str], selected: list[str],
           notes_extra: list[str], condition: str | None = None,
-          default: str | None = None) -> str:
+          default: str | None = None, placement: str | None = None) -> str:
     """The terminal report: the workload table, both sweeps, the floors, footnotes.
 
-    ``condition`` (``quiet``/``busy``, see conditions.py) heads the table; the column of
-    ``default`` (the backend ``init_rpc`` uses unnamed) is marked ``(default)``.
+    ``condition`` (``quiet``/``busy``, see conditions.py) and ``placement`` (one host or
+    two, see placement.py) head the table; the column of ``default`` (the backend
+    ``init_rpc`` uses unnamed) is marked ``(default)``.
     """
     notes = _Notes()
     scalars = summary["scalars"]
@@ -193,6 +194,8 @@ def table(summary: dict[str, Any], systems: list[str], selected: list[str],
     out: list[str] = []
     if condition:
         out.append(f"condition: {condition}")
+    if placement:
+        out.append(f"placement: {placement}")
 
     def header(first: str, unit: str = "unit") -> str:
         return f"{first:<{label_w}}{unit:<{unit_w}}" + "".join(f"{c:>{col_w}}" for c in columns)
@@ -342,6 +345,8 @@ def _title_suffix(meta: dict[str, Any]) -> str:
     mode = "quick" if meta.get("quick") else "full"
     if meta.get("condition"):
         mode += f", {meta['condition']}"
+    if meta.get("placement") and meta["placement"] != "one-host":
+        mode += f", {meta['placement']}"
     return (f"{meta.get('started', '')[:16]}  {meta.get('cpus')} CPUs, torch "
             f"{meta.get('torch')}, {meta.get('rounds')} round(s), {mode}, "
             f"OMP_NUM_THREADS={meta.get('omp_num_threads')}")

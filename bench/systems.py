@@ -115,6 +115,27 @@ def init_worker(
                     **kwargs)
 
 
+def interface_variables(system: str, interface: str) -> dict[str, str]:
+    """What ``system`` is told on a host whose network interface is ``interface``, across
+    hosts (placement.py): torch the variables it needs there (its agent's own gloo group
+    binds to the hostname's address, 127.0.0.1 in a namespace, without
+    ``GLOO_SOCKET_IFNAME``); rpcx nothing (it must find its way without)."""
+    if system == BASELINE:
+        return {"TP_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface}
+    return {}
+
+
+def routes(ns: SimpleNamespace, names: list[str]) -> dict[str, Any] | None:
+    """How each of ``names`` reaches its peers, as rpcx's ``debug_info()["routes"]`` says
+    (``{worker: {peer: route}}``), or ``None`` on torch (its agent does not say)."""
+    if ns.system == BASELINE:
+        return None
+    me = ns.rpc.get_worker_info().name
+    return {name: (ns.rpc.debug_info() if name == me
+                   else ns.rpc.rpc_sync(name, ns.rpc.debug_info)).get("routes")
+            for name in names}
+
+
 def missing_requirement(system: str) -> str | None:
     """Why ``system`` cannot run on this machine, or ``None``."""
     if system == BASELINE:

@@ -178,6 +178,18 @@ MEASURE = {
 }
 
 
+def note_routes(recorder: Recorder, ns: SimpleNamespace, names: list[str]) -> None:
+    """Keep how rpcx's workers reach each other (``debug_info()["routes"]``) in the
+    world's facts, after the measurements (so they do not count in them)."""
+    try:
+        found = systems.routes(ns, names)
+    except Exception as exc:  # a fact, not a measurement: never fail the world for it
+        recorder.fact("routes_error", repr(exc))
+        return
+    if found is not None:
+        recorder.fact("routes", found)
+
+
 def pair_world(rank: int, spec: WorldSpec, init_method: str, recorder: Recorder) -> None:
     """Entry point of the two-worker world: ``w0`` measures ``spec.workloads`` on ``w1``."""
     ns = systems.api(spec.system)
@@ -187,5 +199,6 @@ def pair_world(rank: int, spec: WorldSpec, init_method: str, recorder: Recorder)
         for name in spec.workloads:
             kwargs = {"iterations": spec.params.get("rnn_iterations")} if name == "rnn" else {}
             recorder.run(name, MEASURE[name], ns, "w1", spec.quick, **kwargs)
+        note_routes(recorder, ns, ["w0", "w1"])
         recorder.done()
     ns.rpc.shutdown()

@@ -4,7 +4,10 @@ A *world* is one ``init_rpc`` group of one system: processes started with the ``
 method (torch, gloo, tensorpipe), or, for loopback, one host process whose workers are
 the threads of ``rpcx.spawn``. The rendezvous is a ``file://`` path in a fresh temporary
 directory, so the transports listen on ports the OS picks and concurrent or leftover
-worlds cannot collide.
+worlds cannot collide. Across hosts (placement.py) each host is one process
+(:mod:`host`, in the host's namespaces) that starts the host's ranks, and the
+rendezvous is ``tcp://`` on host a's address; the rank files stay in the temporary
+directory (the namespaces share the filesystem).
 
 Every rank writes what it did to ``<tmp>/rank<r>.json`` (atomically, after every step):
 the workloads it measured, errors with their tracebacks, the workload now running and
@@ -23,14 +26,17 @@ the reason.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
 import multiprocessing as mp
 import os
 import pathlib
+import pickle
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import systems
+from placement import Layout
 
 STARTUP_S = 120.0  # spawn + import torch + init_rpc, up to 8 processes on 2 cores
 SHUTDOWN_GRACE_S = 45.0
@@ -81,6 +88,7 @@ class WorldOutcome:
     tracebacks: dict[str, str]
     notes: list[str]
     wall_s: float
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)  # rank -> Recorder.fact
 
 
 class Recorder:
@@ -92,7 +100,7 @@ class Recorder:
         self.rank = rank
         self.state: dict[str, Any] = {
             "rank": rank, "results": {}, "errors": {}, "tracebacks": {}, "current": None,
-            "done": False, "fatal": None, "exited": False,
+            "done": False, "fatal": None, "exited": False, "facts": {},
         }
         self._flush()
 
@@ -121,6 +129,11 @@ class Recorder:
         self.state["current"] = None
         self._flush()
         return result
+
+    def fact(self, key: str, value: Any) -> None:
+        """Something about the world worth keeping (e.g. rpcx's routes), for the JSON."""
+        self.state["facts"][key] = value
+        self._flush()
 
     def done(self) -> None:
         """The measuring rank has measured everything; only shutdown is left."""
@@ -176,11 +189,13 @@ def _quiet() -> None:
         warnings.showwarning = showwarning
 
 
-def rank_main(rank: int, spec: WorldSpec, tmp: str) -> None:
-    """Run ``spec``'s entry point as ``rank`` (a process, or a loopback thread)."""
+def rank_main(rank: int, spec: WorldSpec, tmp: str, init_method: str | None = None
+              ) -> None:
+    """Run ``spec``'s entry point as ``rank`` (a process, or a loopback thread);
+    ``init_method`` defaults to a file in ``tmp``."""
     _quiet()
     recorder = Recorder(pathlib.Path(tmp) / f"rank{rank}.json", spec.label, rank)
-    init_method = "file://" + os.path.join(tmp, "rendezvous")
+    init_method = init_method or "file://" + os.path.join(tmp, "rendezvous")
     try:
         _entry(spec)(rank, spec, init_method, recorder)
     except BaseException as exc:
@@ -189,9 +204,10 @@ def rank_main(rank: int, spec: WorldSpec, tmp: str) -> None:
     recorder.exited()
 
 
-def _process_main(rank: int, spec: WorldSpec, tmp: str) -> None:
+def _process_main(rank: int, spec: WorldSpec, tmp: str, init_method: str | None = None
+                  ) -> None:
     try:
-        rank_main(rank, spec, tmp)
+        rank_main(rank, spec, tmp, init_method)
     except BaseException:
         os._exit(1)  # the traceback is in the rank file; skip torch's exit handlers
 
@@ -206,8 +222,83 @@ def _loopback_host(spec: WorldSpec, tmp: str) -> None:
         os._exit(1)
 
 
-def run_world(spec: WorldSpec) -> WorldOutcome:
-    """Start ``spec``'s world, wait for it within its budgets, and collect its records."""
+class HostProcess:
+    """One host's process (:mod:`host`) of a world across hosts, with the interface of a
+    ``multiprocessing.Process`` that :func:`run_world` uses. It leads a session of its
+    own: ``kill`` ends it with every rank it started (and Ctrl-C reaches only this
+    process, which then kills them)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], who: str) -> None:
+        self.who = who
+        self._popen = subprocess.Popen(argv, env=env, start_new_session=True)
+        self.pid: int | None = self._popen.pid
+
+    def start(self) -> None:
+        """Started already (in ``__init__``)."""
+
+    def is_alive(self) -> bool:
+        """Whether the host process still runs."""
+        return self._popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        """Its exit status (negative: the signal), ``None`` while it runs."""
+        return self._popen.poll()
+
+    def kill(self) -> None:
+        """SIGKILL to its whole process group: the host process and its ranks."""
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.killpg(self._popen.pid, signal.SIGKILL)
+
+    def join(self, timeout: float) -> None:
+        """Wait for it, at most ``timeout`` seconds."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout)
+
+
+def _start_hosts(spec: WorldSpec, layout: Layout, tmp: str, procs: list[Any]) -> None:
+    """One :class:`HostProcess` per host, each starting the ranks placed on it; appended
+    to ``procs`` as they start (so that a failure leaves none unkilled)."""
+    with open(os.path.join(tmp, "spec.pickle"), "wb") as file:
+        pickle.dump(spec, file)
+    init_method = layout.init_method()
+    script = str(pathlib.Path(__file__).resolve().parent / "host.py")
+    for host in (0, 1):
+        ranks = [r for r in range(spec.world_size) if layout.host_of(r) == host]
+        variables = systems.interface_variables(spec.system, layout.hosts.interfaces[host])
+        argv = layout.host_command(host, [sys.executable, script, tmp,
+                                          ",".join(map(str, ranks)), str(init_method)])
+        procs.append(HostProcess(argv, layout.host_environment(host, variables),
+                                 f"host {'ab'[host]} (ranks {', '.join(map(str, ranks))})"))
+
+
+def host_main(argv: list[str]) -> int:
+    """The body of host.py: start this host's ranks (``argv``: the world's tmp dir, the
+    ranks, the init method) and wait for them, at most the world's total budget."""
+    tmp, ranks_text, init_method = argv
+    with open(os.path.join(tmp, "spec.pickle"), "rb") as file:
+        spec: WorldSpec = pickle.load(file)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_process_main, args=(int(rank), spec, tmp, init_method),
+                         daemon=True)
+             for rank in ranks_text.split(",")]
+    for proc in procs:
+        proc.start()
+    # The parent kills this host sooner when a world hangs; this bound is for a parent
+    # that is gone.
+    deadline = time.monotonic() + spec.total_budget() + SHUTDOWN_GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+    return 1 if any(proc.exitcode for proc in procs) else 0
+
+
+def run_world(spec: WorldSpec, layout: Layout | None = None) -> WorldOutcome:
+    """Start ``spec``'s world (placed as ``layout`` says: one host by default), wait for
+    it within its budgets, and collect its records."""
     tmp = tempfile.mkdtemp(prefix="rpcx-bench-")
     ctx = mp.get_context("spawn")
     started = time.monotonic()
@@ -216,7 +307,12 @@ def run_world(spec: WorldSpec) -> WorldOutcome:
     notes: list[str] = []
     killed: set[int] = set()
     try:
-        if systems.backend_of(spec.system) == "loopback":
+        if layout is not None and layout.across:
+            try:
+                _start_hosts(spec, layout, tmp, procs)
+            except (OSError, subprocess.SubprocessError, ValueError) as exc:
+                reason = f"the hosts did not start: {one_line(exc)}"
+        elif systems.backend_of(spec.system) == "loopback":
             procs.append(ctx.Process(target=_loopback_host, args=(spec, tmp), daemon=True))
         else:
             procs.extend(
@@ -225,7 +321,8 @@ def run_world(spec: WorldSpec) -> WorldOutcome:
             )
         for proc in procs:
             proc.start()
-        reason = _wait(spec, procs, tmp, started)
+        if reason is None:
+            reason = _wait(spec, procs, tmp, started)
     finally:
         stragglers = [p for p in procs if p.pid is not None and p.is_alive()]
         for proc in stragglers:
@@ -244,7 +341,10 @@ def run_world(spec: WorldSpec) -> WorldOutcome:
     errors: dict[str, str] = {}
     tracebacks: dict[str, str] = {}
     fatal: str | None = None
+    facts: dict[str, Any] = {}
     for record in records:
+        if record.get("facts"):
+            facts[str(record["rank"])] = record["facts"]
         results.update(record["results"])
         errors.update(record["errors"])
         for key, text in record["tracebacks"].items():
@@ -259,8 +359,9 @@ def run_world(spec: WorldSpec) -> WorldOutcome:
     codes = [p.exitcode for p in procs]
     for index, proc in enumerate(procs):
         if proc.exitcode and proc.pid not in killed:
-            who = ("the loopback host process"
-                   if systems.backend_of(spec.system) == "loopback" else f"rank {index}")
+            who = getattr(proc, "who", None) or (
+                "the loopback host process"
+                if systems.backend_of(spec.system) == "loopback" else f"rank {index}")
             notes.append(f"{spec.label}: {who} exited with {_exit_text(proc.exitcode)}"
                          + (" after all workloads were measured" if measured else ""))
     for workload in spec.workloads:
@@ -272,7 +373,7 @@ def run_world(spec: WorldSpec) -> WorldOutcome:
             errors[workload] = f"not run: {fatal}"
         else:
             errors[workload] = f"no result (exit codes {codes})"
-    return WorldOutcome(results, errors, tracebacks, notes, wall_s)
+    return WorldOutcome(results, errors, tracebacks, notes, wall_s, facts)
 
 
 def _exit_text(code: int) -> str:

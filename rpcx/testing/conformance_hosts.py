@@ -7,7 +7,9 @@ worker 1 in the other; neither has ``GLOO_SOCKET_IFNAME``, ``TP_SOCKET_IFNAME`` 
 other interface variable. They exchange calls, a tensor of 12 MiB and an RRef.
 
 Needs root and ``ip netns`` (iproute2); skips with the reason where namespaces cannot
-be made. Traffic stays inside the namespaces the test makes.
+be made. Traffic stays inside the namespaces the test makes. :func:`two_namespaces` is
+the same pair of hosts outside pytest (the benchmark's across-hosts placement): it
+raises :class:`NamespacesUnavailable` where :func:`two_hosts` skips.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import pytest
 
 from rpcx.testing.world import free_port
 
-__all__ = ["TestTwoHosts"]  # (Hosts and two_hosts are for rpcx's own tests, imported by name)
+# (Hosts, two_hosts, two_namespaces, NamespacesUnavailable and INTERFACE_VARIABLES are for
+# rpcx's own tests and bench/, imported by name)
+__all__ = ["TestTwoHosts"]
 
 BOUND = 120.0
-_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
                         "MASTER_ADDR", "MASTER_PORT")
 
 WORKER = textwrap.dedent("""
@@ -52,10 +56,16 @@ WORKER = textwrap.dedent("""
 
 @dataclass
 class Hosts:
-    """Two network namespaces standing in for two hosts, and each one's address."""
+    """Two network namespaces standing in for two hosts, each one's address and the name
+    of its end of the veth pair (what ``TP_SOCKET_IFNAME`` would name there)."""
 
     namespaces: tuple[str, str]
     addresses: tuple[str, str]
+    interfaces: tuple[str, str]
+
+
+class NamespacesUnavailable(RuntimeError):
+    """Network namespaces cannot be made here (no ``ip`` command, not root, ...)."""
 
 
 def _ip(*args: str) -> None:
@@ -63,11 +73,12 @@ def _ip(*args: str) -> None:
 
 
 @contextlib.contextmanager
-def two_hosts() -> Iterator[Hosts]:
+def two_namespaces() -> Iterator[Hosts]:
     """Two namespaces, a veth pair between them, an address on each end; removed at the
-    end. Skips the test (with the reason) where namespaces cannot be made."""
+    end. Raises :class:`NamespacesUnavailable` (with the reason) where namespaces cannot
+    be made."""
     if shutil.which("ip") is None:
-        pytest.skip("needs iproute2's ip command")
+        raise NamespacesUnavailable("needs iproute2's ip command")
     tag = uuid.uuid4().hex[:6]
     names = (f"rpcx{tag}a", f"rpcx{tag}b")
     subnet = f"10.{random.randrange(64, 250)}.{random.randrange(1, 250)}"
@@ -88,12 +99,25 @@ def two_hosts() -> Iterator[Hosts]:
         for name in made:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
         detail = getattr(exc, "stderr", "") or exc
-        pytest.skip(f"cannot make network namespaces here (needs root): {detail}")
+        raise NamespacesUnavailable(
+            f"cannot make network namespaces here (needs root): {detail}") from exc
     try:
-        yield Hosts(names, addresses)
+        yield Hosts(names, addresses, links)
     finally:
         for name in names:  # (the veth pair goes with them)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def two_hosts() -> Iterator[Hosts]:
+    """:func:`two_namespaces` for a test: skips it (with the reason) where namespaces
+    cannot be made."""
+    with contextlib.ExitStack() as stack:
+        try:
+            hosts = stack.enter_context(two_namespaces())
+        except NamespacesUnavailable as exc:
+            pytest.skip(str(exc))
+        yield hosts
 
 
 def run_on_hosts(commands: list[tuple[str, list[str]]], env: dict[str, str]
@@ -133,7 +157,7 @@ class TestTwoHosts:
         with open(script, "w") as file:
             file.write(WORKER)
         url = f"tcp://{two_hosts.addresses[0]}:{free_port()}"
-        env = {k: v for k, v in os.environ.items() if k not in _INTERFACE_VARIABLES}
+        env = {k: v for k, v in os.environ.items() if k not in INTERFACE_VARIABLES}
         results = run_on_hosts(
             [(namespace, [sys.executable, script, str(rank), rpcx_backend, url])
              for rank, namespace in enumerate(two_hosts.namespaces)], env)
