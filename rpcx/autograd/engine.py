@@ -223,12 +223,37 @@ class LocalEngine:
         # nodes check what they can, see AutogradService.collect.)
         self._active = ActivePass(threading.get_ident(), context_id, outbox, recvs, on_full)
         try:
-            torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
+            _run_torch_engine(tensors, grads)
         finally:
             self._active = None
             found = _take_grads(leaves, saved)
             rewritten = _take_grads(others, saved_others)
         return found, rewritten, outbox
+
+
+def _run_torch_engine(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """``torch.autograd.backward(tensors, grads, retain_graph=True)``, minus one step.
+
+    ``torch.autograd.backward`` stashes the caller's ``contextvars`` context (a Python
+    object) in a C++ thread-local for the length of the pass, so torch.compile's config
+    reaches its device threads. Every collective that DDP's hooks start inside the pass
+    captures that thread-local state, so gloo's worker thread must take the GIL to drop
+    it when it retires the work. If the last reference to the process group goes
+    meanwhile (a trainer returns right after its last step), the thread releasing it
+    joins gloo's threads *holding* the GIL: the whole process freezes, timers included
+    (docs/design/autograd.md, "Calling torch's engine"). So torch's engine is called
+    directly, with ``backward()``'s own arguments and without the stash; where that
+    entry point is missing (another torch), ``backward()`` itself runs.
+    """
+    engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+    run_backward = getattr(engine, "run_backward", None)
+    if run_backward is None:
+        torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
+        return
+    # (tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable,
+    # accumulate_grad): what torch.autograd.backward passes for these arguments.
+    run_backward(tuple(tensors), tuple(grads), True, False, (), allow_unreachable=True,
+                 accumulate_grad=True)
 
 
 def _take_grads(leaves: Sequence[torch.Tensor], saved: Sequence[torch.Tensor | None]) -> Grads:
