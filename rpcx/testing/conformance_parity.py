@@ -32,7 +32,8 @@ def _sparse(requires_grad: bool = True, dtype: torch.dtype = torch.float32) -> t
 
 
 def _ones_like_sparse(t: torch.Tensor) -> torch.Tensor:
-    return torch.sparse_coo_tensor(t._indices(), torch.ones_like(t._values()), t.shape)
+    return torch.sparse_coo_tensor(t._indices(), torch.ones_like(t._values()), t.shape,
+                                   check_invariants=True)  # (explicit: torch warns if unset)
 
 
 class TestTensorParity:
