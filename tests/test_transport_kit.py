@@ -4,6 +4,7 @@ frame copies. The backends built on it run the conformance kit; these pin the pi
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from rpcx.transport_kit import (
     lost_error,
     options_as,
 )
+from rpcx.transport_kit.sockets import SocketLink
 
 BOUND = 10.0  # seconds: every wait here ends long before; a hang fails, it never stalls
 
@@ -185,3 +187,32 @@ def test_a_private_copy_keeps_owned_buffers_and_copies_the_rest() -> None:
     twin = frame.shallow_copy()
     assert twin is not frame and twin.buffers == frame.buffers
     assert twin.buffers is not frame.buffers
+
+
+def test_a_socket_sender_that_leaves_at_its_deadline_leaves_its_buffer_behind() -> None:
+    # The writer writes from the sender's own buffer while the sender waits; one that
+    # stops waiting first gets the unwritten rest copied, so changing its buffer then
+    # cannot change what the peer reads.
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+    link = SocketLink(1, "peer", ours, "rpcx-test-writer")
+    buffer = bytearray(b"\x01" * (8 << 20))  # far more than the socket takes at once
+    try:
+        started = time.monotonic()
+        link.send([b"head", buffer], deadline=time.monotonic() + 0.05)  # nobody reads
+        assert time.monotonic() - started < BOUND
+        buffer[:] = b"\x02" * len(buffer)  # the sender reuses its buffer
+        received = bytearray()
+        theirs.settimeout(BOUND)
+        while len(received) < 4 + len(buffer):
+            chunk = theirs.recv(1 << 20)
+            assert chunk, "the connection ended early"
+            received += chunk
+        assert received[:4] == b"head"
+        assert received[4:].count(1) == len(buffer)  # every byte as it was at send time
+    finally:
+        link.shutdown()
+        link.backlog.stop()
+        link.backlog.join(BOUND)
+        ours.close()
+        theirs.close()

@@ -15,9 +15,11 @@ import contextlib
 import json
 import logging
 import os
+import select
 import selectors
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -138,14 +140,29 @@ class SocketReader:
 
 
 class _Unwritten:
-    """The rest of a frame the socket did not take at once: copies of its bytes and
-    duplicates of the descriptors still to travel (the sender may return first)."""
+    """The rest of a frame the socket did not take at once, for the peer's writer.
 
-    __slots__ = ("data", "fds")
+    It holds views of the sender's own buffers (tensors of 64 MiB are not copied for
+    the writer: copying and faulting in the copy cost more than the write) while the
+    sender waits for it to be written. A sender that stops waiting first (its deadline
+    came) calls :meth:`detach`, which swaps what is still unwritten for copies, under
+    ``lock``: the writer writes under it, one non-blocking write at a time, so no write
+    reads a buffer after the sender has returned. Descriptors still to travel are
+    duplicates (the sender closes its own).
+    """
+
+    __slots__ = ("data", "fds", "lock")
 
     def __init__(self, views: list[memoryview], fds: Sequence[int]) -> None:
-        self.data = [v if isinstance(v.obj, bytes) else memoryview(bytes(v)) for v in views]
+        self.data = views
         self.fds = [os.dup(fd) for fd in fds]
+        self.lock = threading.Lock()
+
+    def detach(self) -> None:
+        """Copy what is still unwritten: the sender returns and may change its buffers."""
+        with self.lock:
+            self.data = [v if isinstance(v.obj, bytes) else memoryview(bytes(v))
+                         for v in self.data]
 
     def release(self) -> None:
         while self.fds:
@@ -277,7 +294,19 @@ class SocketLink(Link):
             self.sock.shutdown(socket.SHUT_RDWR)
 
     def _write_all(self, job: _Unwritten) -> None:
-        send_all(self.sock, job.data, job.fds)
+        # Non-blocking writes under the job's lock, waiting for room without it (see
+        # _Unwritten); shutdown() wakes the wait, and the next write then fails.
+        fds: Sequence[int] = job.fds
+        poller: select.poll | None = None
+        while True:
+            with job.lock:
+                fds = send_now(self.sock, job.data, fds)
+                if not job.data:
+                    return
+            if poller is None:
+                poller = select.poll()
+                poller.register(self.sock, select.POLLOUT)
+            poller.poll()
 
     def _break(self, exc: BaseException) -> None:
         """A write failed (under ``lock``): mark the peer gone, end the connection."""

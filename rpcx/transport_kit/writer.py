@@ -14,7 +14,7 @@ How a transport uses it, under its per-peer lock::
     with link.lock:
         if not link.backlog and write_now(...) left nothing:   # the common case
             return
-        pending = link.backlog.put(rest_of_the_frame)          # copies, not views
+        pending = link.backlog.put(rest_of_the_frame)   # copies, or views + detach()
     pending.wait(frame.deadline)
 """
 
@@ -38,9 +38,12 @@ class Pending:
     """One queued job: what the writer writes, and whether it was (``done``, ``error``).
 
     ``job`` is the transport's own (whatever its ``write`` takes). It must hold nothing
-    the sender may change after ``send`` returns: bytes, copies, descriptors of its own.
-    A job with a ``release()`` method has it called once, when done with (written or
-    failed): close its descriptors there.
+    the sender may change after ``send`` returns: bytes, copies, descriptors of its own;
+    or it has a ``detach()`` method, called when the sender stops waiting before the
+    job was written, which makes it so (copies what is left: the sender's buffers are
+    then the writer's to read only until that returns). A job with a ``release()``
+    method has it called once, when done with (written or failed): close its
+    descriptors there.
     """
 
     __slots__ = ("done", "error", "job")
@@ -59,12 +62,23 @@ class Pending:
         self.error = error
         self.done.set()
 
+    def _detach(self) -> None:
+        detach = getattr(self.job, "detach", None)  # (None once finished)
+        if detach is not None:
+            detach()
+
     def wait(self, deadline: float = 0.0) -> bool:
         """Wait until written, or until ``deadline`` (a ``time.monotonic()`` value; 0:
         none). ``False`` if the deadline came first (the writer still writes it later);
         ``PeerLostError`` if it will never be written."""
         left = None if not deadline else max(0.0, deadline - time.monotonic())
-        if not self.done.wait(left):
+        try:
+            written = self.done.wait(left)
+        except BaseException:  # (interrupted: the sender leaves all the same)
+            self._detach()
+            raise
+        if not written:
+            self._detach()
             return False
         if self.error is not None:
             raise lost_error(self.error)
