@@ -5,6 +5,7 @@ frame copies. The backends built on it run the conformance kit; these pin the pi
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from rpcx.transport_kit import (
     Backlog,
     check_frame_size,
     classify,
+    empty_bytes,
     lost_error,
     options_as,
 )
@@ -216,3 +218,15 @@ def test_a_socket_sender_that_leaves_at_its_deadline_leaves_its_buffer_behind() 
         link.backlog.join(BOUND)
         ours.close()
         theirs.close()
+
+
+@pytest.mark.parametrize("nbytes", [0, 1000, 5 << 20, (40 << 20) + 3])
+def test_empty_bytes_is_a_flat_writable_buffer_of_its_size(nbytes: int) -> None:
+    buffer = empty_bytes(nbytes)
+    assert buffer.dtype == torch.uint8 and buffer.shape == (nbytes,)
+    assert buffer.is_contiguous()
+    buffer.fill_(7)
+    assert int(buffer.sum()) == 7 * nbytes
+    if nbytes >= 32 << 20 and sys.platform.startswith("linux"):
+        # (glibc maps these afresh each time: starting on a huge page lets all of it be)
+        assert buffer.data_ptr() % (2 << 20) == 0

@@ -68,6 +68,7 @@ from rpcx.transport_kit import (
     as_bytes,
     check_count,
     check_frame_size,
+    empty_bytes,
     lost_error,
     memory_of,
     options_as,
@@ -362,7 +363,7 @@ class SocketTransport(StreamTransport):
                 # Pages of a fresh large allocation are not touched until bytes land in
                 # them, so memory still follows what was received (within max_frame).
                 try:
-                    tensor = torch.empty(size, dtype=torch.uint8)
+                    tensor = empty_bytes(size)  # (huge pages when large: fewer faults)
                 except RuntimeError as exc:
                     raise ProtocolError(f"a buffer of {size} bytes: {exc}") from None
                 reader.read_into(memory_of(tensor))
