@@ -35,7 +35,7 @@ __all__ = ["TestTwoHosts"]
 
 BOUND = 120.0
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-                        "MASTER_ADDR", "MASTER_PORT")
+                       "MASTER_ADDR", "MASTER_PORT")
 
 WORKER = textwrap.dedent("""
     import sys, torch, rpcx
