@@ -38,7 +38,7 @@ __all__ = ["ACKED_KINDS", "RETRIED_KINDS", "NoRetransmission", "ReplyCache", "Re
 # Requests sent again until answered, and one-way messages sent as such requests.
 ACKED_KINDS = frozenset({
     MessageKind.RREF_DELETE, MessageKind.RREF_CONFIRM,
-    MessageKind.AUTOGRAD_CHAIN, MessageKind.AUTOGRAD_CHAIN_END,
+    MessageKind.AUTOGRAD_CHAIN, MessageKind.AUTOGRAD_CHAIN_END, MessageKind.AUTOGRAD_FORGET,
 })
 RETRIED_KINDS = ACKED_KINDS | {
     MessageKind.RREF_FETCH, MessageKind.RREF_FORKS, MessageKind.AUTOGRAD_BACKWARD,

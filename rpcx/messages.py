@@ -24,12 +24,15 @@ class MessageKind(enum.IntEnum):
     RREF_DELETE = 7  # payload: [(rref_id, fork_id)]; references that are gone
     RREF_CONFIRM = 8  # one-way, payload: [fork_id]; the owner knows these references
     AUTOGRAD_BACKWARD = 9  # payload: (context_id, [(send tag, index, grad)])
-    AUTOGRAD_RELEASE = 10  # payload: context_id; forget it (and tell its other peers)
+    AUTOGRAD_RELEASE = 10  # payload: [context_id]; forget them, tell the other peers, answer
+    #   once every release sent here before, and everything passed on, has landed
     AUTOGRAD_RUN = 11  # payload: (context_id, chain or None); run a round of a backward
     AUTOGRAD_CHAIN = 12  # one-way, payload: (context_id, [(tag, index, grad)], chain)
     AUTOGRAD_CHAIN_END = 13  # one-way, payload: (token, next round's ranks, error info)
     HEARTBEAT = 14  # one-way, payload: PING (answered with a PONG) or PONG
     RREF_CALL = 15  # payload: (rref_id, method name, args, kwargs); an RRef proxy's call
+    AUTOGRAD_FORGET = 16  # one-way (mostly a note), payload: [context_id]; forget them and
+    #   tell their other peers the same way
 
 
 
@@ -39,6 +42,6 @@ CONTROL_KINDS = frozenset({
     MessageKind.RREF_FETCH, MessageKind.RREF_FORKS, MessageKind.RREF_DELETE,
     MessageKind.RREF_CONFIRM, MessageKind.AUTOGRAD_BACKWARD, MessageKind.AUTOGRAD_RELEASE,
     MessageKind.AUTOGRAD_RUN, MessageKind.AUTOGRAD_CHAIN, MessageKind.AUTOGRAD_CHAIN_END,
-    MessageKind.HEARTBEAT,
+    MessageKind.HEARTBEAT, MessageKind.AUTOGRAD_FORGET,
 })
 PING, PONG = 0, 1  # HEARTBEAT payloads

@@ -27,8 +27,9 @@ import torch
 from rpcx._pool import holding
 from rpcx._timer import within
 from rpcx.autograd.engine import LocalEngine, Outbox
+from rpcx.autograd.releases import ReleaseNotes
 from rpcx.errors import PeerLostError, RemoteErrorInfo, RpcError, RpcTimeoutError
-from rpcx.futures import RpcFuture, add_internal_callback, all_done, wait, wait_done
+from rpcx.futures import RpcFuture, all_done, wait, wait_done
 from rpcx.messages import MessageKind
 from rpcx.serialization import DecodeContext, EncodeContext, Placed, set_scope_hooks
 from rpcx.service_host import Deferred, ServiceHost
@@ -116,7 +117,8 @@ class AutogradService:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._tags = itertools.count(1)
-        self._releasing: list[RpcFuture[Any]] = []
+        # Releases owed to peers: they ride in frames sent anyway (see releases.py).
+        self.releases = ReleaseNotes(agent, _describe_contexts)
         self._tokens = itertools.count(1)
         # Chains this worker drives, by token: (context id, future of the next round).
         self._chains: dict[int, tuple[int, RpcFuture[list[int]]]] = {}
@@ -167,59 +169,31 @@ class AutogradService:
                 context.peers.add(peer)
             return context
 
-    def release(self, context_id: int, notify_except: int | None = None) -> list[RpcFuture[Any]]:
-        """Forget ``context_id`` here and tell the peers that took part in it."""
+    def release(self, context_id: int, notify_except: int | None = None) -> None:
+        """Forget ``context_id`` here; its peers hear of it in their next frame from this
+        worker, or soon (:mod:`rpcx.autograd.releases`)."""
         with self._lock:
             context = self._contexts.pop(context_id, None)
             self._released[context_id] = None
             while len(self._released) > _RELEASED_MEMORY:
                 self._released.popitem(last=False)
-        if context is None:
-            return []
-        if not self.agent.is_running:
-            return []
+        if context is None or not self.agent.is_running:
+            return
         peers = [p for p in sorted(context.peers) if p != notify_except]
         if any(self.agent.is_lost(p) for p in peers):
             # A lost peer cannot pass the word on to the workers that joined through it:
             # tell everyone (a worker without the context only remembers the id).
-            return self._send_release(context_id, self._everyone_but(notify_except))
-        futures = self._send_release(context_id, peers)
-        for future in futures:  # a peer lost while the release travels: the same
-            add_internal_callback(future, lambda done: self._after_release(done, context_id))
-        return futures
-
-    def _send_release(self, context_id: int, ranks: Sequence[int]) -> list[RpcFuture[Any]]:
-        futures = []
-        for rank in ranks:
-            try:
-                futures.append(self.agent.request(
-                    self.agent.workers[rank], MessageKind.AUTOGRAD_RELEASE, context_id,
-                    timeout=self.agent.timeout_for(None), api="dist_autograd.release",
-                    target=context_id, describe_target=_describe_context,
-                ))
-            except RpcError as exc:
-                log.debug("%s: release of context %d not sent to rank %d: %s",
-                          self.agent.name, context_id, rank, exc)
-        return futures
+            peers = self._everyone_but(notify_except)
+        self.releases.owe(peers, context_id)
 
     def _everyone_but(self, notify_except: int | None) -> list[int]:
         me = self.agent.rank
         return [r for r in range(self.agent.world_size)
                 if r not in (me, notify_except) and not self.agent.is_lost(r)]
 
-    def _after_release(self, done: torch.futures.Future[Any], context_id: int) -> None:
-        # An internal callback (it must not send): the broadcast goes to the lane.
-        if _failed_with(done, PeerLostError) and self.agent.is_running:
-            self.agent.call_soon(self._broadcast_release, context_id)
-
-    def _broadcast_release(self, context_id: int) -> None:
-        futures = self._send_release(context_id, self._everyone_but(None))
-        with self._lock:
-            self._releasing.extend(futures)
-
     def on_peer_lost(self, rank: int) -> None:
         """A worker died or left: fail the chains handed to it, release the contexts it
-        created (which it never will)."""
+        created (which it never will), and pass on the releases it may not have."""
         with self._lock:
             orphans = [c for c in self._contexts if c >> _RANK_SHIFT == rank]
             contexts = list(self._contexts.values())
@@ -234,39 +208,36 @@ class AutogradService:
                 self._end_chain(chain, None, PeerLostError(
                     f"{lost_error}; worker {self.agent.name!r} had sent it the chain of passes"
                 ))
+        self.releases.on_peer_lost(rank)
         for context_id in orphans:
-            futures = self.release(context_id, notify_except=rank)
-            with self._lock:
-                self._releasing.extend(futures)
+            self.release(context_id, notify_except=rank)
 
     def release_from_user(self, context_id: int) -> None:
         """Release a context whose ``with`` block ended; the peers are told in the
         background (:meth:`wait_released` waits for them)."""
-        futures = self.release(context_id)
-        with self._lock:
-            self._releasing = [f for f in self._releasing if not f.done()]
-            self._releasing.extend(futures)
+        self.release(context_id)
 
     def wait_released(self, timeout: float | None = None) -> int:
-        """Wait until every release this worker started has reached every peer, for at
-        most ``timeout`` seconds in all.
+        """Wait until every release this worker started (or passed on) has reached every
+        peer, and everything they passed on has too, for at most ``timeout`` seconds.
 
-        Returns how many were outstanding. Failures (a peer gone) are logged, not raised.
+        Returns how many peers were asked. Failures (a peer gone) are logged, not raised.
         """
-        with self._lock:
-            waiting, self._releasing = self._releasing, []
+        waiting = self.releases.flush_acknowledged()
+        asked = len(waiting)
+        waiting += [f for f in self.releases.in_flight() if f not in waiting]
         deadline = time.monotonic() + (_RELEASE_WAIT if timeout is None else timeout)
         for future in waiting:
             try:
                 _wait(future, max(0.0, deadline - time.monotonic()))
             except Exception as exc:
                 log.debug("%s: a context release failed: %s", self.agent.name, exc)
-        return len(waiting)
+        return asked
 
     def stats(self) -> dict[str, int]:
         """Live contexts, releases still travelling and local passes run so far."""
+        releasing = self.releases.pending()
         with self._lock:
-            releasing = sum(1 for f in self._releasing if not f.done())
             return {
                 "contexts": len(self._contexts),
                 "releasing": releasing,
@@ -625,9 +596,16 @@ class AutogradService:
         frontier = self._run_pending(self.get(context_id), chain)
         return None if frontier is None else sorted(frontier)
 
-    def handle_release(self, caller: WorkerInfo, context_id: Any) -> Any:
-        """A peer released a context: forget it and pass the word on."""
-        futures = self.release(int(context_id), notify_except=caller.id)
+    def handle_forget(self, caller: WorkerInfo, context_ids: Any) -> None:
+        """A peer released contexts (a note, in order): forget them, pass the word on."""
+        for context_id in context_ids:
+            self.release(int(context_id), notify_except=caller.id)
+
+    def handle_release(self, caller: WorkerInfo, context_ids: Any) -> Any:
+        """A peer waits for its releases: forget these, pass every release owed here on
+        the same way, and answer once those peers answered."""
+        self.handle_forget(caller, context_ids)
+        futures = self.releases.flush_acknowledged()
         if not futures:
             return None
         return Deferred(all_done(futures))
@@ -639,16 +617,6 @@ class AutogradService:
         return 0
 
 
-def _failed_with(future: torch.futures.Future[Any], kind: type[BaseException]) -> bool:
-    try:
-        future.value()
-    except kind:
-        return True
-    except BaseException:
-        return False
-    return False
-
-
 def _wait(future: torch.futures.Future[Any], timeout: float) -> None:
     if not wait_done(future, timeout):
         raise TimeoutError(f"context release not acknowledged within {timeout:g} s")
@@ -657,6 +625,10 @@ def _wait(future: torch.futures.Future[Any], timeout: float) -> None:
 
 def _describe_context(context_id: Any) -> str:
     return f"context {context_id}"
+
+
+def _describe_contexts(context_ids: Any) -> str:
+    return f"contexts {list(context_ids)}"
 
 
 def install(agent: ServiceHost) -> None:
@@ -670,6 +642,9 @@ def install(agent: ServiceHost) -> None:
     agent.register_handler(MessageKind.AUTOGRAD_CHAIN, svc.handle_chain)
     agent.register_handler(MessageKind.AUTOGRAD_CHAIN_END, svc.handle_chain_end, in_order=True)
     agent.register_handler(MessageKind.AUTOGRAD_RELEASE, svc.handle_release)
+    agent.register_handler(MessageKind.AUTOGRAD_FORGET, svc.handle_forget, in_order=True)
+    agent.note_sources.append(svc.releases)
+    agent.on_close.append(lambda left: svc.releases.close())
     agent.on_drain.append(svc.drain)
     agent.on_peer_lost.append(svc.on_peer_lost)
 

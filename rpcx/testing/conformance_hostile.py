@@ -74,7 +74,8 @@ class TestHostilePeers:
         for kind in (MessageKind.RREF_FETCH, MessageKind.RREF_FORKS, MessageKind.RREF_DELETE,
                      MessageKind.RREF_CONFIRM, MessageKind.AUTOGRAD_BACKWARD,
                      MessageKind.AUTOGRAD_RELEASE, MessageKind.AUTOGRAD_RUN,
-                     MessageKind.AUTOGRAD_CHAIN, MessageKind.AUTOGRAD_CHAIN_END):
+                     MessageKind.AUTOGRAD_CHAIN, MessageKind.AUTOGRAD_CHAIN_END,
+                     MessageKind.AUTOGRAD_FORGET):
             rpcx.rpc_sync(W2, remote.send_code_as, args=(1, int(kind), marker))
         assert rpcx.rpc_sync(W2, remote.call_and_wait, args=(
             rpcx.rpc_async, W1, remote.environment_has, (marker,))) is False

@@ -41,7 +41,8 @@ log = logging.getLogger("rpcx.soak")
 
 SIZE = 4
 _BOOKKEEPING = ("RREF_FETCH", "RREF_FORKS", "RREF_DELETE", "RREF_CONFIRM", "AUTOGRAD_BACKWARD",
-                "AUTOGRAD_RELEASE", "AUTOGRAD_RUN", "AUTOGRAD_CHAIN", "AUTOGRAD_CHAIN_END")
+                "AUTOGRAD_RELEASE", "AUTOGRAD_RUN", "AUTOGRAD_CHAIN", "AUTOGRAD_CHAIN_END",
+                "AUTOGRAD_FORGET")
 DEFAULT_FAULTS: dict[str, Any] = {
     "drop": dict.fromkeys(_BOOKKEEPING, 0.02),
     "duplicate": dict.fromkeys(("CALL", "REMOTE_CALL", "RESULT", "ERROR", *_BOOKKEEPING), 0.02),
