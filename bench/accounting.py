@@ -55,6 +55,7 @@ from typing import Any
 
 import hybrid
 import machine
+import placement
 import procstat
 import report
 import rnn_model
@@ -530,9 +531,7 @@ def spec_for(name: str, system: str, args: argparse.Namespace, label: str) -> Wo
     if name == "rnn":
         return WorldSpec("accounting:rnn_world", system, 2, ("rnn",), False, label,
                          {"rnn": BUDGET_S}, params)
-    import run
-
-    params["ddp_port"] = run.free_port()
+    params["ddp_port"] = placement.Layout(placement.ONE_HOST).free_port()
     return WorldSpec("accounting:hybrid_world", system, 4, ("hybrid",), False, label,
                      {"hybrid": BUDGET_S}, params)
 
