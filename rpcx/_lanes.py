@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rpcx import _pool
+from rpcx._intra_op import adopt_intra_op_threads
 
 __all__ = ["WATCH_INTERVAL", "LaneWatch", "ReceiveLane", "current_lane"]
 
@@ -86,6 +87,7 @@ class ReceiveLane:
 
     def enter(self) -> None:
         """The calling thread takes the role (it runs the receive loop from here on)."""
+        adopt_intra_op_threads()  # the holder serves requests: handlers, backward passes
         with self._lock:
             self._holder = threading.current_thread()
         _local.lane = self

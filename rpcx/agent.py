@@ -26,6 +26,7 @@ from rpcx import _context, rendezvous
 from rpcx._budget import BackPressure, BytesInFlight
 from rpcx._call_path import CallPath, receiving
 from rpcx._executors import Executors
+from rpcx._intra_op import adopt_intra_op_threads
 from rpcx._peer_health import PeerHealth
 from rpcx._pending import PendingCalls, describe_callable
 from rpcx._retransmit import NoRetransmission, Retransmission
@@ -323,5 +324,6 @@ class RpcAgent:
             self._health.peer_lost(rank, cause, detail)
 
     def _bind_thread(self) -> None:
+        adopt_intra_op_threads()  # pool threads run handlers and callbacks
         _context.bind_agent(self)
 
