@@ -166,7 +166,7 @@ def test_a_failed_acknowledgement_goes_to_everyone_else(
     failed.set_exception(PeerLostError("worker 'w1' is gone"))
     assert notes.notes_for(2) == [(FORGET, [7])]
     assert notes.notes_for(3) == [(FORGET, [7])]
-    assert notes.in_flight() == []
+    assert future.done() and notes.in_flight() == []
 
 
 # ------------------------------------------------------------ in a loopback world
