@@ -313,6 +313,8 @@ def test_sparse_tensor_keeps_requires_grad_and_coalescing(coalesced: bool) -> No
     assert len(torch._utils._sparse_tensors_to_validate) == before
 
 
+# The test builds the tensors itself, and torch says once per process that they are beta.
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 @pytest.mark.parametrize("layout", ["csr", "csc", "bsr", "bsc"])
 def test_compressed_sparse_layouts_round_trip(layout: str) -> None:
     dense = torch.tensor([[1.0, 0.0, 0.0, 2.0], [0.0, 0.0, 3.0, 0.0],
