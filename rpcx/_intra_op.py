@@ -6,12 +6,15 @@
 to OpenMP without one (MKL's matrix products do) uses OpenMP's default before that: every
 core, or ``OMP_NUM_THREADS``. The threads torch starts itself initialise at their start;
 a plain Python thread does not. rpcx's receiving and pool threads run handlers and
-backward passes, so each adopts the setting when it starts serving.
+backward passes, so each adopts the setting when it serves its first request (a pool
+thread when it starts: pool threads start when there is work). As with torch's own
+threads, a thread takes the setting once: call ``torch.set_num_threads`` before the
+first call is served (before ``init_rpc`` is simplest).
 
 Measured on the example RNN (``examples/rnn``; a trainer and a parameter server, two
 cores, ``torch.set_num_threads(1)`` in each process, ``OMP_NUM_THREADS`` unset): the
 backward pass took 4.3-6.2 ms per iteration on auto, the whole iteration 8.0-10.6 ms;
-adopting the setting, 2.0 ms and 4.9 ms (torch: 1.8-2.3 ms and 5.5-7.2 ms).
+adopting the setting, 2.0-2.4 ms and 4.7-5.7 ms (torch: 1.8-2.3 ms and 5.5-7.2 ms).
 """
 
 from __future__ import annotations

@@ -87,7 +87,6 @@ class ReceiveLane:
 
     def enter(self) -> None:
         """The calling thread takes the role (it runs the receive loop from here on)."""
-        adopt_intra_op_threads()  # the holder serves requests: handlers, backward passes
         with self._lock:
             self._holder = threading.current_thread()
         _local.lane = self
@@ -126,6 +125,9 @@ class ReceiveLane:
         While it runs, a wait that rpcx sees hands the role to a follower at once, and
         the watchdog hands it over if ``fn`` runs for long.
         """
+        # Handlers and backward passes run here: torch's intra-op setting as it is now
+        # (taken once per thread, at its first request, not when the lane started).
+        adopt_intra_op_threads()
         token = object()
         with self._lock:
             held = self._holder is threading.current_thread()
