@@ -20,7 +20,14 @@ One way means nobody hears back, and two things must:
 * **A peer lost before it passed the word on**: the ids sent to each peer since its last
   acknowledgement are kept (an acknowledgement is asked for every :data:`ACK_EVERY` of
   them, so the list stays short) and, when that peer is lost, told to every other worker
-  (one that never had the context only remembers the id).
+  (one that never had the context only remembers the id); so is anything owed to a peer
+  already lost.
+
+On a transport that may lose frames no notes ride, and what the flusher sends is an
+acknowledged request, sent again until answered. One window is left: a note taken into a
+frame counts as sent when the frame is encoded, so an acknowledgement asked for between
+that frame's encoding and its write does not cover it (a reply encoded on a receiving
+thread is written from the pool, a little later).
 """
 
 from __future__ import annotations
@@ -67,6 +74,10 @@ class ReleaseNotes:
         self._unacked: dict[int, list[int]] = {}  # peer -> ids sent one way since its ack
         self._asking: dict[int, list[int]] = {}  # peer -> ids an ack request covers now
         self._in_flight: set[RpcFuture[Any]] = set()  # acknowledged requests out
+        # One sender at a time of what the flusher and the acknowledgements take: an
+        # acknowledgement asked for must not overtake a one-way release taken before it.
+        self._send_lock = threading.RLock()
+        self._lost: set[int] = set()  # peers gone: what they are owed goes to the others
         self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._due = False  # the flusher will look soon
         self._closed = False
@@ -80,6 +91,8 @@ class ReleaseNotes:
         """Tell each of ``ranks`` to forget ``context_id``: in its next frame, or soon."""
         if not ranks or self._closed:
             return
+        if self._lost.intersection(ranks):  # a peer lost since the caller looked
+            ranks = self._others(self._lost)
         now = time.monotonic()
         with self._lock:
             for rank in ranks:
@@ -128,7 +141,8 @@ class ReleaseNotes:
         """Releases not yet sent, plus acknowledgement requests not yet answered."""
         with self._lock:
             owed = sum(len(ids) for ids in self._owed.values())
-        return owed + sum(1 for future in list(self._in_flight) if not future.done())
+            flights = list(self._in_flight)
+        return owed + sum(1 for future in flights if not future.done())
 
     # ------------------------------------------------------------------- flushing
 
@@ -148,18 +162,29 @@ class ReleaseNotes:
 
     def _flush_one_way(self) -> None:
         """Send what no frame took within :data:`LINGER`, one way (a release owed for
-        less time is left for the next look); ask peers owed many ids to acknowledge."""
+        less time is left for the next look); ask peers owed many ids to acknowledge.
+        On a transport that may lose frames, each batch is an acknowledged request
+        instead, so that waiting for releases waits for the ones lost and sent again."""
+        with self._send_lock:
+            self._flush_one_way_locked()
+
+    def _flush_one_way_locked(self) -> None:
         ripe = time.monotonic() - LINGER
         with self._lock:
             owed = {dst: self._owed.pop(dst) for dst, since in list(self._owed_since.items())
                     if since <= ripe}
+            lossy = self._agent.lossy
             for dst in owed:
                 del self._owed_since[dst]
-                self._sent_locked(dst, owed[dst])
+                if not lossy:
+                    self._sent_locked(dst, owed[dst])
             if self._owed:
                 self._schedule()
             due = [dst for dst, ids in self._unacked.items() if len(ids) >= ACK_EVERY]
         for dst, ids in owed.items():
+            if lossy:
+                self._ask(dst, ids)
+                continue
             self._agent.send_one_way(self._agent.workers[dst], MessageKind.AUTOGRAD_FORGET,
                                      ids)
         for dst in due:
@@ -170,15 +195,20 @@ class ReleaseNotes:
         ``AUTOGRAD_RELEASE`` request carrying what it is owed; the futures of their
         answers (each answer covers every release sent to that peer before it, and
         everything that peer passed on)."""
-        with self._lock:
-            owed, self._owed = self._owed, {}
-            self._owed_since.clear()
-            peers = sorted(owed.keys() | {d for d, ids in self._unacked.items() if ids})
-        return [future for dst in peers
-                if (future := self._ask(dst, owed.get(dst, []))) is not None]
+        with self._send_lock:
+            with self._lock:
+                owed, self._owed = self._owed, {}
+                self._owed_since.clear()
+                peers = sorted(owed.keys() | {d for d, ids in self._unacked.items() if ids})
+            return [future for dst in peers
+                    if (future := self._ask(dst, owed.get(dst, []))) is not None]
 
     def _ask(self, dst: int, ids: list[int]) -> RpcFuture[Any] | None:
         """An acknowledged release of ``ids`` (and of every id sent ``dst`` before)."""
+        with self._send_lock:  # (reentrant: the flusher and flush_acknowledged hold it)
+            return self._ask_locked(dst, ids)
+
+    def _ask_locked(self, dst: int, ids: list[int]) -> RpcFuture[Any] | None:
         agent = self._agent
         with self._lock:
             covered = self._unacked.pop(dst, []) + ids
@@ -230,16 +260,20 @@ class ReleaseNotes:
         """``rank`` is gone: whatever it was told and may not have passed on goes to
         every other live worker."""
         with self._lock:
+            self._lost.add(rank)
             ids = (self._owed.pop(rank, []) + self._unacked.pop(rank, [])
                    + self._asking.pop(rank, []))
             self._owed_since.pop(rank, None)
         if ids:
             self._broadcast(ids, rank)
 
-    def _broadcast(self, ids: list[int], lost: int) -> None:
+    def _others(self, lost: set[int]) -> list[int]:
         agent = self._agent
-        others = [r for r in range(agent.world_size)
-                  if r not in (agent.rank, lost) and not agent.is_lost(r)]
+        return [r for r in range(agent.world_size)
+                if r != agent.rank and r not in lost and not agent.is_lost(r)]
+
+    def _broadcast(self, ids: list[int], lost: int) -> None:
+        others = self._others({lost})
         for context_id in dict.fromkeys(ids):
             self.owe(others, context_id)
 

@@ -611,8 +611,9 @@ class AutogradService:
         return Deferred(all_done(futures))
 
     def drain(self, left: float | None = None) -> int:
-        """Shutdown: let context releases this worker started finish (sends nothing),
-        for at most ``left`` seconds (and ``rpc_timeout``)."""
+        """Shutdown: ask every peer owed releases, or told some one way, to acknowledge
+        them (and what it passed on), for at most ``left`` seconds (and
+        ``rpc_timeout``)."""
         self.wait_released(timeout=within(self.agent.timeout_for(None), left))
         return 0
 
