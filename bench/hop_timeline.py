@@ -1,0 +1,196 @@
+"""Where one step of a two-worker program spends its time, across both processes.
+
+``profile_rtt.py`` follows one small round trip; this follows any short exchange of
+frames: a 1 MiB ``rpc_sync`` echo (``echo_1m``), or one ``rpcx.autograd.backward`` of
+the example RNN (``rnn_backward``: examples/rnn, trainer and parameter server). Both
+worker processes stamp ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock for every
+process of a host) at the same points of rpcx's socket transport and call path, by
+wrapping rpcx's own functions in the worker processes (nothing in the library changes):
+
+* ``send`` / ``sent``: the transport's ``send`` entered / returned (for a tensor in
+  shared memory, its copy into the segment and the ``sendmsg`` are between the two);
+* ``woke``: a receiving thread's blocking read returned with bytes;
+* ``parsed``: the transport has the frame (segments mapped, buffers read);
+* ``deliver`` / ``delivered``: the call path's ``on_frame`` entered / returned (decode,
+  serve or complete);
+* ``pass`` / ``pass_end``: a local backward pass of distributed autograd;
+* ``handler``: the echoed function runs.
+
+Each step (``--steps``, after a warm-up) is a window of stamps from both processes in
+time order. The most common sequence of stamps over the windows is printed with the
+median time of each stamp from the step's start and the gap from the stamp before, so
+each hop reads as: encode, send, wake, parse, decode and dispatch, work. Only
+``auto``/``shm``/``tcp`` (the socket transports) are wrapped. The wrappers cost about
+0.5 us a stamp. Usage::
+
+    python bench/hop_timeline.py [--workload echo_1m|rnn_backward] [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+HERE = pathlib.Path(__file__).resolve().parent
+WARMUP = 30
+
+_events: list[tuple[float, str, str]] = []
+_side = "?"
+
+
+def stamp(what: str) -> None:
+    _events.append((time.perf_counter(), _side, what))
+
+
+def _wrap(owner: Any, name: str, before: str | None, after: str | None,
+          when: Callable[..., bool] | None = None) -> None:
+    original: Callable[..., Any] = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if when is not None and not when(*args, **kwargs):
+            return original(*args, **kwargs)
+        if before:
+            stamp(before)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if after:
+                stamp(after)
+
+    setattr(owner, name, wrapper)
+
+
+def _instrument() -> None:
+    from rpcx._call_path import CallPath
+    from rpcx.autograd.engine import LocalEngine
+    from rpcx.backends.sockets import SocketTransport
+    from rpcx.transport_kit.sockets import SocketReader
+
+    _wrap(SocketTransport, "send", "send", "sent")
+    _wrap(SocketTransport, "read_one", None, "parsed")
+    # Only reads that had to wait for bytes: the wake-up of a receiving thread.
+    _wrap(SocketReader, "fill", None, "woke",
+          when=lambda reader, needed: reader.buffered < needed)
+    _wrap(CallPath, "on_frame", "deliver", "delivered")
+    _wrap(LocalEngine, "run_pass", "pass", "pass_end")
+
+
+def echo(tensor: Any) -> Any:
+    stamp("handler")
+    return tensor
+
+
+def _echo_steps(steps: int) -> None:
+    import torch
+
+    import rpcx
+
+    tensor = torch.ones((1 << 20) // 4)
+    for step in range(WARMUP + steps):
+        stamp("STEP")
+        rpcx.rpc_sync("w1", echo, args=(tensor,))
+        stamp("STEP_END")
+        if step == WARMUP - 1:
+            _events.clear()
+
+
+def _rnn_steps(steps: int) -> None:
+    import main as rnn  # examples/rnn/main.py (on the path of both workers)
+    import torch
+
+    import rpcx.autograd as dist_autograd
+
+    model = rnn.SplitLanguageModel("w1")
+    criterion = torch.nn.CrossEntropyLoss()
+    generator = torch.Generator().manual_seed(0)
+    for step in range(WARMUP + steps):
+        inputs, targets = rnn.batch(generator)
+        with dist_autograd.context() as context_id:
+            loss = criterion(model(inputs).reshape(-1, rnn.VOCAB), targets.reshape(-1))
+            stamp("STEP")
+            dist_autograd.backward(context_id, [loss])
+            stamp("STEP_END")
+        if step == WARMUP - 1:
+            _events.clear()
+
+
+def _worker(rank: int, workload: str, init_method: str, steps: int, out: str) -> None:
+    import torch
+
+    import rpcx
+
+    global _side
+    _side = "A" if rank == 0 else "B"
+    torch.set_num_threads(1)
+    if workload == "rnn_backward":  # the parameter server unpickles its modules
+        sys.path.insert(0, str(HERE.parent / "examples" / "rnn"))
+    _instrument()
+    rpcx.init_rpc(f"w{rank}", rank=rank, world_size=2,
+                  rpc_backend_options=rpcx.TensorPipeRpcBackendOptions(init_method=init_method))
+    if rank == 0:
+        (_echo_steps if workload == "echo_1m" else _rnn_steps)(steps)
+    rpcx.shutdown()
+    pathlib.Path(f"{out}.{rank}").write_text(json.dumps(_events))
+
+
+def report(events: list[tuple[float, str, str]]) -> str:
+    """The most common sequence of stamps per step, with median times (us)."""
+    windows: list[list[tuple[float, str, str]]] = []
+    current: list[tuple[float, str, str]] | None = None
+    for event in sorted(events):
+        if event[2] == "STEP":
+            current = [event]
+        elif current is not None:
+            current.append(event)
+            if event[2] == "STEP_END":
+                windows.append(current)
+                current = None
+    by_sequence: dict[tuple[str, ...], list[list[float]]] = collections.defaultdict(list)
+    for window in windows:
+        start = window[0][0]
+        key = tuple(f"{side}.{what}" for _, side, what in window)
+        by_sequence[key].append([(t - start) * 1e6 for t, _, _ in window])
+    key, runs = max(by_sequence.items(), key=lambda item: len(item[1]))
+    lines = [f"{len(runs)} of {len(windows)} steps took this sequence "
+             "(A: rank 0, the caller; B: rank 1)",
+             f"{'stamp':<16}{'at us':>9}{'gap us':>9}"]
+    previous = 0.0
+    for index, name in enumerate(key):
+        at = statistics.median(run[index] for run in runs)
+        lines.append(f"{name:<16}{at:>9.0f}{at - previous:>9.0f}")
+        previous = at
+    return "\n".join(lines)
+
+
+def main() -> int:
+    import torch.multiprocessing as mp
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--workload", choices=("echo_1m", "rnn_backward"), default="echo_1m")
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "events")
+        mp.start_processes(_worker, args=(args.workload, "file://" + os.path.join(tmp, "rdv"),
+                                          args.steps, out), nprocs=2, start_method="spawn")
+        events = [tuple(e) for rank in (0, 1)
+                  for e in json.loads(pathlib.Path(f"{out}.{rank}").read_text())]
+    print(f"{args.workload} on the default backend, {args.steps} steps")
+    print(report(events))  # type: ignore[arg-type]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
