@@ -5,7 +5,7 @@
 transport chosen by name (``init_rpc(backend="gloo")``, ``$RPCX_BACKEND``).
 """
 
-from rpcx import autograd, functions, nn, optim
+from rpcx import autograd, for_torch, functions, nn, optim
 from rpcx.api import (
     UNSET_RPC_TIMEOUT,
     _set_rpc_timeout,
@@ -36,6 +36,7 @@ from rpcx.errors import (
     SerializationError,
     UnknownWorkerError,
 )
+from rpcx.for_torch import stop_using_for_torch, use_for_torch, used_for_torch
 from rpcx.futures import RpcFuture
 from rpcx.launcher import LaunchedWorker, launch, under_torchrun
 from rpcx.options import (
@@ -99,5 +100,11 @@ __all__ = [
     "rpc_sync",
     "shutdown",
     "spawn",
+    "stop_using_for_torch",
     "under_torchrun",
+    "use_for_torch",
+    "used_for_torch",
 ]
+
+if for_torch.switch_requested():  # (also when the start-up hook is not installed)
+    for_torch.use_for_torch(origin=for_torch.origin_of_variable())

@@ -45,8 +45,9 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed.autograd
-import torch.distributed.rpc as torch_rpc
 import torch.distributed.rpc.api
+import torch.distributed.rpc.functions
+import torch.distributed.rpc.options
 
 from rpcx.errors import (
     LostCause,
@@ -64,9 +65,13 @@ __all__ = ["TensorPipeTransport"]
 
 log = logging.getLogger("rpcx.backends.tensorpipe")
 
-# torch's private RPC plumbing (untyped): the agent slot, the autograd container.
+# torch's RPC, from the modules that define it: rpcx.use_for_torch() points the names
+# of torch.distributed.rpc (the package) at rpcx's, and this transport must keep
+# reaching torch's own. (Untyped: the agent slot, the autograd container.)
 torch_rpc_api: Any = torch.distributed.rpc.api
 torch_autograd: Any = torch.distributed.autograd
+_TorchOptions = torch.distributed.rpc.options.TensorPipeRpcBackendOptions
+_torch_async_execution = torch.distributed.rpc.functions.async_execution
 
 _GOODBYE = Frame(b"")  # the frame a watch is answered with when its peer leaves
 _active_lock = threading.Lock()
@@ -190,7 +195,7 @@ class TensorPipeTransport:
         # (torch refuses set_result otherwise); CPU needs no entry.
         self._reply_future_devices = [d for d in devices if d.type != "cpu"] or None
         source = ctx.options
-        options = torch_rpc.TensorPipeRpcBackendOptions(
+        options = _TorchOptions(
             num_worker_threads=max(
                 4, getattr(source, "num_worker_threads", DEFAULT_NUM_WORKER_THREADS)
             ),
@@ -246,7 +251,7 @@ class TensorPipeTransport:
         assert ctx is not None
         with self._lock:
             self._awaiting_goodbye.add(rank)
-        future = torch_rpc.rpc_async(ctx.names[rank], _open_watch, args=(ctx.rank,), timeout=0)
+        future = torch_rpc_api.rpc_async(ctx.names[rank], _open_watch, args=(ctx.rank,), timeout=0)
         future.add_done_callback(lambda done: self._on_reply(rank, done))
 
     def close(self, timeout: float) -> None:
@@ -340,7 +345,7 @@ class TensorPipeTransport:
         ctx = self._ctx
         assert ctx is not None
         try:
-            future = torch_rpc.rpc_async(
+            future = torch_rpc_api.rpc_async(
                 ctx.names[dst], _receive,
                 args=(ctx.rank, seq, header, buffers, request_id), timeout=0,
             )
@@ -476,7 +481,7 @@ class TensorPipeTransport:
         ctx.peer_lost(rank, cause, detail)
 
 
-@torch_rpc.functions.async_execution  # type: ignore[untyped-decorator]
+@_torch_async_execution  # type: ignore[untyped-decorator]
 def _open_watch(src: int) -> torch.futures.Future[Any]:
     """Runs in torch's agent: ``src`` watches this worker; answered when it leaves."""
     transport = _active
@@ -485,7 +490,7 @@ def _open_watch(src: int) -> torch.futures.Future[Any]:
     return transport._incoming_watch(src)
 
 
-@torch_rpc.functions.async_execution  # type: ignore[untyped-decorator]
+@_torch_async_execution  # type: ignore[untyped-decorator]
 def _receive(
     src: int, seq: int, header: bytes, buffers: list[torch.Tensor], request_id: int
 ) -> torch.futures.Future[Any]:

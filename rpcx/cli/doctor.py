@@ -72,9 +72,42 @@ def diagnose(init_method: str | None = None) -> list[Check]:
         checks.append(Check("cuda", "note", "no CUDA device: CUDA tensors and device maps "
                             "are unavailable; everything else works on CPU"))
     checks.extend(_plugins())
+    checks.append(_for_torch())
     checks.extend(_default_backend(init_method))
     checks.extend(_rendezvous(init_method))
     return checks
+
+
+def _for_torch() -> Check:
+    """Whether torch's RPC names are rpcx's here (``RPCX_FOR_TORCH``,
+    ``rpcx.use_for_torch()``), and whether the start-up hook is installed."""
+    from rpcx import for_torch
+
+    hook = startup_hook()
+    where = f"start-up hook {hook}" if hook else "start-up hook not installed"
+    origin = for_torch.used_for_torch()
+    if origin is not None:
+        return Check("for torch", "ok", f"on: torch.distributed.rpc is rpcx ({origin}; {where})")
+    if for_torch.switch_requested():
+        return Check("for torch", "PROBLEM",
+                     f"${for_torch.ENV_VAR} is set but torch's RPC names are torch's: the "
+                     f"{where}; reinstall rpcx (pip install torch-rpcx) in this environment")
+    return Check("for torch", "note",
+                 f"off: torch.distributed.rpc is torch's own; set {for_torch.ENV_VAR}=1 in "
+                 f"every process (or call rpcx.use_for_torch()) to run libraries built on it "
+                 f"on rpcx ({where})")
+
+
+def startup_hook() -> str | None:
+    """Where ``rpcx-for-torch.pth`` is installed, if it is (site-packages, user or not)."""
+    import site
+
+    directories = [*site.getsitepackages(), site.getusersitepackages()]
+    for directory in directories:
+        path = os.path.join(directory, "rpcx-for-torch.pth")
+        if os.path.exists(path):
+            return path
+    return None
 
 
 def _default_backend(init_method: str | None) -> list[Check]:
