@@ -1,7 +1,8 @@
 """The test matrix: ``nox -s tests`` runs the suite once per backend, built-in or plugin.
 
 Sessions: tests (every backend, then the RRef and autograd kit under injected faults as
-``faulty:gloo``; or ``-- --backends=...``), examples(backend), demo, soak, lint,
+``faulty:gloo``; or ``-- --backends=...``), clients (TorchRL unchanged on every
+multi-process backend), examples(backend), demo, soak, lint,
 typecheck, docs (the site, built strictly and tested in a browser), bench, and
 torch_suite(backend) (torch's own RPC tests run against rpcx;
 long, so not a default).
@@ -170,6 +171,22 @@ def examples(session: nox.Session, backend: str) -> None:
     session.run("python", "examples/rnn/main.py", "--backend", backend, "--epochs", "3")
     session.run("python", "examples/parameter_server/main.py", "--backend", backend)
     session.run("python", "examples/batch_rpc/main.py", "--backend", backend)
+
+
+# Libraries built on torch.distributed.rpc, run unchanged with RPCX_FOR_TORCH=1
+# (tests/clients/): the version pinned is one that resolves with torch 2.13.0.
+CLIENTS = ["torchrl==0.14.1"]
+
+
+@nox.session(python=PYTHON)
+def clients(session: nox.Session) -> None:
+    """Libraries that import torch.distributed.rpc themselves (TorchRL), on torch and on
+    every multi-process rpcx backend with the switch on: the same results on each."""
+    _install(session, "test")
+    session.install(*CONSTRAINTS, *CLIENTS)
+    session.install(*CONSTRAINTS, "-e", PLUGINS["zmq"])  # a plugin's backend too
+    session.run(*_bounded("pytest", "-n", "2", "tests/clients", *session.posargs),
+                external=True)
 
 
 @nox.session(python=PYTHON)

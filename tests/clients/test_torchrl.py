@@ -1,0 +1,76 @@
+"""TorchRL, a library built on torch.distributed.rpc, run unchanged on rpcx.
+
+Each program in this directory is written for torch.distributed.rpc (TorchRL imports it
+itself; so do the programs). It runs once on torch and once per multi-process rpcx
+backend with ``RPCX_FOR_TORCH=1`` in its environment, and must print the same result
+(collected observations, sampled data, the effect of a weight update). ``nox -s
+clients`` installs TorchRL and runs these; without TorchRL they skip.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rpcx.cli.doctor import startup_hook
+from rpcx.registry import available_backends
+
+pytest.importorskip("torchrl", reason="TorchRL is not installed (nox -s clients installs it)")
+
+HERE = Path(__file__).resolve().parent
+BACKENDS = sorted(name for name, spec in available_backends().items()
+                  if not spec.capabilities.in_process)
+CASES = [
+    ("torchrl_collector.py", "sync"),  # RPCCollector, sync, with a weight update
+    ("torchrl_collector.py", "async"),
+    ("torchrl_replay_buffer.py", ""),  # RemoteTensorDictReplayBuffer, fixed-size world
+]
+
+pytestmark = pytest.mark.skipif(
+    startup_hook() is None,
+    reason="rpcx-for-torch.pth is not installed here (pip install -e . installs it)",
+)
+
+
+def run(program: str, mode: str, backend: str | None, tmp: Path) -> dict[str, Any]:
+    """Run ``program`` on torch (``backend=None``) or on rpcx's ``backend``; its result."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RPCX_FOR_TORCH", "RPCX_BACKEND")}
+    if backend is not None:
+        env.update(RPCX_FOR_TORCH="1", RPCX_BACKEND=backend)
+    args = [mode] if mode else [str(tmp / "result.json")]
+    done = subprocess.run([sys.executable, str(HERE / program), *args], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=240)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, (
+        f"{program} {mode} on {backend or 'torch'} failed (exit {done.returncode}):\n"
+        f"{done.stdout}\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
+    return result
+
+
+@functools.cache
+def on_torch(program: str, mode: str) -> dict[str, Any]:
+    """The program's result on torch.distributed.rpc itself (once per case)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run(program, mode, None, Path(tmp))
+    assert result.pop("rpc") == "torch.distributed.rpc.api", "torch's run ran on rpcx"
+    return result
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("program", "mode"), CASES)
+def test_same_results_as_on_torch(program: str, mode: str, backend: str,
+                                  tmp_path: Path) -> None:
+    if backend == "tensorpipe":
+        pytest.importorskip("numpy", reason="torch's TensorPipe agent needs numpy")
+    result = run(program, mode, backend, tmp_path)
+    assert result.pop("rpc") == "rpcx.calls", "the switch did not reach TorchRL's processes"
+    assert result == on_torch(program, mode)

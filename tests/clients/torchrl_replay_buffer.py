@@ -1,0 +1,76 @@
+"""TorchRL's RemoteTensorDictReplayBuffer, used over RPC as TorchRL documents it.
+
+Three workers (a fixed-size world): ``ReplayBuffer`` owns the buffer, ``Collector``
+extends it through an RRef, ``Trainer`` samples it through the same RRef. TorchRL's
+``accept_remote_rref_invocation`` finds the RRef passed as ``self`` with
+``isinstance(self, torch._C._distributed_rpc.PyRRef)``: the check rpcx's switch must
+satisfy. Prints ``RESULT <json>``: which RPC ran it, the buffer's size, three sampled
+batches' sums (the owner's sampler is seeded, so they match across runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+from tensordict import TensorDict
+from torchrl.data.replay_buffers import (
+    LazyTensorStorage,
+    RandomSampler,
+    RemoteTensorDictReplayBuffer,
+)
+
+NAMES = ["ReplayBuffer", "Collector", "Trainer"]
+
+
+def make_buffer() -> RemoteTensorDictReplayBuffer:
+    torch.manual_seed(0)
+    return RemoteTensorDictReplayBuffer(storage=LazyTensorStorage(100), sampler=RandomSampler(),
+                                        batch_size=8)
+
+
+def length(buffer: rpc.RRef) -> int:
+    return len(buffer.local_value())
+
+
+def collect(buffer: rpc.RRef) -> None:
+    for i in range(4):
+        data = TensorDict({"x": torch.arange(10.0) + 10 * i}, batch_size=[10])
+        rpc.rpc_sync(buffer.owner(), RemoteTensorDictReplayBuffer.extend, args=(buffer, data))
+
+
+def run(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rpc.init_rpc(NAMES[rank], rank=rank, world_size=3,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=60))
+    if NAMES[rank] == "Trainer":
+        buffer = rpc.remote("ReplayBuffer", make_buffer)
+        rpc.rpc_sync("Collector", collect, args=(buffer,))
+        samples = [
+            rpc.rpc_sync(buffer.owner(), RemoteTensorDictReplayBuffer.sample,
+                         args=(buffer,))["x"].sum().item()
+            for _ in range(3)
+        ]
+        size = rpc.rpc_sync(buffer.owner(), length, args=(buffer,))
+        with open(out, "w") as f:
+            json.dump({"rpc": rpc.rpc_sync.__module__, "size": size, "samples": samples}, f)
+    rpc.shutdown()
+
+
+def main() -> None:
+    out = sys.argv[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(run, args=(port, out), nprocs=3, start_method="spawn")
+    with open(out) as f:
+        print("RESULT " + f.read(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
