@@ -107,4 +107,9 @@ __all__ = [
 ]
 
 if for_torch.switch_requested():  # (also when the start-up hook is not installed)
-    for_torch.use_for_torch(origin=for_torch.origin_of_variable())
+    try:
+        for_torch.use_for_torch(origin=for_torch.origin_of_variable())
+    except RuntimeError as _exc:  # a torch without RPC: rpcx itself works without it
+        import warnings as _warnings
+
+        _warnings.warn(f"RPCX_FOR_TORCH is set, but {_exc}", RuntimeWarning, stacklevel=2)

@@ -16,7 +16,9 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+import threading
 import types
+import warnings
 from typing import Any
 
 ORIGIN = "$RPCX_FOR_TORCH, at interpreter start-up"
@@ -24,17 +26,30 @@ ORIGIN = "$RPCX_FOR_TORCH, at interpreter start-up"
 
 class _SwitchAfterTorch(importlib.abc.MetaPathFinder):
     """Finds nothing itself: hands ``torch``'s spec back with a loader that turns the
-    switch on after torch's package has run."""
+    switch on after torch's package has run.
+
+    It stays on ``sys.meta_path`` until torch has actually run: a library that only
+    looks for torch first (``importlib.util.find_spec("torch")``) gets a spec it throws
+    away, and the import that follows must be seen too."""
+
+    def __init__(self) -> None:
+        self._looking = threading.local()  # this thread is asking the finders after us
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "torch":
+        if fullname != "torch" or getattr(self._looking, "on", False):
             return None
-        sys.meta_path.remove(self)  # once, and not for the lookup just below
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        for finder in sys.meta_path:
-            if spec is not None:
-                break
-            spec = finder.find_spec(fullname, path, target)  # (editable installs, ...)
+        self._looking.on = True
+        try:
+            spec = None
+            for finder in list(sys.meta_path):  # the finders after us, in their order
+                if type(finder).__name__ == _SwitchAfterTorch.__name__:
+                    continue
+                find = getattr(finder, "find_spec", None)
+                spec = find(fullname, path, target) if find is not None else None
+                if spec is not None:
+                    break
+        finally:
+            self._looking.on = False
         if spec is None or spec.loader is None:
             return spec
         spec.loader = _SwitchingLoader(spec.loader)
@@ -53,7 +68,16 @@ class _SwitchingLoader(importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._inner.exec_module(module)
-        _switch()
+        sys.meta_path[:] = [f for f in sys.meta_path
+                            if type(f).__name__ != _SwitchAfterTorch.__name__]
+        try:
+            _switch()
+        except Exception as exc:  # torch must still import: say so, and go on as torch
+            warnings.warn(
+                f"RPCX_FOR_TORCH is set, but rpcx could not take over torch's RPC names "
+                f"({type(exc).__name__}: {exc}); torch.distributed.rpc stays torch's own",
+                RuntimeWarning, stacklevel=2,
+            )
 
     def __getattr__(self, name: str) -> Any:  # resources, get_filename, ...: torch's
         return getattr(self._inner, name)
@@ -75,6 +99,8 @@ def install() -> None:
     """Turn the switch on now if torch is already imported, else when it is."""
     if "torch" in sys.modules:
         _switch()
-    elif not any(isinstance(f, _SwitchAfterTorch) for f in sys.meta_path):
+    elif not any(type(f).__name__ == _SwitchAfterTorch.__name__ for f in sys.meta_path):
+        # (By name: a venv's site-packages may be read twice at start-up, each time
+        # loading this file anew, with a class of its own.)
         sys.meta_path.insert(0, _SwitchAfterTorch())
 

@@ -53,8 +53,8 @@ __all__ = ["ENV_VAR", "stop_using_for_torch", "use_for_torch", "used_for_torch"]
 log = logging.getLogger("rpcx.for_torch")
 
 ENV_VAR = "RPCX_FOR_TORCH"
-"""Set (to anything but ``""``, ``0``, ``false``, ``no``) to turn the switch on in every
-process at interpreter start-up."""
+"""Set (to anything but ``""``, ``0``, ``false``, ``no``, ``off``) to turn the switch on
+in every process at interpreter start-up."""
 
 
 def _init_rpc(
@@ -137,12 +137,20 @@ def use_for_torch(backend: str | None = None, *, origin: str | None = None) -> N
         _state.backend = backend
         if _state.origin is not None:
             return
+        # Everything is looked up before anything changes: a torch that lacks a name
+        # leaves torch's names as they were.
         targets = []
         for module_name, attribute, replacement in _replacements():
             module = _module(module_name)
-            targets.append((module, module_name, attribute, replacement))
-        for module, module_name, attribute, replacement in targets:
-            _state.saved[(module_name, attribute)] = getattr(module, attribute)
+            try:
+                original = getattr(module, attribute)
+            except AttributeError as exc:
+                raise RuntimeError(
+                    f"rpcx.use_for_torch(): this torch {torch.__version__} has no "
+                    f"{module_name}.{attribute} to stand in for") from exc
+            targets.append((module, module_name, attribute, original, replacement))
+        for module, module_name, attribute, original, replacement in targets:
+            _state.saved[(module_name, attribute)] = original
             setattr(module, attribute, replacement)
         _state.origin = origin
     log.debug("torch's RPC names point at rpcx (%s)", origin)
@@ -152,7 +160,9 @@ def stop_using_for_torch() -> None:
     """Give torch its own RPC names back (a no-op when the switch is off)."""
     with _state.lock:
         for (module_name, attribute), original in _state.saved.items():
-            setattr(sys.modules[module_name], attribute, original)
+            module = sys.modules.get(module_name)
+            if module is not None:
+                setattr(module, attribute, original)
         _state.saved.clear()
         _state.origin = None
         _state.backend = None
@@ -166,6 +176,12 @@ def used_for_torch() -> str | None:
 def switch_requested(environ: Callable[[str, str], str] = os.environ.get) -> bool:
     """Whether ``$RPCX_FOR_TORCH`` asks for the switch."""
     return environ(ENV_VAR, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def hook_ran() -> bool:
+    """Whether the start-up hook ran in this process (it loads itself as
+    ``rpcx_startup``)."""
+    return "rpcx_startup" in sys.modules
 
 
 def origin_of_variable() -> str:

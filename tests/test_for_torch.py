@@ -143,6 +143,29 @@ def test_the_variable_reads_like_a_flag(value: str, on: bool) -> None:
     assert for_torch.switch_requested(lambda _name, _default: value) is on
 
 
+def test_a_torch_missing_one_name_is_refused_and_nothing_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = _torch_objects()
+    names = for_torch._replacements()
+    monkeypatch.setattr(for_torch, "_replacements",
+                        lambda: [*names, ("torch.distributed.rpc", "no_such_name", None)])
+    with pytest.raises(RuntimeError, match=r"no torch\.distributed\.rpc\.no_such_name"):
+        rpcx.use_for_torch()
+    monkeypatch.undo()
+    assert rpcx.used_for_torch() is None
+    assert _torch_objects() == before
+
+
+def test_doctor_reports_a_variable_the_start_up_hook_did_not_see(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert "rpcx_startup" not in sys.modules  # (the variable was unset when pytest began)
+    monkeypatch.setenv("RPCX_FOR_TORCH", "1")
+    check = {c.name: c for c in diagnose("tcp://127.0.0.1:1")}["for torch"]
+    assert check.status == "PROBLEM" and "start-up hook did not run" in check.detail, check
+
+
 def test_doctor_says_whether_the_switch_is_on() -> None:
     check = {c.name: c for c in diagnose("tcp://127.0.0.1:1")}["for torch"]
     assert check.status == "note" and check.detail.startswith("off:"), check
@@ -274,6 +297,44 @@ def test_the_pth_line_from_the_source_tree_turns_the_switch_on(tmp_path: Path) -
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True $RPCX_FOR_TORCH, at interpreter start-up"
+
+
+def _run_with_hook(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter that reads the source tree's .pth file once, as
+    site does at start-up, with the variable set."""
+    (tmp_path / "rpcx-for-torch.pth").write_text((REPO / "rpcx" / "rpcx-for-torch.pth").read_text())
+    prelude = ("import os, site, sys\n"
+               "os.environ['RPCX_FOR_TORCH'] = '1'\n"
+               f"site.addsitedir({str(tmp_path)!r})\n")
+    env = {k: v for k, v in os.environ.items() if k != "RPCX_FOR_TORCH"}
+    return subprocess.run([sys.executable, "-W", "always", "-c", prelude + code], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_library_that_looks_for_torch_first_still_gets_rpcx(tmp_path: Path) -> None:
+    # transformers' is_torch_available() and others call find_spec before importing.
+    done = _run_with_hook(tmp_path, (
+        "import importlib.util\n"
+        "assert importlib.util.find_spec('torch') is not None\n"
+        "assert importlib.util.find_spec('torch') is not None\n"
+        "from torch.distributed.rpc import rpc_sync\n"
+        "import rpcx\n"
+        "print(rpc_sync is rpcx.rpc_sync, rpcx.used_for_torch())\n"
+    ))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True $RPCX_FOR_TORCH, at interpreter start-up"
+
+
+def test_a_switch_that_fails_leaves_torch_importable_and_says_why(tmp_path: Path) -> None:
+    done = _run_with_hook(tmp_path, (
+        "sys.modules['rpcx.for_torch'] = None  # as if rpcx were broken\n"
+        "import torch.distributed.rpc as rpc\n"
+        "print(rpc.rpc_sync.__module__)\n"
+    ))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "torch.distributed.rpc.api"
+    assert "RPCX_FOR_TORCH is set, but rpcx could not take over torch's RPC names" in (
+        done.stderr), done.stderr
 
 
 def test_without_the_variable_the_hook_does_nothing(tmp_path: Path) -> None:

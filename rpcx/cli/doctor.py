@@ -86,12 +86,21 @@ def _for_torch() -> Check:
     hook = startup_hook()
     where = f"start-up hook {hook}" if hook else "start-up hook not installed"
     origin = for_torch.used_for_torch()
+    if for_torch.switch_requested() and not for_torch.hook_ran():
+        # (rpcx, imported here, honoured the variable itself: but in a program, names a
+        # library bound before rpcx was imported stay torch's)
+        return Check("for torch", "PROBLEM",
+                     f"${for_torch.ENV_VAR} is set but the start-up hook did not run "
+                     f"({where}): a library that imports torch's RPC names before rpcx "
+                     "keeps torch's; reinstall rpcx (pip install torch-rpcx) in this "
+                     "environment")
     if origin is not None:
         return Check("for torch", "ok", f"on: torch.distributed.rpc is rpcx ({origin}; {where})")
     if for_torch.switch_requested():
         return Check("for torch", "PROBLEM",
-                     f"${for_torch.ENV_VAR} is set but torch's RPC names are torch's: the "
-                     f"{where}; reinstall rpcx (pip install torch-rpcx) in this environment")
+                     f"${for_torch.ENV_VAR} is set but torch's RPC names are torch's: rpcx "
+                     f"could not take them over (its RuntimeWarning at import says why; "
+                     f"{where})")
     return Check("for torch", "note",
                  f"off: torch.distributed.rpc is torch's own; set {for_torch.ENV_VAR}=1 in "
                  f"every process (or call rpcx.use_for_torch()) to run libraries built on it "
