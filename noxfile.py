@@ -2,7 +2,8 @@
 
 Sessions: tests (every backend, then the RRef and autograd kit under injected faults as
 ``faulty:gloo``; or ``-- --backends=...``), clients (TorchRL unchanged on every
-multi-process backend), examples(backend), demo, soak, lint,
+multi-process backend), no_torch_rpc (rpcx on a torch without distributed RPC),
+examples(backend), demo, soak, lint,
 typecheck, docs (the site, built strictly and tested in a browser), bench, and
 torch_suite(backend) (torch's own RPC tests run against rpcx;
 long, so not a default).
@@ -187,6 +188,25 @@ def clients(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "-e", PLUGINS["zmq"])  # a plugin's backend too
     session.run(*_bounded("pytest", "-n", "2", "tests/clients", *session.posargs),
                 external=True)
+
+
+@nox.session(python=PYTHON)
+def no_torch_rpc(session: nox.Session) -> None:
+    """rpcx on a torch whose distributed RPC is missing (tests/no_torch_rpc makes every
+    process of the session see one): the conformance kit on loopback, auto, gloo and
+    the zmq plugin; tensorpipe, which needs torch's RPC, must refuse and say why."""
+    _install(session, "test")
+    session.install(*CONSTRAINTS, "-e", PLUGINS["zmq"])
+    env = {"PYTHONPATH": os.path.join(os.getcwd(), "tests", "no_torch_rpc"),
+           "RPCX_TEST_WITHOUT_TORCH_RPC": "1"}
+    for backend in ["loopback", "auto", "gloo", "zmq"]:
+        session.run(*_bounded("pytest", "-n", "2", "--dist", "loadscope",
+                              f"--rpcx-backend={backend}", "tests/test_conformance.py",
+                              "tests/test_without_torch_rpc.py", *session.posargs),
+                    env=env, external=True)
+    session.run(*_bounded("pytest", "--rpcx-backend=tensorpipe",
+                          "tests/test_without_torch_rpc.py", *session.posargs),
+                env=env, external=True)
 
 
 @nox.session(python=PYTHON)

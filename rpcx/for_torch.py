@@ -134,6 +134,13 @@ def use_for_torch(backend: str | None = None, *, origin: str | None = None) -> N
         caller = sys._getframe(1)
         origin = f"rpcx.use_for_torch() at {caller.f_code.co_filename}:{caller.f_lineno}"
     with _state.lock:
+        if _state.origin is None and not _module("torch.distributed.rpc").is_available():
+            raise RuntimeError(
+                f"rpcx.use_for_torch(): this torch {torch.__version__} was built without "
+                "distributed RPC (torch.distributed.rpc.is_available() is False), so there "
+                "are no names of torch's for rpcx to stand in for; rpcx itself works without "
+                "it: import rpcx"
+            )
         _state.backend = backend
         if _state.origin is not None:
             return

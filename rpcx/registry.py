@@ -236,6 +236,12 @@ def resolve_backend(backend: object = None, spawned: str | None = None) -> Backe
     spec = specs.get(backend.lower())
     if spec is None:
         installed = ", ".join(sorted(specs)) or "none"
+        why = _errors.get(backend.lower())
+        if why is not None:  # installed, but it cannot run here (tensorpipe without RPC)
+            raise BackendNotFoundError(
+                f"rpcx backend {backend!r} is {why}; installed backends that work here: "
+                f"{installed}"
+            )
         raise BackendNotFoundError(
             f"unknown rpcx backend {backend!r}; installed backends: {installed}"
         )

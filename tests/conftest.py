@@ -3,6 +3,8 @@ loopback rendezvous URL of either network scheme, and ``--only-backend-tests``."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from rpcx.testing.world import free_port
@@ -42,6 +44,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return str(super()._split_scope(nodeid))
 
     return _Scheduler(config, log)
+
+
+WITHOUT_TORCH_RPC = "RPCX_TEST_WITHOUT_TORCH_RPC"  # set by nox -s no_torch_rpc
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get(WITHOUT_TORCH_RPC):
+        # The session claims torch has no RPC here: make sure (tests/no_torch_rpc).
+        import torch.distributed.rpc
+
+        if torch.distributed.rpc.is_available():
+            raise pytest.UsageError(
+                f"${WITHOUT_TORCH_RPC} is set but torch.distributed.rpc is available: put "
+                "tests/no_torch_rpc first on PYTHONPATH")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
