@@ -23,6 +23,11 @@ import pytest
 from rpcx.cli.doctor import startup_hook
 from rpcx.registry import available_backends
 
+if os.environ.get("RPCX_REQUIRE_CLIENTS"):  # nox -s clients: nothing may skip
+    import torchrl  # noqa: F401
+
+    if startup_hook() is None:
+        raise RuntimeError("rpcx-for-torch.pth is not installed in this environment")
 pytest.importorskip("torchrl", reason="TorchRL is not installed (nox -s clients installs it)")
 
 HERE = Path(__file__).resolve().parent
