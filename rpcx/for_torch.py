@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from rpcx import api, autograd, nn, optim
+from rpcx import _context, _torch_originals, api, autograd, nn, optim
 from rpcx.options import RpcBackendOptions, TensorPipeRpcBackendOptions
 from rpcx.registry import BackendType
 from rpcx.rref import RRef
@@ -76,6 +76,109 @@ def _is_torch_default(backend: object) -> bool:
     return isinstance(backend, enum.Enum) and backend.name == "TENSORPIPE"
 
 
+def _is_current_rpc_agent_set() -> bool:
+    """torch's "is RPC up?", under the switch: an rpcx worker runs here (or torch's own
+    agent does, which rpcx's tensorpipe backend starts)."""
+    if _context.maybe_current_agent() is not None:
+        return True
+    torch_rpc_api = sys.modules["torch.distributed.rpc.api"]
+    return bool(_torch_originals.original(torch_rpc_api, "_is_current_rpc_agent_set")())
+
+
+class AgentView:
+    """What ``torch.distributed.rpc._get_current_rpc_agent()`` returns under the switch:
+    the parts of torch's agent that libraries call, answered by rpcx's worker."""
+
+    def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
+        """This worker's, or ``worker_name``'s, :class:`~rpcx.WorkerInfo`."""
+        return api.get_worker_info(worker_name)
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        """Every worker's :class:`~rpcx.WorkerInfo`."""
+        return api.get_worker_infos()
+
+    def _get_device_map(self, to: WorkerInfo) -> dict[torch.device, torch.device]:
+        """The device map of requests to ``to`` (empty: CPU only), as torch's agent's."""
+        return dict(_context.current_agent().routes.outgoing.get(to.id, {}))
+
+    def get_debug_info(self) -> dict[str, str]:
+        """rpcx's :func:`~rpcx.debug_info`, its values as strings (torch's shape)."""
+        return {key: str(value) for key, value in api.debug_info().items()}
+
+
+def _get_current_rpc_agent() -> AgentView:
+    if _context.maybe_current_agent() is None:
+        raise RuntimeError("Current RPC agent is not set!")  # torch's words
+    return AgentView()
+
+
+class _Gathering:
+    """One all-gather: the objects that reached this worker, and when it is complete."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, Any] = {}
+        self.complete = threading.Event()
+
+
+_gather_lock = threading.Lock()
+_gatherings: dict[str, _Gathering] = {}
+_gather_rounds: dict[tuple[str, ...], int] = {}
+
+
+def _gathering(key: str) -> _Gathering:
+    with _gather_lock:
+        return _gatherings.setdefault(key, _Gathering())
+
+
+def _all_gather(obj: Any, worker_names: Any = None, timeout: float = -1.0) -> dict[str, Any]:
+    """torch's ``rpc.api._all_gather`` under the switch: every named worker's ``obj``, by
+    worker name, once all of them called it (the same calls in the same order on each).
+
+    As torch's: the worker with the smallest name gathers, then sends the result to the
+    others. ``timeout`` bounds each call and the wait (torch's unset value: the RPC
+    timeout)."""
+    names = sorted(worker_names or (w.name for w in api.get_worker_infos()))
+    me = api.get_worker_info().name
+    leader = names[0]
+    bound = api.get_rpc_timeout() if timeout < 0 else timeout
+    with _gather_lock:
+        round_ = _gather_rounds.get(tuple(names), 0)
+        _gather_rounds[tuple(names)] = round_ + 1
+    key = "\0".join([*names, str(round_)])
+    if me == leader:
+        _arrive(key, me, obj, len(names))
+    else:
+        api.rpc_sync(leader, _arrive, args=(key, me, obj, len(names)), timeout=bound)
+    gathering = _gathering(key)
+    if not gathering.complete.wait(bound if bound > 0 else None):
+        raise RuntimeError(f"_all_gather on worker {me!r}: not every one of {names} "
+                           f"took part within {bound:g} s")
+    if me == leader:
+        futures = [api.rpc_async(name, _deliver, args=(key, gathering.objects), timeout=bound)
+                   for name in names if name != me]
+        for future in futures:
+            future.wait()
+    with _gather_lock:
+        _gatherings.pop(key, None)
+    return dict(gathering.objects)
+
+
+def _arrive(key: str, name: str, obj: Any, expected: int) -> None:
+    """On the leader: ``name``'s object for gathering ``key``."""
+    gathering = _gathering(key)
+    with _gather_lock:
+        gathering.objects[name] = obj
+        if len(gathering.objects) == expected:
+            gathering.complete.set()
+
+
+def _deliver(key: str, objects: dict[str, Any]) -> None:
+    """On a follower: the leader's gathered objects for ``key``."""
+    gathering = _gathering(key)
+    gathering.objects = objects
+    gathering.complete.set()
+
+
 def _replacements() -> list[tuple[str, str, object]]:
     """(module, attribute, rpcx's object) for every name the switch points at rpcx."""
     rpc = "torch.distributed.rpc"
@@ -102,13 +205,23 @@ def _replacements() -> list[tuple[str, str, object]]:
          optim.DistributedOptimizer),
         ("torch.distributed.nn", "RemoteModule", nn.RemoteModule),
         ("torch.distributed.nn.api.remote_module", "RemoteModule", nn.RemoteModule),
+        # Private names libraries use (PyG's distributed layer, PiPPy, machin): whether
+        # RPC is up (torch's own require-initialized decorator reads the api module's),
+        # the current agent, and torch's RPC all-gather. The api module's
+        # _get_current_rpc_agent stays torch's: torch's functions, which rpcx's
+        # tensorpipe backend calls, read it.
+        (rpc + ".api", "_is_current_rpc_agent_set", _is_current_rpc_agent_set),
+        ("torch._C._distributed_rpc", "_is_current_rpc_agent_set", _is_current_rpc_agent_set),
+        (rpc, "_is_current_rpc_agent_set", _is_current_rpc_agent_set),
+        (rpc, "_get_current_rpc_agent", _get_current_rpc_agent),
+        (rpc + ".api", "_all_gather", _all_gather),
     ]
 
 
 class _State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.saved: dict[tuple[str, str], object] = {}  # torch's objects, while switched
+        self.saved = _torch_originals.saved  # torch's objects, while switched
         self.origin: str | None = None  # where the switch was turned on
         self.backend: str | None = None
 

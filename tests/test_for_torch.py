@@ -184,7 +184,8 @@ def test_doctor_says_whether_the_switch_is_on() -> None:
 LIBRARY = '''\
 import torch
 import torch.distributed.autograd as dist_autograd
-from torch._C._distributed_rpc import PyRRef
+import torch.distributed.rpc
+from torch._C._distributed_rpc import PyRRef, _is_current_rpc_agent_set
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import (
     RRef, TensorPipeRpcBackendOptions, init_rpc, remote, rpc_sync, shutdown,
@@ -205,9 +206,20 @@ class Buffer:
 
 
 def worker(rank, init_method, out):
+    assert not _is_current_rpc_agent_set()
     init_rpc(f"w{rank}", rank=rank, world_size=2,
              rpc_backend_options=TensorPipeRpcBackendOptions(init_method=init_method,
                                                               rpc_timeout=60))
+    # torch's private names that libraries use (PyG, PiPPy): on both workers.
+    assert _is_current_rpc_agent_set()
+    assert torch.distributed.rpc.api._require_initialized(lambda: 7)() == 7
+    gathered = torch.distributed.rpc.api._all_gather(rank * 10)
+    assert gathered == {"w0": 0, "w1": 10}, gathered
+    assert torch.distributed.rpc.api._all_gather(f"again {rank}") == {
+        "w0": "again 0", "w1": "again 1"}
+    agent = torch.distributed.rpc._get_current_rpc_agent()
+    assert agent.get_worker_info().name == f"w{rank}"
+    assert agent._get_device_map(agent.get_worker_info("w1")) == {}
     if rank == 0:
         import rpcx
         buffer = remote("w1", Buffer)

@@ -49,6 +49,7 @@ import torch.distributed.rpc.api
 import torch.distributed.rpc.functions
 import torch.distributed.rpc.options
 
+from rpcx._torch_originals import original
 from rpcx.errors import (
     LostCause,
     PeerLostError,
@@ -159,7 +160,7 @@ class TensorPipeTransport:
         from torch._C._distributed_rpc import TensorPipeAgent
 
         with _active_lock:
-            if _active is not None or torch_rpc_api._is_current_rpc_agent_set():
+            if _active is not None or original(torch_rpc_api, "_is_current_rpc_agent_set")():
                 raise RpcError(
                     "the tensorpipe backend needs torch's RPC agent, and this process "
                     "already has one (torch.distributed.rpc, or another rpcx worker on "

@@ -1,10 +1,11 @@
-"""TorchRL, a library built on torch.distributed.rpc, run unchanged on rpcx.
+"""Libraries built on torch.distributed.rpc (TorchRL, PyG), run unchanged on rpcx.
 
-Each program in this directory is written for torch.distributed.rpc (TorchRL imports it
-itself; so do the programs). It runs once on torch and once per multi-process rpcx
-backend with ``RPCX_FOR_TORCH=1`` in its environment, and must print the same result
-(collected observations, sampled data, the effect of a weight update). ``nox -s
-clients`` installs TorchRL and runs these; without TorchRL they skip.
+Each program in this directory is written for torch.distributed.rpc (the libraries
+import it themselves; so do the programs). It runs once on torch and once per
+multi-process rpcx backend with ``RPCX_FOR_TORCH=1`` in its environment, and must print
+the same result (collected observations, sampled data, the effect of a weight update,
+features fetched from another worker). ``nox -s clients`` installs the libraries and
+runs these; where a library is not installed, its cases skip.
 """
 
 from __future__ import annotations
@@ -24,19 +25,20 @@ from rpcx.cli.doctor import startup_hook
 from rpcx.registry import available_backends
 
 if os.environ.get("RPCX_REQUIRE_CLIENTS"):  # nox -s clients: nothing may skip
+    import torch_geometric  # noqa: F401
     import torchrl  # noqa: F401
 
     if startup_hook() is None:
         raise RuntimeError("rpcx-for-torch.pth is not installed in this environment")
-pytest.importorskip("torchrl", reason="TorchRL is not installed (nox -s clients installs it)")
 
 HERE = Path(__file__).resolve().parent
 BACKENDS = sorted(name for name, spec in available_backends().items()
                   if not spec.capabilities.in_process)
-CASES = [
-    ("torchrl_collector.py", "sync"),  # RPCCollector, sync, with a weight update
-    ("torchrl_collector.py", "async"),
-    ("torchrl_replay_buffer.py", ""),  # RemoteTensorDictReplayBuffer, fixed-size world
+CASES = [  # (library, program, mode)
+    ("torchrl", "torchrl_collector.py", "sync"),  # RPCCollector, with a weight update
+    ("torchrl", "torchrl_collector.py", "async"),
+    ("torchrl", "torchrl_replay_buffer.py", ""),  # RemoteTensorDictReplayBuffer
+    ("torch_geometric", "pyg_rpc.py", ""),  # PyG's distributed RPC layer
 ]
 
 pytestmark = pytest.mark.skipif(
@@ -71,9 +73,11 @@ def on_torch(program: str, mode: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(("program", "mode"), CASES)
-def test_same_results_as_on_torch(program: str, mode: str, backend: str,
+@pytest.mark.parametrize(("library", "program", "mode"), CASES)
+def test_same_results_as_on_torch(library: str, program: str, mode: str, backend: str,
                                   tmp_path: Path) -> None:
+    pytest.importorskip(library, reason=f"{library} is not installed (nox -s clients "
+                                        "installs it)")
     if backend == "tensorpipe":
         pytest.importorskip("numpy", reason="torch's TensorPipe agent needs numpy")
     result = run(program, mode, backend, tmp_path)
