@@ -25,7 +25,8 @@ in the environment of every process of the job (``_rpcx_for_torch.py`` and the
 pass; torch has no other backend) as "no backend named": the backend is the one given
 to :func:`use_for_torch`, else ``$RPCX_BACKEND``, else rpcx's default. rpcx's own
 ``tensorpipe`` backend keeps working with the switch on: it reaches torch's agent
-through modules the switch leaves alone.
+through ``torch.distributed.rpc.api`` and, where the switch replaced a name there,
+through torch's original (:mod:`rpcx._torch_originals`).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _get_current_rpc_agent() -> AgentView:
 
 
 class _Gathering:
-    """One all-gather: the objects that reached this worker, and when it is complete."""
+    """One all-gather on one worker: the objects that reached it, and when complete."""
 
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
@@ -121,13 +122,15 @@ class _Gathering:
 
 
 _gather_lock = threading.Lock()
-_gatherings: dict[str, _Gathering] = {}
-_gather_rounds: dict[tuple[str, ...], int] = {}
+# Per worker (id of its agent): in-process backends run several workers in one process.
+_gatherings: dict[tuple[int, str], _Gathering] = {}
+_gather_rounds: dict[tuple[int, tuple[str, ...]], int] = {}
 
 
 def _gathering(key: str) -> _Gathering:
+    """This worker's state of gathering ``key`` (created by whichever message is first)."""
     with _gather_lock:
-        return _gatherings.setdefault(key, _Gathering())
+        return _gatherings.setdefault((id(_context.current_agent()), key), _Gathering())
 
 
 def _all_gather(obj: Any, worker_names: Any = None, timeout: float = -1.0) -> dict[str, Any]:
@@ -135,38 +138,55 @@ def _all_gather(obj: Any, worker_names: Any = None, timeout: float = -1.0) -> di
     worker name, once all of them called it (the same calls in the same order on each).
 
     As torch's: the worker with the smallest name gathers, then sends the result to the
-    others. ``timeout`` bounds each call and the wait (torch's unset value: the RPC
-    timeout)."""
-    names = sorted(worker_names or (w.name for w in api.get_worker_infos()))
+    others; with ``timeout`` unset (``-1``) the calls take the RPC timeout and the wait
+    for the other workers is unbounded, ``0`` bounds neither, another value both."""
+    names = sorted(set(worker_names or (w.name for w in api.get_worker_infos())))
     me = api.get_worker_info().name
+    if me not in names:
+        raise RuntimeError(f"_all_gather on worker {me!r}: it is not among {names}")
     leader = names[0]
-    bound = api.get_rpc_timeout() if timeout < 0 else timeout
+    call_timeout = api.get_rpc_timeout() if timeout < 0 else timeout
+    wait_bound = timeout if timeout > 0 else None
+    agent = id(_context.current_agent())
     with _gather_lock:
-        round_ = _gather_rounds.get(tuple(names), 0)
-        _gather_rounds[tuple(names)] = round_ + 1
+        round_ = _gather_rounds.get((agent, tuple(names)), 0)
+        _gather_rounds[(agent, tuple(names))] = round_ + 1
     key = "\0".join([*names, str(round_)])
-    if me == leader:
-        _arrive(key, me, obj, len(names))
-    else:
-        api.rpc_sync(leader, _arrive, args=(key, me, obj, len(names)), timeout=bound)
-    gathering = _gathering(key)
-    if not gathering.complete.wait(bound if bound > 0 else None):
-        raise RuntimeError(f"_all_gather on worker {me!r}: not every one of {names} "
-                           f"took part within {bound:g} s")
-    if me == leader:
-        futures = [api.rpc_async(name, _deliver, args=(key, gathering.objects), timeout=bound)
-                   for name in names if name != me]
-        for future in futures:
-            future.wait()
-    with _gather_lock:
-        _gatherings.pop(key, None)
-    return dict(gathering.objects)
+    try:
+        if me == leader:
+            _arrive(key, me, obj, len(names))
+        else:
+            api.rpc_sync(leader, _arrive, args=(key, me, obj, len(names)),
+                         timeout=call_timeout)
+        gathering = _gathering(key)
+        if not gathering.complete.wait(wait_bound):
+            raise RuntimeError(f"_all_gather on worker {me!r}: not every one of {names} "
+                               f"took part within {timeout:g} s")
+        if me == leader:
+            futures = {name: api.rpc_async(name, _deliver, args=(key, gathering.objects),
+                                           timeout=call_timeout)
+                       for name in names if name != me}
+            errors = []
+            for name, future in futures.items():
+                try:
+                    future.wait()
+                except Exception as exc:
+                    errors.append(f"{name}: {exc}")
+            if errors:
+                raise RuntimeError(f"_all_gather on worker {me!r}: the result did not reach "
+                                   f"every worker ({'; '.join(errors)})")
+        return dict(gathering.objects)
+    finally:
+        with _gather_lock:
+            _gatherings.pop((agent, key), None)
 
 
 def _arrive(key: str, name: str, obj: Any, expected: int) -> None:
     """On the leader: ``name``'s object for gathering ``key``."""
     gathering = _gathering(key)
     with _gather_lock:
+        if name in gathering.objects:
+            raise RuntimeError(f"_all_gather: worker {name!r} took part twice in one round")
         gathering.objects[name] = obj
         if len(gathering.objects) == expected:
             gathering.complete.set()

@@ -239,8 +239,8 @@ def resolve_backend(backend: object = None, spawned: str | None = None) -> Backe
         why = _errors.get(backend.lower())
         if why is not None:  # installed, but it cannot run here (tensorpipe without RPC)
             raise BackendNotFoundError(
-                f"rpcx backend {backend!r} is {why}; installed backends that work here: "
-                f"{installed}"
+                f"rpcx backend {backend!r} cannot be used here ({why}); installed "
+                f"backends that work here: {installed}"
             )
         raise BackendNotFoundError(
             f"unknown rpcx backend {backend!r}; installed backends: {installed}"

@@ -17,12 +17,13 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import rpcx
-from rpcx import for_torch
+from rpcx import _torch_originals, for_torch
 from rpcx.cli.doctor import diagnose, startup_hook
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,6 +108,107 @@ def _torch_async_double(x: int) -> torch.futures.Future[int]:
     future: torch.futures.Future[int] = torch.futures.Future()
     future.set_result(2 * x)
     return future
+
+
+def _gather_in_world(rank: int, world_size: int, init_method: str, out: dict[int, Any]) -> None:
+    import torch.distributed.rpc as rpc
+
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=init_method,
+                                                                      rpc_timeout=30))
+    try:
+        everyone = [rpc.api._all_gather(rank * 10) for _ in range(2)]  # two rounds
+        subset = (rpc.api._all_gather(f"r{rank}", worker_names={"w0", "w2"})
+                  if rank in (0, 2) else None)
+        alone = None
+        if rank == 1:  # w3 never takes part: bounded by the timeout given
+            try:
+                rpc.api._all_gather("x", worker_names=["w1", "w3", "w3"], timeout=0.3)
+            except RuntimeError as exc:
+                alone = str(exc)
+        out[rank] = (everyone, subset, alone)
+        rpc.api._all_gather(None)  # a barrier before anyone leaves
+    finally:
+        rpc.shutdown()
+
+
+def test_all_gather_per_worker_in_one_process(switched: None, tmp_path: Path) -> None:
+    """Workers that are threads of one process (loopback) each gather their own rounds."""
+    out: dict[int, Any] = {}
+    rpcx.spawn(_gather_in_world, args=(4, f"file://{tmp_path / 'rdv'}", out), nprocs=4,
+               backend="loopback")
+    every = {"w0": 0, "w1": 10, "w2": 20, "w3": 30}
+    for rank in range(4):
+        everyone, subset, alone = out[rank]
+        assert everyone == [every, every], (rank, everyone)
+        assert subset == ({"w0": "r0", "w2": "r2"} if rank in (0, 2) else None)
+        assert (alone is None) is (rank != 1)
+    assert "not every one of ['w1', 'w3'] took part within 0.3 s" in out[1][2]
+    assert for_torch._gatherings == {}  # nothing left behind, the timed-out round included
+
+
+def test_the_agent_view_reads_this_worker_s_device_maps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rpcx import _context
+    from rpcx.devices import DeviceRoutes
+
+    routes = DeviceRoutes(0, ["w0", "w1"])
+    routes.outgoing[1] = {torch.device("cpu"): torch.device("meta")}
+
+    class Agent:
+        pass
+
+    agent = Agent()
+    agent.routes = routes  # type: ignore[attr-defined]
+    monkeypatch.setattr(_context, "maybe_current_agent", lambda: agent)
+    monkeypatch.setattr(_context, "current_agent", lambda: agent)
+    view = for_torch._get_current_rpc_agent()
+    assert view._get_device_map(rpcx.WorkerInfo("w1", 1)) == {
+        torch.device("cpu"): torch.device("meta")}
+    assert view._get_device_map(rpcx.WorkerInfo("w0", 0)) == {}
+
+
+def test_no_agent_is_torch_s_error() -> None:
+    with pytest.raises(RuntimeError, match="Current RPC agent is not set!"):
+        for_torch._get_current_rpc_agent()
+
+
+def test_tensorpipe_starts_torch_s_agent_beside_an_rpcx_worker(
+    switched: None, tmp_path: Path,
+) -> None:
+    """Under the switch, torch's "is an agent set?" answers for rpcx's workers too: the
+    tensorpipe backend must still start torch's own agent when a loopback worker runs."""
+    pytest.importorskip("numpy", reason="torch's TensorPipe agent needs numpy")
+    import threading
+
+    import torch.distributed.rpc as rpc
+
+    ready, leave = threading.Event(), threading.Event()
+
+    def loopback_worker() -> None:
+        rpcx.init_rpc("lb", backend="loopback", rank=0, world_size=1)
+        ready.set()
+        leave.wait(60)
+        rpcx.shutdown()
+
+    thread = threading.Thread(target=loopback_worker)
+    thread.start()
+    try:
+        assert ready.wait(60)
+        rpcx.init_rpc("tp", backend="tensorpipe", rank=0, world_size=1,
+                      rpc_backend_options=rpcx.TensorPipeRpcBackendOptions(
+                          init_method=f"file://{tmp_path / 'rdv'}", rpc_timeout=30))
+        try:
+            # torch's own agent runs (torch's own answer, not the switch's)
+            assert _torch_originals.original(rpc.api, "_is_current_rpc_agent_set")()
+            assert torch.equal(rpcx.rpc_sync("tp", torch.add, args=(torch.ones(1), 1)),
+                               torch.full((1,), 2.0))
+        finally:
+            rpcx.shutdown()
+    finally:
+        leave.set()
+        thread.join(60)
 
 
 def test_a_second_call_changes_the_backend_and_keeps_the_origin(switched: None) -> None:

@@ -221,7 +221,11 @@ class TensorPipeTransport:
                     ctx.store, names[ctx.rank], ctx.rank, ctx.world_size, options,
                     reverse_maps, devices,
                 )
-                torch_rpc_api._init_rpc_states(self._agent)  # (starts it: it listens)
+                # torch's _init_rpc_states, but asking torch's own "is an agent set?":
+                # under rpcx.use_for_torch() the api module's answers for rpcx's workers.
+                torch_rpc_api._ALL_WORKER_NAMES = set(names)
+                if not original(torch_rpc_api, "_is_current_rpc_agent_set")():
+                    torch_rpc_api._set_and_start_rpc_agent(self._agent)  # (it listens)
             for rank in range(ctx.world_size):
                 if rank != ctx.rank:
                     self._watch(rank)
