@@ -26,7 +26,7 @@ pass; torch has no other backend) as "no backend named": the backend is the one 
 to :func:`use_for_torch`, else ``$RPCX_BACKEND``, else rpcx's default. rpcx's own
 ``tensorpipe`` backend keeps working with the switch on: it reaches torch's agent
 through ``torch.distributed.rpc.api`` and, where the switch replaced a name there,
-through torch's original (:mod:`rpcx._torch_originals`).
+through torch's original (:mod:`rpcx.torch_originals`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from rpcx import _context, _torch_originals, api, autograd, nn, optim
+from rpcx import _context, api, autograd, nn, optim, torch_originals
 from rpcx.options import RpcBackendOptions, TensorPipeRpcBackendOptions
 from rpcx.registry import BackendType
 from rpcx.rref import RRef
@@ -83,7 +83,7 @@ def _is_current_rpc_agent_set() -> bool:
     if _context.maybe_current_agent() is not None:
         return True
     torch_rpc_api = sys.modules["torch.distributed.rpc.api"]
-    return bool(_torch_originals.original(torch_rpc_api, "_is_current_rpc_agent_set")())
+    return bool(torch_originals.original(torch_rpc_api, "_is_current_rpc_agent_set")())
 
 
 class AgentView:
@@ -241,7 +241,7 @@ def _replacements() -> list[tuple[str, str, object]]:
 class _State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.saved = _torch_originals.saved  # torch's objects, while switched
+        self.saved = torch_originals.saved  # torch's objects, while switched
         self.origin: str | None = None  # where the switch was turned on
         self.backend: str | None = None
 

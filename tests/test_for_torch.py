@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import rpcx
-from rpcx import _torch_originals, for_torch
+from rpcx import for_torch, torch_originals
 from rpcx.cli.doctor import diagnose, startup_hook
 
 REPO = Path(__file__).resolve().parent.parent
@@ -201,7 +201,7 @@ def test_tensorpipe_starts_torch_s_agent_beside_an_rpcx_worker(
                           init_method=f"file://{tmp_path / 'rdv'}", rpc_timeout=30))
         try:
             # torch's own agent runs (torch's own answer, not the switch's)
-            assert _torch_originals.original(rpc.api, "_is_current_rpc_agent_set")()
+            assert torch_originals.original(rpc.api, "_is_current_rpc_agent_set")()
             assert torch.equal(rpcx.rpc_sync("tp", torch.add, args=(torch.ones(1), 1)),
                                torch.full((1,), 2.0))
         finally:

@@ -49,7 +49,6 @@ import torch.distributed.rpc.api
 import torch.distributed.rpc.functions
 import torch.distributed.rpc.options
 
-from rpcx._torch_originals import original
 from rpcx.errors import (
     LostCause,
     PeerLostError,
@@ -59,6 +58,7 @@ from rpcx.errors import (
 from rpcx.hookspecs import hookimpl
 from rpcx.hosts import address_towards, interface_with
 from rpcx.options import DEFAULT_NUM_WORKER_THREADS, TensorPipeRpcBackendOptions
+from rpcx.torch_originals import original
 from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx.transport_kit import SHUT_DOWN, copy_of, describe, environment_variable, unreachable
 
