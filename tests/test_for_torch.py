@@ -394,35 +394,28 @@ def test_rpcx_tensorpipe_backend_works_with_the_switch_on(tmp_path: Path) -> Non
     assert result == "tensorpipe $RPCX_FOR_TORCH, at interpreter start-up [-0.5, -0.5]"
 
 
-def test_the_pth_line_from_the_source_tree_turns_the_switch_on(tmp_path: Path) -> None:
-    """The file the build installs, run as site runs it at start-up (without installing)."""
+def _run_with_hook(tmp_path: Path, code: str, variable: bool = True
+                   ) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter that reads the source tree's .pth file once, as
+    site does at start-up (without installing it), with the variable set or not."""
     (tmp_path / "rpcx-for-torch.pth").write_text((REPO / "rpcx" / "rpcx-for-torch.pth").read_text())
-    code = (
-        "import os, site, sys\n"
-        "os.environ['RPCX_FOR_TORCH'] = '1'\n"
-        f"site.addsitedir({str(tmp_path)!r})\n"
+    prelude = ("import os, site, sys\n"
+               + ("os.environ['RPCX_FOR_TORCH'] = '1'\n" if variable else "")
+               + f"site.addsitedir({str(tmp_path)!r})\n")
+    env = {k: v for k, v in os.environ.items() if k != "RPCX_FOR_TORCH"}
+    return subprocess.run([sys.executable, "-W", "always", "-c", prelude + code], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_pth_line_from_the_source_tree_turns_the_switch_on(tmp_path: Path) -> None:
+    done = _run_with_hook(tmp_path, (
         "assert 'torch' not in sys.modules and 'rpcx' not in sys.modules\n"
         "from torch.distributed.rpc import rpc_sync\n"
         "import rpcx\n"
         "print(rpc_sync is rpcx.rpc_sync, rpcx.used_for_torch())\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "RPCX_FOR_TORCH"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)
+    ))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True $RPCX_FOR_TORCH, at interpreter start-up"
-
-
-def _run_with_hook(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
-    """``code`` in a fresh interpreter that reads the source tree's .pth file once, as
-    site does at start-up, with the variable set."""
-    (tmp_path / "rpcx-for-torch.pth").write_text((REPO / "rpcx" / "rpcx-for-torch.pth").read_text())
-    prelude = ("import os, site, sys\n"
-               "os.environ['RPCX_FOR_TORCH'] = '1'\n"
-               f"site.addsitedir({str(tmp_path)!r})\n")
-    env = {k: v for k, v in os.environ.items() if k != "RPCX_FOR_TORCH"}
-    return subprocess.run([sys.executable, "-W", "always", "-c", prelude + code], env=env,
-                          capture_output=True, text=True, timeout=120)
 
 
 def test_a_library_that_looks_for_torch_first_still_gets_rpcx(tmp_path: Path) -> None:
@@ -452,15 +445,9 @@ def test_a_switch_that_fails_leaves_torch_importable_and_says_why(tmp_path: Path
 
 
 def test_without_the_variable_the_hook_does_nothing(tmp_path: Path) -> None:
-    (tmp_path / "rpcx-for-torch.pth").write_text((REPO / "rpcx" / "rpcx-for-torch.pth").read_text())
-    code = (
-        "import site, sys\n"
-        f"site.addsitedir({str(tmp_path)!r})\n"
+    done = _run_with_hook(tmp_path, (
         "import torch.distributed.rpc as rpc\n"
         "print(rpc.rpc_sync.__module__, 'rpcx' in sys.modules, 'rpcx_startup' in sys.modules)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "RPCX_FOR_TORCH"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)
+    ), variable=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "torch.distributed.rpc.api False False"
