@@ -135,7 +135,7 @@ def _test_backend(session: nox.Session, backend: str, pytest_args: list[str]) ->
 
 # loopback cannot run torch's suite: its tests are processes (see torch_suite/README.md).
 # "torch" runs the same tests on torch.distributed.rpc's own agent, for comparison.
-TORCH_SUITE_BACKENDS = ["gloo", "tensorpipe", "torch"]
+TORCH_SUITE_BACKENDS = ["auto", "gloo", "tensorpipe", "torch"]
 
 
 @nox.session(python=PYTHON)

@@ -36,6 +36,11 @@ class PeerBudget:
         self.waits = 0  # requests that had to wait, for debug_info()
         self._waiting = 0  # requests waiting now
 
+    def grow(self, size: int) -> None:
+        """Budgets for ``size`` ranks (a worker joined a dynamic world)."""
+        with self._cond:
+            self._in_flight.extend([0] * (size - len(self._in_flight)))
+
     def in_flight(self, dst: int) -> int:
         """Bytes of requests to ``dst`` not answered yet."""
         return self._in_flight[dst]
@@ -117,6 +122,9 @@ class BackPressure:
     def wake(self) -> None:
         """Wake every waiter to look again (a peer was lost, or the worker closes)."""
 
+    def grow(self, size: int) -> None:
+        """The roster grew to ``size`` ranks (a worker joined a dynamic world)."""
+
     def report(self, names: list[str]) -> dict[str, Any]:
         """``bytes_in_flight`` (by peer name, where not zero) and ``calls_held_back``."""
         return {"bytes_in_flight": {}, "calls_held_back": 0}
@@ -154,6 +162,10 @@ class BytesInFlight(BackPressure):
     def wake(self) -> None:
         """Wake every waiter to look again."""
         self.budget.wake()
+
+    def grow(self, size: int) -> None:
+        """Budgets for ``size`` ranks."""
+        self.budget.grow(size)
 
     def report(self, names: list[str]) -> dict[str, Any]:
         """``bytes_in_flight`` (by peer name, where not zero) and ``calls_held_back``."""

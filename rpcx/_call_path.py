@@ -143,6 +143,14 @@ class CallPath:
         self._served = [RecentIds() for _ in workers]
         self._answered = RecentIds(floor=False)  # answers come in any order
 
+    def grow(self, size: int) -> None:
+        """The roster grew to ``size`` ranks (a worker joined a dynamic world)."""
+        self._served.extend(RecentIds() for _ in range(size - len(self._served)))
+
+    def rejoined(self, rank: int) -> None:
+        """A new worker took ``rank``: its request ids start afresh."""
+        self._served[rank] = RecentIds()
+
     def register(self, kind: int, handler: Handler, in_order: bool,
                  on_decode_error: Callable[[WorkerInfo, Any, BaseException], None] | None
                  ) -> None:

@@ -68,6 +68,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"rpcx-{name}-heartbeat",
                                         daemon=True)
         self._forgotten: set[int] = set()
+        self._joined: list[int] = []  # ranks to watch from the next tick (list.pop: atomic)
 
     def start(self) -> None:
         """Start watching."""
@@ -76,6 +77,11 @@ class Heartbeat:
     def forget(self, rank: int) -> None:
         """Stop watching ``rank`` (it is lost for good)."""
         self._forgotten.add(rank)
+
+    def watch(self, rank: int) -> None:
+        """Watch ``rank`` from now on (a worker that joined a dynamic world), as if just
+        heard from."""
+        self._joined.append(rank)
 
     def close(self) -> None:
         """Stop watching; waits (bounded) for the thread."""
@@ -91,6 +97,13 @@ class Heartbeat:
         silent: set[int] = set()
         while not self._stop.wait(self._tick):
             now = time.monotonic()
+            while self._joined:
+                rank = self._joined.pop()
+                self._forgotten.discard(rank)
+                silent.discard(rank)
+                if rank not in counts:
+                    self._peers.append(rank)
+                counts[rank], heard_at[rank], last_ping[rank] = self.heard[rank], now, now
             for rank in self._peers:
                 if rank in self._forgotten:
                     continue

@@ -20,7 +20,7 @@ from rpcx._pool import WorkerPool
 from rpcx._shutdown import Lifecycle
 from rpcx.errors import LostCause, PeerLostError, RpcShutdownError, lost_reason
 from rpcx.messages import PING, PONG, MessageKind
-from rpcx.worker import WorkerInfo
+from rpcx.worker import WorkerInfo, is_member
 
 __all__ = ["PeerHealth"]
 
@@ -38,6 +38,8 @@ class PeerHealth:
         on_forget: run with a rank when it is lost (policies drop what they keep for it).
         heartbeat_timeout: the option's value, for messages.
         send_one_way: sends the heartbeat's pings and pongs.
+        departures_expected: a peer that shuts down is news, not a warning (a dynamic
+            world, where workers leave when they are done).
     """
 
     def __init__(
@@ -46,7 +48,9 @@ class PeerHealth:
         fail: Callable[[list[int], Callable[[PendingCall], BaseException]], None],
         on_forget: list[Callable[[int], None]], heartbeat_timeout: float,
         send_one_way: Callable[[WorkerInfo, MessageKind, Any], None],
+        departures_expected: bool = False,
     ) -> None:
+        self._departures_expected = departures_expected
         self._send_one_way = send_one_way
         self._name = name
         self._workers = workers
@@ -84,9 +88,14 @@ class PeerHealth:
         if victims is None:
             return  # already known
         # A peer that leaves while we shut down is expected; one that dies never is.
-        expected = not self._life.running and cause is LostCause.DEPARTED
-        level = logging.DEBUG if expected else logging.WARNING
-        log.log(level, "%s: %s; failing %d pending calls", self._name, text, len(victims))
+        # In a dynamic world workers leave when they are done: news, unless calls to
+        # it were still waiting.
+        running = self._life.running
+        expected = cause is LostCause.DEPARTED and (self._departures_expected or not running)
+        if not expected or (victims and running):
+            log.warning("%s: %s; failing %d pending calls", self._name, text, len(victims))
+        else:
+            log.log(logging.INFO if running else logging.DEBUG, "%s: %s", self._name, text)
         self._fail(victims, lambda p: self.lost_error(p, text))
         for hook in self.on_peer_lost:
             try:
@@ -132,12 +141,28 @@ class PeerHealth:
             "lost_peers": self.lost_peers(),
             "lost_causes": {name: cause.value for name, cause in self.lost_causes().items()},
             "unresponsive_peers": [w.name for w in self._workers
-                                   if self.is_unresponsive(w.id)],
+                                   if is_member(w) and self.is_unresponsive(w.id)],
         }
 
     def lost_peers(self) -> dict[str, str]:
         """Workers known to be gone, with the reason, by name."""
         return {self._workers[r].name: why for r, why in self._pending.lost().items()}
+
+    # ------------------------------------------------------ a dynamic world
+
+    def grow(self, size: int) -> None:
+        """The roster grew to ``size`` ranks (a worker joined past the end)."""
+        self.heard.extend([0] * (size - len(self.heard)))
+
+    def watch(self, rank: int) -> None:
+        """A worker took ``rank`` (it joined a dynamic world): it is healthy until it
+        says otherwise, and the heartbeat watches it."""
+        self._pending.revive(rank)
+        with self._lock:
+            self._lost_causes.pop(rank, None)
+            self._lost_handled.discard(rank)
+        if self._heartbeat is not None:
+            self._heartbeat.watch(rank)
 
     # ---------------------------------------------------------------- silent
 
@@ -165,7 +190,8 @@ class PeerHealth:
                     self._pinging.discard(peer)
 
         self._heartbeat = Heartbeat(
-            self._name, [w.id for w in self._workers if w.id != rank], len(self._workers),
+            self._name, [w.id for w in self._workers if w.id != rank and is_member(w)],
+            len(self._workers),
             interval=interval, timeout=self._heartbeat_timeout, ping=ping, on_silent=self.on_silent,
             on_heard=self.on_heard_again, heard=self.heard,
         )

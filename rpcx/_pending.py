@@ -119,6 +119,12 @@ class PendingCalls:
             self._lost[rank] = reason
             return [rid for rid, call in self._calls.items() if call.dst.id == rank]
 
+    def revive(self, rank: int) -> None:
+        """A worker holds ``rank`` again (a dynamic world): calls to it are accepted."""
+        with self._lock:
+            self._lost.pop(rank, None)
+            self._silent.pop(rank, None)
+
     def silence(self, rank: int, reason: str) -> list[int] | None:
         """Mark ``rank`` unresponsive: new calls to it are refused with ``reason`` until
         :meth:`hear`; the calls waiting on it (``None`` if it is lost or silent)."""

@@ -106,6 +106,12 @@ class ReplyCache:
             collections.OrderedDict() for _ in range(world_size)
         ]
 
+    def grow(self, size: int) -> None:
+        """Room for callers of ``size`` ranks (a worker joined a dynamic world)."""
+        with self._lock:
+            self._replies.extend(collections.OrderedDict()
+                                 for _ in range(size - len(self._replies)))
+
     def running(self, src: int, rid: int) -> None:
         """Request ``rid`` from ``src`` is served now; its reply will be kept."""
         with self._lock:
@@ -168,6 +174,9 @@ class NoRetransmission:
     def forget(self, rank: int) -> None:
         """Worker ``rank`` is gone."""
 
+    def grow(self, size: int) -> None:
+        """The roster grew to ``size`` ranks (a worker joined a dynamic world)."""
+
     def close(self, timeout: float) -> None:
         """The worker closes."""
 
@@ -221,6 +230,10 @@ class Retransmission(NoRetransmission):
     def forget(self, rank: int) -> None:
         """Worker ``rank`` is gone."""
         self._replies.forget(rank)
+
+    def grow(self, size: int) -> None:
+        """Room for callers of ``size`` ranks."""
+        self._replies.grow(size)
 
     def close(self, timeout: float) -> None:
         """Stop sending copies."""

@@ -100,6 +100,8 @@ class Shutdown:
 
     Args:
         name, rank, world_size: the worker's.
+        alone: a worker of a dynamic world leaves alone: it waits for its own calls and
+            settles what it owes, but meets nobody at a barrier (as torch's).
         lifecycle: its state.
         pending: its table of calls waiting for replies.
         store: the rendezvous store (``set``/``get`` with a timeout).
@@ -114,12 +116,14 @@ class Shutdown:
 
     def __init__(
         self, *, name: str, rank: int, world_size: int, lifecycle: Lifecycle,
-        pending: PendingCalls, store: Any, barrier: Callable[[str, float | None], None],
+        alone: bool = False, pending: PendingCalls, store: Any,
+        barrier: Callable[[str, float | None], None],
         is_lost: Callable[[int], bool], on_drain: list[Callable[[float | None], int]],
         before_waits: Callable[[], None], cancel_pending: Callable[[], None],
         teardown: Callable[[bool], Sequence[TeardownStep]],
     ) -> None:
         self._name, self._rank, self._world_size = name, rank, world_size
+        self._alone = alone
         self._life = lifecycle
         self._pending = pending
         self._store = store
@@ -140,7 +144,12 @@ class Shutdown:
             deadline = time.monotonic() + timeout
             waits_end = deadline - min(timeout * _TEARDOWN_SHARE, _TEARDOWN_MAX)
         try:
-            if graceful:
+            if graceful and self._alone:
+                self.wait_until_idle(waits_end)
+                for hook in self._on_drain:  # (acknowledged: returns once settled)
+                    hook(remaining(waits_end))
+                self.wait_until_idle(waits_end)
+            elif graceful:
                 self.wait_until_idle(waits_end)
                 self._barrier("shutdown", remaining(waits_end))
                 self._drain(waits_end)

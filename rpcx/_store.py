@@ -141,6 +141,13 @@ class BoundedStore:
         """Add ``amount`` to the counter ``key``; its new value."""
         return int(self._run(f"adding to {key!r}", self.raw.add, (key, amount), timeout))
 
+    def compare_set(self, key: str, expected: str, desired: str,
+                    timeout: float | None = None) -> bytes:
+        """Set ``key`` to ``desired`` if its value is ``expected`` (``""``: also if it
+        does not exist); the value it has afterwards."""
+        return bytes(self._run(f"compare-and-set of {key!r}", self.raw.compare_set,
+                               (key, expected, desired), timeout))
+
     def check(self, keys: list[str], timeout: float | None = None) -> bool:
         """Whether every key of ``keys`` exists."""
         return bool(self._run(f"looking for {keys[0]!r}", self.raw.check, (keys,), timeout))

@@ -18,33 +18,46 @@ what a message means beyond its kind (services register handlers per kind).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from rpcx import _context, rendezvous
 from rpcx._budget import BackPressure, BytesInFlight
 from rpcx._call_path import CallPath, receiving
 from rpcx._executors import Executors
 from rpcx._intra_op import adopt_intra_op_threads
+from rpcx._membership import Roster
 from rpcx._peer_health import PeerHealth
 from rpcx._pending import PendingCalls, describe_callable
 from rpcx._retransmit import NoRetransmission, Retransmission
 from rpcx._shutdown import Lifecycle, Shutdown, TeardownStep, bounded, each_hook, step_bound
 from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
-from rpcx.errors import LostCause, PeerLostError
+from rpcx.errors import LostCause, PeerLostError, UnknownWorkerError
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
 from rpcx.options import RpcBackendOptions
 from rpcx.service_host import Deferred, Handler, MessageScope, NoteSource
 from rpcx.transport import DescribesRoutes, Frame, Transport, TransportContext
-from rpcx.worker import WorkerInfo, find_worker
+from rpcx.worker import WorkerInfo, find_worker, is_member
 
-__all__ = ["Deferred", "Handler", "MessageScope", "NoteSource", "RpcAgent",
-           "describe_callable"]
+__all__ = ["Deferred", "DynamicMembership", "Handler", "MessageScope", "NoteSource",
+           "RpcAgent", "describe_callable"]
 
 log = logging.getLogger("rpcx.agent")
+
+
+class DynamicMembership(Protocol):
+    """What the agent of a dynamic world asks the world's record in the store."""
+
+    def member(self, rank: int) -> str:
+        """The name of the worker that joined at ``rank``."""
+
+    def departing(self) -> contextlib.AbstractContextManager[None]:
+        """Held while this worker closes its transport: no worker joins meanwhile, and
+        this one is off the roster when it ends."""
 
 
 class RpcAgent:
@@ -55,6 +68,7 @@ class RpcAgent:
         backend: str, options: RpcBackendOptions, init_method: str,
         routes: DeviceRoutes | None = None, guard: FrameGuard | None = None,
         connection_auth: ConnectionAuth | None = None,
+        dynamic: DynamicMembership | None = None,
     ) -> None:
         self.info = workers[rank]
         # Hooks services add to. Graceful shutdown, once every worker has stopped
@@ -75,7 +89,11 @@ class RpcAgent:
         # (rpcx.auth); without one the transport is called directly.
         self.guard = guard
         self._connection_auth = connection_auth
-        self._by_name = {w.name: w for w in workers}
+        # Who holds each rank; in a dynamic world it changes as workers join and leave.
+        self.roster = Roster(workers, dynamic=dynamic is not None)
+        self._dynamic = dynamic
+        self._by_name = self.roster.by_name
+        self._transport_names = [w.name for w in workers]  # (the transport's view)
         self._store = store
         self._transport = transport
         capabilities = transport.capabilities
@@ -98,7 +116,7 @@ class RpcAgent:
             name=self.name, workers=workers, lifecycle=self._life, pending=self._pending,
             fail=lambda rids, error: self._calls.fail(rids, error),
             on_forget=[self._retransmission.forget, lambda _: self._back_pressure.wake()],
-            heartbeat_timeout=options.heartbeat_timeout,
+            heartbeat_timeout=options.heartbeat_timeout, departures_expected=dynamic is not None,
             send_one_way=lambda dst, kind, payload: self._calls.send_one_way(dst, kind, payload))
         send = transport.send
         self._calls = CallPath(
@@ -109,8 +127,12 @@ class RpcAgent:
             lost_error=self._health.lost_error, heard=self._health.heard,
             routes=self.routes, stage_devices=not capabilities.cuda_direct,
             back_pressure=self._back_pressure, retransmission=self._retransmission)
+        self.roster.growers += [self._health.grow, self._calls.grow, self._back_pressure.grow,
+                                self._retransmission.grow]
+        self.roster.on_rejoin += [self._calls.rejoined, self._retransmission.forget]
         self._shutdown = Shutdown(
             name=self.name, rank=rank, world_size=len(workers), lifecycle=self._life,
+            alone=dynamic is not None,
             pending=self._pending, store=store, barrier=self.barrier,
             is_lost=self.is_lost, on_drain=self.on_drain,
             before_waits=self._health.stop_heartbeat, cancel_pending=self._calls.cancel_all,
@@ -154,9 +176,31 @@ class RpcAgent:
         sent again until answered (see :mod:`rpcx._retransmit`)."""
         return self._retransmission.lossy
 
+    @property
+    def dynamic(self) -> bool:
+        """Whether workers may join and leave this world (``init_rpc`` without
+        ``world_size``)."""
+        return self._dynamic is not None
+
     def resolve(self, to: str | int | WorkerInfo) -> WorkerInfo:
         """The ``WorkerInfo`` for a name, a rank or a ``WorkerInfo``."""
-        return find_worker(self.workers, self._by_name, to)
+        if self._dynamic is None:
+            return find_worker(self.workers, self._by_name, to)
+        try:
+            found = find_worker(self.workers, self._by_name, to)
+        except UnknownWorkerError:
+            found = None
+        if found is None or not self.roster.holds(found.id):
+            known = ", ".join(w.name for w in self.roster.members())
+            left = " (it left the world)" if found is not None else ""
+            raise UnknownWorkerError(
+                f"unknown destination worker {to!r}{left}; the workers are: {known}")
+        return found
+
+    def members(self) -> list[WorkerInfo]:
+        """The workers of the world now, by rank (in a dynamic world, those that joined
+        and have not left)."""
+        return self.roster.members()
 
     def timeout_for(self, timeout: float | None) -> float | None:
         """Seconds for a call's ``timeout`` argument: negative/None = default, 0 = none."""
@@ -218,12 +262,14 @@ class RpcAgent:
             deliver = self.guard.guarding(
                 deliver, lambda src, why: self._on_peer_lost(src, LostCause.PROTOCOL_ERROR, why))
         self._transport.start(TransportContext(
-            rank=self.rank, world_size=self.world_size, names=self.names,
+            rank=self.rank, world_size=self.world_size, names=self._transport_names,
             store=rendezvous.prefixed(self._store, "transport"), options=self.options,
             init_method=self.init_method, deliver=deliver, peer_lost=self._on_peer_lost,
             routes=self.routes,
             receive_lane=lambda name, resume: self._executors.new_lane(name, resume, self),
             auth=self._connection_auth,
+            admit=self._admit if self._dynamic is not None else None,
+            vacant=lambda rank: rank >= len(self.workers) or not is_member(self.workers[rank]),
         ))
         interval, timeout = self.options.heartbeat_interval, self.options.heartbeat_timeout
         if interval > 0 and timeout > 0 and not self._transport.capabilities.in_process:
@@ -266,8 +312,9 @@ class RpcAgent:
         self._executors.call_soon(fn, *args)
 
     def is_lost(self, rank: int) -> bool:
-        """Whether worker ``rank`` is known to be gone (died, or left the world)."""
-        return self._health.is_lost(rank)
+        """Whether worker ``rank`` is known to be gone (died, or left the world; in a
+        dynamic world also a rank no worker holds)."""
+        return self._health.is_lost(rank) or not self.roster.holds(rank)
 
     def lost_error(self, rank: int, call: str) -> PeerLostError:
         """The error of ``call`` to worker ``rank``, known gone: worded as every call's."""
@@ -302,14 +349,22 @@ class RpcAgent:
     def _teardown(self, graceful: bool) -> Sequence[TeardownStep]:
         """What closes, in order, when the worker leaves."""
         def leave(deadline: float | None) -> None:
-            rendezvous.leave(self._store, self.rank, self.world_size, self.is_lost,
-                             timeout=step_bound(deadline, rendezvous.LEAVE_TIMEOUT)
-                             if graceful else 0.0)
+            if self._dynamic is None:  # (a dynamic world's store host waits for nobody)
+                rendezvous.leave(self._store, self.rank, self.world_size, self.is_lost,
+                                 timeout=step_bound(deadline, rendezvous.LEAVE_TIMEOUT)
+                                 if graceful else 0.0)
             self._store = None  # the last reference may host the rendezvous server
             _context.forget(self)
 
+        def close_transport(deadline: float | None) -> None:
+            # A dynamic worker leaves under the membership token, so that no newcomer
+            # dials it while it closes; static worlds need none.
+            with (self._dynamic.departing() if self._dynamic is not None
+                  else contextlib.nullcontext()):
+                self._transport.close(step_bound(deadline))
+
         return [
-            ("transport", lambda deadline: self._transport.close(step_bound(deadline))),
+            ("transport", close_transport),
             *[(name, bounded(step)) for name, step in self._executors.teardown()],
             ("retransmission", bounded(self._retransmission.close)),
             ("services", each_hook(self.on_close, self.name)),
@@ -322,6 +377,20 @@ class RpcAgent:
         # Transports call this from their receiving threads, which must not send.
         with receiving():
             self._health.peer_lost(rank, cause, detail)
+        if cause is LostCause.DEPARTED:
+            self.roster.depart(rank)  # (a static world's roster never changes)
+
+    def _admit(self, rank: int) -> str:
+        """A worker joined this dynamic world at ``rank`` (the transport calls this when it
+        connects, before anything from it is delivered): enter it; its name."""
+        assert self._dynamic is not None
+        worker = WorkerInfo(self._dynamic.member(rank), rank)
+        self.roster.admit(worker)  # (raises for a rank or a name taken)
+        names = self._transport_names
+        names.extend(w.name for w in self.workers[len(names):])
+        names[rank] = worker.name
+        self._health.watch(rank)
+        return worker.name
 
     def _bind_thread(self) -> None:
         adopt_intra_op_threads()  # pool threads run handlers and callbacks

@@ -68,7 +68,10 @@ def init_rpc(
             ``BackendType``; ``None`` picks the backend ``rpcx.spawn`` was given, else
             ``$RPCX_BACKEND``, else the default (``auto``).
         rank: this worker's rank; ``-1`` reads ``$RANK`` with ``env://``.
-        world_size: number of workers; ``None`` reads ``$WORLD_SIZE`` with ``env://``.
+        world_size: number of workers; ``None`` reads ``$WORLD_SIZE`` with ``env://``,
+            and without it joins a *dynamic world*: workers join (and may leave, with
+            ``shutdown()``) one at a time, on backends that admit workers after start
+            (``auto``, ``shm``, ``tcp``); see docs/guide/dynamic-worlds.md.
         rpc_backend_options: any options object; defaults to the backend's own type.
             ``init_method`` and ``rpc_timeout`` (also used as the bound on waiting for
             the other workers to join) apply to every backend. torch's own
@@ -97,19 +100,23 @@ def init_rpc(
         routes=world.routes,
         guard=world.guard,
         connection_auth=world.connection_auth,
+        dynamic=world.dynamic,
     )
     try:
         calls.install(agent)
         rref.install(agent)
         autograd_service.install(agent)
         agent.start()
-        agent.barrier("ready", world.options.rpc_timeout or None)
+        if world.dynamic is None:
+            agent.barrier("ready", world.options.rpc_timeout or None)
+        # (a dynamic worker is ready once connected: every member admitted it)
     except BaseException:
-        # Do not leave threads, connections or the in-process store behind.
+        # Do not leave threads, connections, the roster or the in-process store behind.
         with contextlib.suppress(Exception):
             agent.shutdown(graceful=False)
         world.leave()
         raise
+    world.settle()
     _context.register(agent)
     if spec.capabilities.in_process:
         _context.bind_agent(agent)
@@ -118,8 +125,12 @@ def init_rpc(
         _context.bind_agent(None)  # drop a stale in-process binding of this thread
         _context.set_process_agent(agent)
         _register_atexit()
-    log.info("worker %r (rank %d of %d) joined on backend %r", name, world.rank,
-             world.world_size, spec.name)
+    if world.dynamic is None:
+        log.info("worker %r (rank %d of %d) joined on backend %r", name, world.rank,
+                 world.world_size, spec.name)
+    else:
+        log.info("worker %r (rank %d) joined a dynamic world of %d on backend %r", name,
+                 world.rank, len(agent.members()), spec.name)
 
 
 def _options_for(spec: BackendSpec, given: object) -> RpcBackendOptions:
@@ -186,8 +197,8 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 
 
 def get_worker_infos() -> list[WorkerInfo]:
-    """Every worker of the world, in rank order."""
-    return list(_context.current_agent().workers)
+    """Every worker of the world, in rank order (in a dynamic world: those in it now)."""
+    return _context.current_agent().members()
 
 
 def debug_info() -> dict[str, Any]:

@@ -6,23 +6,33 @@ share device maps and turn them into this worker's routes, and, with a world key
 exchange session nonces for the frame guard and the transports' connection proofs.
 :func:`join` returns a :class:`Joined` record: everything the agent is built from.
 
-Nothing here runs after ``init_rpc``; the agent never imports this module.
+A dynamic world (no ``world_size``, as torch's) is joined under its membership token
+(:mod:`rpcx.dynamic_world`): this worker enters the store's roster, and the token stays
+held until its transport has connected to every member (:meth:`Joined.settle`).
+
+Nothing here runs after ``init_rpc`` except a dynamic worker's :meth:`Joined.strike_off`
+at shutdown; the agent never imports this module.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from rpcx import auth, rendezvous
 from rpcx.devices import DeviceRoutes, WorkerDevices, plan_routes
+from rpcx.dynamic_world import DynamicWorld, HeldToken, claim_kind
 from rpcx.errors import RpcError
 from rpcx.options import RpcBackendOptions
-from rpcx.registry import BackendSpec
-from rpcx.worker import WorkerInfo
+from rpcx.registry import BackendSpec, available_backends, dynamic_backends
+from rpcx.worker import VacantRank, WorkerInfo
 
 __all__ = ["Joined", "join", "rank_and_size"]
+
+log = logging.getLogger("rpcx")
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,7 @@ class Joined:
             connections (``None`` without one).
         world_key: the in-process store's key, for a backend whose workers are threads of
             one process (released once the worker leaves: :meth:`leave`); else ``None``.
+        dynamic: a dynamic world's record in the store (``None`` for a static world).
     """
 
     backend: BackendSpec
@@ -55,11 +66,37 @@ class Joined:
     guard: auth.FrameGuard | None
     connection_auth: auth.ConnectionAuth | None
     world_key: str | None
+    dynamic: DynamicWorld | None = None
+    token: HeldToken | None = None
+
+    def settle(self) -> None:
+        """The agent started: give the membership token back (a dynamic world; nothing
+        otherwise)."""
+        if self.token is not None:
+            self.token.release()
 
     def leave(self) -> None:
-        """Release what joining holds beyond the agent: the in-process store, if any."""
+        """Release what joining holds beyond the agent: the in-process store, if any; a
+        dynamic worker is struck off the roster."""
+        if self.token is not None and self.token.held and self.dynamic is not None:
+            with contextlib.suppress(Exception):  # (the start failed: the token is ours)
+                self.dynamic.leave()
+            self.token.release()
+        else:
+            self.strike_off()
         if self.world_key is not None:
             rendezvous.release_in_process_store(self.world_key)
+
+    def strike_off(self) -> None:
+        """A dynamic worker's last step at shutdown: under the token, leave the roster.
+        Never raises (the store may be gone: its host left first)."""
+        if self.dynamic is None:
+            return
+        try:
+            with self.dynamic.token("leave"):
+                self.dynamic.leave()
+        except Exception as exc:  # logged; shutdown goes on
+            log.debug("%s: leaving the dynamic world's roster: %s", self.name, exc)
 
 
 def join(
@@ -81,6 +118,8 @@ def join(
     in-process store was opened releases it.
     """
     rank, world_size = rank_and_size(options, rank, world_size)
+    if world_size is None:
+        return _join_dynamic(name, spec, options, rank, key)
     seal = auth.ValueSeal(key) if key is not None else None
     join_timeout = options.rpc_timeout or None
     in_process = spec.capabilities.in_process
@@ -91,6 +130,7 @@ def join(
     else:
         store = rendezvous.open_store(options.init_method, rank, world_size, join_timeout)
     try:
+        claim_kind(store, "static", repr(name), join_timeout)
         session, names = rendezvous.join_world(
             store, name, rank, world_size, join_timeout, seal)
     except Exception as exc:
@@ -119,22 +159,94 @@ def join(
     )
 
 
-def rank_and_size(options: RpcBackendOptions, rank: int, world_size: int | None) -> tuple[int, int]:
+def rank_and_size(options: RpcBackendOptions, rank: int, world_size: int | None
+                  ) -> tuple[int, int | None]:
     """``init_rpc``'s rank and world size: as given, or from ``$RANK`` and ``$WORLD_SIZE``
-    with ``env://``. Raises ``ValueError`` for a size below 1 or a rank outside it."""
-    if options.init_method.startswith("env://"):
+    with ``env://``. A world size of ``None`` (not given, nor in the environment) means a
+    dynamic world. Raises ``ValueError`` for a size below 1, a rank outside it, or a
+    dynamic worker without a rank (with torch's wording)."""
+    env = options.init_method.startswith("env://")
+    if env:
         if rank < 0 and "RANK" in os.environ:
             rank = int(os.environ["RANK"])
         if world_size is None and "WORLD_SIZE" in os.environ:
             world_size = int(os.environ["WORLD_SIZE"])
-    if world_size is None or world_size < 1:
-        raise ValueError(
-            "init_rpc needs world_size >= 1 (or $WORLD_SIZE with env://); "
-            "dynamic membership is not supported yet"
-        )
+    if world_size is None:
+        if rank < 0:
+            raise ValueError(
+                "init_rpc without world_size joins a dynamic world, which needs this "
+                "worker's rank: "
+                + ("environment variable RANK expected, but not set" if env else
+                   f"rank parameter missing (init_method {options.init_method!r})"))
+        return rank, None
+    if world_size < 1:
+        raise ValueError(f"init_rpc needs world_size >= 1, got {world_size} (leave it out "
+                         "to join a dynamic world)")
     if not 0 <= rank < world_size:
         raise ValueError(f"init_rpc needs 0 <= rank < world_size={world_size}, got rank={rank}")
     return rank, world_size
+
+
+def _join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank: int,
+                  key: bytes | None) -> Joined:
+    """Join the dynamic world on ``options.init_method`` as worker ``name`` of ``rank``:
+    under its membership token, which the returned record holds until
+    :meth:`Joined.settle`."""
+    _check_dynamic(name, spec, options, key)
+    join_timeout = options.rpc_timeout or None
+    store = rendezvous.open_store(options.init_method, rank, None, join_timeout)
+    claim_kind(store, "dynamic", repr(name), join_timeout)
+    world = DynamicWorld(store, name, rank, join_timeout)
+    token = world.hold_token("join")
+    try:
+        roster = world.roster()
+        if (rank not in roster and not spec.capabilities.reuses_ranks
+                and world.was_held(rank)):
+            raise RpcError(
+                f"init_rpc: worker {name!r} cannot take rank {rank} of the dynamic world: "
+                f"a worker held it before, and the {spec.name!r} backend cannot give a rank "
+                "to a new worker (torch's agent keeps the old connection); pick a rank not "
+                "used in this world, or a backend that can ("
+                + ", ".join(n for n, other in available_backends().items()
+                            if other.capabilities.dynamic and other.capabilities.reuses_ranks)
+                + ")")
+        world.enter(roster)
+    except BaseException:
+        token.release()
+        raise
+    roster[rank] = name
+    workers: list[WorkerInfo] = [VacantRank(r) for r in range(max(roster) + 1)]
+    for held, holder in roster.items():
+        workers[held] = WorkerInfo(holder, held)
+    return Joined(
+        backend=spec, name=name, rank=rank, world_size=len(workers), workers=workers,
+        store=world.store, options=options,
+        routes=DeviceRoutes(rank, [w.name for w in workers]), guard=None,
+        connection_auth=None, world_key=None, dynamic=world, token=token,
+    )
+
+
+def _check_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions,
+                   key: bytes | None) -> None:
+    """Refuse, saying why, what a dynamic world cannot do yet."""
+    me = f"init_rpc: worker {name!r} (without world_size: a dynamic world)"
+    if not spec.capabilities.dynamic:
+        where = ("its workers are threads of one process, started together"
+                 if spec.capabilities.in_process else
+                 "its transport connects a fixed set of workers at start")
+        raise RpcError(
+            f"{me}: the {spec.name!r} backend cannot admit workers after the world started "
+            f"({where}). Backends that can: {', '.join(dynamic_backends()) or 'none'}; or "
+            "pass world_size to start a world of fixed size")
+    if key is not None:
+        raise RpcError(
+            f"{me}: a world key (authentication) is not supported in a dynamic world yet: "
+            "every worker's session nonce is exchanged once, at start. Unset the key for a "
+            "dynamic world on a trusted network, or pass world_size")
+    if getattr(options, "device_maps", None) or getattr(options, "devices", None):
+        raise RpcError(
+            f"{me}: device maps are not supported in a dynamic world yet (the world's "
+            "maps are checked once, at start); send CPU tensors, or pass world_size")
 
 
 def exchange_devices(

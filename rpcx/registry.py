@@ -216,6 +216,12 @@ def backend_names() -> list[str]:
     return sorted(_load())
 
 
+def dynamic_backends() -> list[str]:
+    """Sorted names of the installed backends that admit workers after start (a
+    dynamic world: ``init_rpc`` without ``world_size``)."""
+    return sorted(name for name, spec in _load().items() if spec.capabilities.dynamic)
+
+
 def plugin_errors() -> dict[str, str]:
     """Plugins that failed, with what failed ("failed to load: ImportError: ...")."""
     _load()

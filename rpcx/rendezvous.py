@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 
 from torch._C._distributed_c10d import FileStore, HashStore, TCPStore
 from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import _rendezvous_helper
 from torch.distributed.rendezvous import rendezvous as torch_rendezvous
 
 from rpcx._store import BoundedStore
@@ -55,15 +56,18 @@ _hub: dict[str, tuple[Any, int]] = {}  # world key -> (HashStore, users)
 
 
 def open_store(
-    init_method: str, rank: int, world_size: int, timeout: float | None
+    init_method: str, rank: int, world_size: int | None, timeout: float | None
 ) -> BoundedStore:
     """Connect to (or host) the rendezvous store of ``init_method``.
 
     Rank 0 hosts a ``tcp://`` or ``env://`` store on the address the URL names only
     (torch's own handler listens on every interface, so ``tcp://127.0.0.1:port`` was
     reachable from other hosts), when that address is one of this host's.
+    ``world_size`` ``None``: the store of a dynamic world (rank 0 hosts it, nobody waits
+    for a count of workers), opened as torch opens one.
     """
     store_timeout = timedelta(seconds=timeout) if timeout else _NO_LIMIT
+    of = f"of {world_size}" if world_size is not None else "(a dynamic world)"
     env_missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
     if init_method == "env://" and env_missing:
         if world_size == 1:
@@ -73,21 +77,25 @@ def open_store(
             private.set_timeout(store_timeout)
             return BoundedStore(private, "a private in-memory store (a world of one)")
         raise RpcError(
-            f"rendezvous at 'env://' for rank {rank} of {world_size}: "
+            f"rendezvous at 'env://' for rank {rank} {of}: "
             f"{' and '.join(env_missing)} not set. Set MASTER_ADDR and MASTER_PORT to rank "
             "0's host and a free port (MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 for workers "
             "on this host), or pass init_method='tcp://HOST:PORT'; rpcx.spawn(...) and "
             "`rpcx launch` set them for you, and backend='loopback' needs none"
         )
     try:
-        store = (_host_on_named_address(init_method, world_size, store_timeout)
+        store = (_host_on_named_address(init_method, world_size or -1, store_timeout)
                  if rank == 0 else None)
         if store is None:
-            store, _, _ = next(torch_rendezvous(
-                init_method, rank=rank, world_size=world_size, timeout=store_timeout))
+            # (torch's init_rpc opens a dynamic world's store through the helper too)
+            store, _, _ = next(
+                _rendezvous_helper(init_method, rank, None, timeout=store_timeout)
+                if world_size is None else
+                torch_rendezvous(init_method, rank=rank, world_size=world_size,
+                                 timeout=store_timeout))
     except (RuntimeError, ValueError, OSError) as exc:
         raise RpcError(
-            f"rendezvous at {init_method!r} failed for rank {rank} of {world_size}: {exc}"
+            f"rendezvous at {init_method!r} failed for rank {rank} {of}: {exc}"
         ) from exc
     # Blocking store calls that rpcx does not make itself (a transport's address
     # exchange, gloo's process group) are bounded by the join timeout.

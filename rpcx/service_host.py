@@ -142,6 +142,10 @@ class ServiceHost(Protocol):
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` soon on the completion lane (never on the calling thread)."""
 
+    def members(self) -> list[WorkerInfo]:
+        """The workers of the world now, by rank (``workers`` less vacant ranks and, in a
+        dynamic world, those that left)."""
+
     def resolve(self, to: str | int | WorkerInfo) -> WorkerInfo:
         """The ``WorkerInfo`` for a name, a rank or a ``WorkerInfo``."""
 

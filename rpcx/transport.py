@@ -102,6 +102,13 @@ class Capabilities:
             then acknowledges its bookkeeping and sends it again until answered (see
             ``rpcx._retransmit``); user calls whose frames are lost fail with their
             timeout. False for every built-in transport (a lost connection is a lost peer).
+        dynamic: workers may join after this one started (``init_rpc`` without
+            ``world_size``): started with ``TransportContext.admit`` set, the transport
+            connects to the members it is given and accepts newcomers for as long as it
+            runs (see :class:`TransportContext`).
+        reuses_ranks: in a dynamic world, a rank a worker left may be taken by a new
+            worker. False for tensorpipe: torch's agent keeps its connection to a rank
+            after the worker left (torch's own dynamic groups never reuse a rank).
     """
 
     multi_process: bool
@@ -110,10 +117,14 @@ class Capabilities:
     cuda_direct: bool = False
     refuses_strangers: bool = True
     lossy: bool = False
+    dynamic: bool = False
+    reuses_ranks: bool = True
 
     def summary(self) -> str:
-        """A short comma-separated list of the true flags."""
-        flags = [name for name, value in vars(self).items() if value]
+        """A short comma-separated list of the true flags (``reuses_ranks`` only with
+        ``dynamic``)."""
+        flags = [name for name, value in vars(self).items()
+                 if value and (name != "reuses_ranks" or self.dynamic)]
         return ", ".join(flags) if flags else "-"
 
 
@@ -212,6 +223,14 @@ class TransportContext:
             thread when a request served on the receiving thread blocks). Requests
             delivered on a lane are served on the receiving thread, saving the hand-off
             to the request pool. Without a lane, they go to the pool.
+        admit: set in a dynamic world (only for transports whose capabilities say
+            ``dynamic``). Ranks whose name is a vacant placeholder (see
+            ``vacant``) hold no worker yet. The transport connects to every member at
+            start, and from then on accepts a worker that joins later: it calls
+            ``admit(rank)`` before delivering anything from it (it returns the
+            newcomer's name, having made room for it in ``names``; it raises to
+            refuse the connection). A member that leaves says goodbye as at shutdown.
+        vacant: ``vacant(rank)``: whether ``rank`` holds no worker (a dynamic world).
         auth: a :class:`ConnectionAuth`, set when the world has a key. Frames are
             already sealed and checked by the core; a transport that accepts connections of its own
             should make each new connection prove the key with it (a challenge from each
@@ -234,6 +253,8 @@ class TransportContext:
     routes: DeviceRoutes | None = None
     receive_lane: Callable[[str, Callable[[], None]], ReceiveLane] | None = None
     auth: ConnectionAuth | None = None
+    admit: Callable[[int], str] | None = None
+    vacant: Callable[[int], bool] = lambda rank: False
 
 
 @runtime_checkable

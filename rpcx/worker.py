@@ -8,7 +8,7 @@ from typing import Any
 
 from rpcx.errors import InvalidWorkerNameError, UnknownWorkerError
 
-__all__ = ["WorkerInfo", "find_worker", "validate_worker_name"]
+__all__ = ["VacantRank", "WorkerInfo", "find_worker", "is_member", "validate_worker_name"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_\-:]+")
 MAX_NAME_LENGTH = 128
@@ -64,6 +64,30 @@ class WorkerInfo:
         return (WorkerInfo, (self._name, self._id))
 
 
+class VacantRank(WorkerInfo):
+    """A rank of a dynamic world that no worker holds (yet, or any more).
+
+    It keeps the agent's tables indexed by rank when ranks join out of order. It never
+    leaves the worker: ``get_worker_infos`` and name lookups skip it, and calls to it
+    fail as to a peer that is gone. Its name (``"<rank N: vacant>"``) is no valid worker
+    name, so it cannot clash with one.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, id: int) -> None:  # (no name check: the name is deliberately invalid)
+        object.__setattr__(self, "_name", f"<rank {int(id)}: vacant>")
+        object.__setattr__(self, "_id", int(id))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (VacantRank, (self._id,))
+
+
+def is_member(worker: WorkerInfo) -> bool:
+    """Whether ``worker`` is a worker of the world, not a :class:`VacantRank`."""
+    return not isinstance(worker, VacantRank)
+
+
 def validate_worker_name(name: object) -> str:
     """Return ``name`` if it is a valid worker name, else raise saying why.
 
@@ -114,11 +138,11 @@ def find_worker(workers: list[WorkerInfo], by_name: dict[str, WorkerInfo],
         if found is not None:
             return found
     elif isinstance(to, int) and not isinstance(to, bool):
-        if 0 <= to < len(workers):
+        if 0 <= to < len(workers) and is_member(workers[to]):
             return workers[to]
     else:
         raise TypeError(
             f"destination must be a worker name, rank or WorkerInfo, got {type(to).__name__}"
         )
-    known = ", ".join(w.name for w in workers)
+    known = ", ".join(w.name for w in workers if is_member(w))
     raise UnknownWorkerError(f"unknown destination worker {to!r}; the workers are: {known}")

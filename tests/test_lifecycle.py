@@ -113,7 +113,10 @@ def test_invalid_worker_names(name: str, message: str) -> None:
 
 
 def test_bad_rank_and_world_size() -> None:
-    with pytest.raises(ValueError, match="world_size"):
+    with pytest.raises(ValueError, match="world_size >= 1, got 0"):
+        rpcx.init_rpc("w", backend="loopback", rank=0, world_size=0)
+    # Without world_size: a dynamic world, which loopback cannot run (it says so).
+    with pytest.raises(rpcx.RpcError, match="the 'loopback' backend cannot admit workers"):
         rpcx.init_rpc("w", backend="loopback", rank=0)
     with pytest.raises(ValueError, match="0 <= rank < world_size=2"):
         rpcx.init_rpc("w", backend="loopback", rank=2, world_size=2)

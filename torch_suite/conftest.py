@@ -1,7 +1,7 @@
 """pytest plugin for torch's RPC suite: backend choice, known failures, the summary.
 
 Options:
-    --torch-suite-backend NAME   gloo, tensorpipe or torch (default: $TORCH_SUITE_BACKEND,
+    --torch-suite-backend NAME   auto, gloo, tensorpipe or torch (default: $TORCH_SUITE_BACKEND,
                                  else gloo).
     --torch-suite-raw            do not mark the known failures (expectations.py) xfail.
     --torch-suite-report PATH    write the per-test outcomes there (default:
@@ -25,7 +25,7 @@ _OUTCOMES: dict[str, str] = {}
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("torch_suite")
     group.addoption("--torch-suite-backend", default=None,
-                    help="gloo, tensorpipe or torch (torch's own agent)")
+                    help="auto, gloo, tensorpipe or torch (torch's own agent)")
     group.addoption("--torch-suite-raw", action="store_true",
                     help="run without marking the known failures xfail")
     group.addoption("--torch-suite-report", default=None,

@@ -42,23 +42,31 @@ import collections
 import functools
 import logging
 import os
+import socket
 import struct
 import threading
 import time
+import uuid
 from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
 
 from rpcx import rendezvous
 from rpcx.hookspecs import hookimpl
+from rpcx.hosts import default_address
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES, TensorPipeRpcBackendOptions
 from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx.transport_kit import (
+    ADMITTED,
     BYE_TIMEOUT,
     CLOSED_CONNECTION,
+    HANDSHAKE_TIMEOUT,
+    Arrivals,
     Backlog,
+    Doorway,
     Link,
     LostCause,
     PeerLostError,
@@ -68,6 +76,7 @@ from rpcx.transport_kit import (
     as_bytes,
     check_frame_size,
     empty_bytes,
+    join_stream_mesh,
     lost_error,
     options_as,
     run_bounded,
@@ -133,10 +142,15 @@ class _Link(Link):
     posted. The first read posts the whole ring.
     """
 
-    __slots__ = ("bye", "owed", "posted", "ring_closed", "ring_lock", "unheard")
+    __slots__ = ("bye", "group", "index", "owed", "posted", "ring_closed", "ring_lock",
+                 "unheard")
 
-    def __init__(self, rank: int, name: str) -> None:
+    def __init__(self, rank: int, name: str, group: Any, index: int) -> None:
         super().__init__(rank, name)
+        # The process group the peer is reached over, and its rank in it: the world's
+        # group and its world rank; in a dynamic world, a group of the pair.
+        self.group = group
+        self.index = index
         self.ring_lock = threading.Lock()
         self.posted: collections.deque[tuple[bytearray, torch.Tensor, Any]] = (
             collections.deque()
@@ -170,13 +184,21 @@ class _GlooPeers(Peers[_Link]):
 class GlooTransport:
     """Moves frames over a private gloo process group."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True,
+                                                        dynamic=True)
 
     def __init__(self) -> None:
         self._ctx: TransportContext | None = None
         self._pg: Any = None
+        self._opts: Any = None
         self.peers: _GlooPeers | None = None
         self._max_frame = DEFAULT_MAX_FRAME_BYTES
+        # A dynamic world: what admits workers that join later, the ranks being admitted
+        # now, and this worker's nonce (names its pair groups: a rank taken again gets
+        # fresh ones).
+        self._doorway: Doorway | None = None
+        self._arrivals: Arrivals[_Link] = Arrivals()
+        self._nonce = ""
 
     @property
     def _peers(self) -> dict[int, _Link]:
@@ -186,24 +208,93 @@ class GlooTransport:
     # ------------------------------------------------------------------------ start
 
     def start(self, ctx: TransportContext) -> None:
-        """Create the process group (connects the full mesh) and start receiving."""
+        """Create the process group (connects the full mesh) and start receiving. In a
+        dynamic world: a group per pair, with every member, and a doorway for later
+        workers."""
         self._max_frame = options_as(ctx, GlooRpcBackendOptions).max_frame_bytes
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts = self._opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = _PAIR_TIMEOUT
         opts._devices = _devices(ctx)
-        self._begin(ctx, _connect_mesh(ctx, opts))
-
-    def _begin(self, ctx: TransportContext, pg: Any) -> None:
-        """Send to and receive from every peer over ``pg`` (a connected group)."""
-        self._ctx = ctx
+        if ctx.admit is not None:
+            self._start_dynamic(ctx)
+            return
+        pg = _connect_mesh(ctx, opts)
         self._pg = pg
-        links = {rank: _Link(rank, ctx.names[rank])
-                 for rank in range(ctx.world_size) if rank != ctx.rank}
+        self._begin(ctx, {rank: _Link(rank, ctx.names[rank], pg, rank)
+                          for rank in range(ctx.world_size) if rank != ctx.rank})
+
+    def _begin(self, ctx: TransportContext, links: dict[int, _Link]) -> None:
+        """Send to and receive from every peer over its link's (connected) group."""
+        self._ctx = ctx
         self.peers = peers = _GlooPeers(ctx, links, self._read_one, self._write_bye,
                                         ended=self._loop_ended)
         for link in links.values():
             link.backlog = self._backlog(link)
         peers.start_receiving()
+
+    # --------------------------------------------------------------- dynamic world
+
+    def _start_dynamic(self, ctx: TransportContext) -> None:
+        """Join a dynamic world: tell each member through its doorway (a plain socket:
+        a process group cannot grow), then make a group with it; open a doorway."""
+        self._ctx = ctx
+        self._nonce = uuid.uuid4().hex
+        ctx.store.set(f"gloo/nonce/{ctx.rank}", self._nonce)
+        options = options_as(ctx, GlooRpcBackendOptions)
+        where = options.hostname or address_towards(ctx.init_method) or default_address()
+        family = socket.AF_INET6 if ":" in where else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((where, 0))
+            listener.listen(16)
+            sockets = join_stream_mesh(
+                ctx, {"tcp": [where, listener.getsockname()[1]]}, _dial, "gloo")
+            links = {}
+            try:
+                for rank in sockets:
+                    links[rank] = self._pair_link(rank, self._nonce)
+            finally:
+                for sock in sockets.values():
+                    sock.close()
+        except BaseException:
+            listener.close()
+            raise
+        self._begin(ctx, links)
+        self._doorway = Doorway(ctx, [listener], "gloo", self._newcomer, self._welcome,
+                                listener.close)
+        self._doorway.start()
+
+    def _pair_link(self, rank: int, nonce: str) -> _Link:
+        """A link to ``rank`` over a new group of the two (both ends make it, bounded;
+        ``nonce`` is the newer worker's)."""
+        ctx = self._ctx
+        assert ctx is not None
+        low, high = sorted((ctx.rank, rank))
+        store = PrefixStore(f"gloo/pair/{low}-{high}/{nonce}/", ctx.store)
+        me = 0 if ctx.rank == low else 1
+        group = run_bounded(ctx, lambda: dist.ProcessGroupGloo(store, me, 2, self._opts),
+                            f"the gloo group with {ctx.names[rank]!r}")
+        return _Link(rank, ctx.names[rank], group, 1 - me)
+
+    def _newcomer(self, rank: int) -> bool:
+        """Whether a doorway connection from ``rank`` may be a worker joining."""
+        ctx, peers = self._ctx, self.peers
+        assert ctx is not None and peers is not None
+        link = peers.links.get(rank)
+        return rank != ctx.rank and rank >= 0 and (link is None or link.ended.is_set())
+
+    def _welcome(self, rank: int, sock: socket.socket) -> None:
+        """A worker joins at ``rank`` (the doorway calls this): admit it, tell it, make
+        the group of the two with it (it makes its end once told) and start receiving."""
+        ctx, peers = self._ctx, self.peers
+        assert ctx is not None and ctx.admit is not None and peers is not None
+        with self._arrivals.linking(rank):
+            ctx.admit(rank)
+            sock.sendall(ADMITTED)
+            sock.close()
+            link = self._pair_link(rank, ctx.store.get(f"gloo/nonce/{rank}").decode())
+            link.backlog = self._backlog(link)
+            peers.add(link)
 
     def _backlog(self, link: _Link) -> Backlog:
         """The peer's writer: it waits, in posting order, for frames' sends to complete."""
@@ -226,7 +317,10 @@ class GlooTransport:
         """
         peers = self.peers
         assert peers is not None
-        link = peers[dst]
+        try:
+            link = peers.links[dst]
+        except KeyError:  # a worker joining a dynamic world right now: wait for its link
+            link = self._arrivals.link(peers, dst, HANDSHAKE_TIMEOUT)
         messages = _pack(frame)
         nbytes = sum(tensor.numel() for _, tensor in messages)
         # A frame's messages after its slot go only once the peer has read the slot (it
@@ -258,7 +352,7 @@ class GlooTransport:
     def _post(self, link: _Link, messages: _Messages) -> list[Any]:
         """Post ``messages`` to the peer (under ``link.lock``); their gloo works."""
         try:
-            return [self._pg.send([tensor], link.rank, tag) for tag, tensor in messages]
+            return [link.group.send([tensor], link.index, tag) for tag, tensor in messages]
         except RuntimeError as exc:
             raise lost_error(exc) from None
 
@@ -298,9 +392,9 @@ class GlooTransport:
             start = _HEAD.size + 8 * n
             header = bytes(slot[start : _HEAD.size + body_len])
             self._check_sizes(sizes, len(header))
-            frame = self._receive_buffers(link.rank, header, sizes)
+            frame = self._receive_buffers(link, header, sizes)
         else:
-            frame = self._receive_extended(link.rank, n, body_len)
+            frame = self._receive_extended(link, n, body_len)
         with link.ring_lock:
             link.owed.append((slot, slot_tensor))
             low = len(link.posted) < RECEIVE_DEPTH // 2
@@ -327,19 +421,20 @@ class GlooTransport:
         with link.ring_lock:
             while link.owed and not link.ring_closed:
                 slot, slot_tensor = link.owed.pop()
-                work = self._pg.recv([slot_tensor], link.rank, _TAG_SLOT)
+                work = link.group.recv([slot_tensor], link.index, _TAG_SLOT)
                 link.posted.append((slot, slot_tensor, work))
 
-    def _receive_extended(self, src: int, n: int, body_len: int) -> Frame:
+    def _receive_extended(self, link: _Link, n: int, body_len: int) -> Frame:
         body = bytearray(body_len)
-        self._pg.recv([torch.frombuffer(body, dtype=torch.uint8)], src, _TAG_DATA).wait()
+        link.group.recv([torch.frombuffer(body, dtype=torch.uint8)], link.index,
+                        _TAG_DATA).wait()
         sizes = struct.unpack_from(f"<{n}Q", body, 0)
         self._check_sizes(sizes, body_len - 8 * n)
-        return self._receive_buffers(src, bytes(body[8 * n :]), sizes)
+        return self._receive_buffers(link, bytes(body[8 * n :]), sizes)
 
-    def _receive_buffers(self, src: int, header: bytes, sizes: tuple[int, ...]) -> Frame:
+    def _receive_buffers(self, link: _Link, header: bytes, sizes: tuple[int, ...]) -> Frame:
         buffers = [empty_bytes(size) for size in sizes]
-        works = [self._pg.recv([b], src, _TAG_DATA) for b in buffers if b.numel()]
+        works = [link.group.recv([b], link.index, _TAG_DATA) for b in buffers if b.numel()]
         for work in works:
             work.wait()
         return Frame(header, buffers)
@@ -382,7 +477,10 @@ class GlooTransport:
     # ------------------------------------------------------------------------ close
 
     def close(self, timeout: float) -> None:
-        """Send BYE to every peer, wait for theirs, then release the process group."""
+        """Send BYE to every peer, wait for theirs, then release the process group (in
+        a dynamic world the doorway closes first: nobody is admitted any more)."""
+        if self._doorway is not None:
+            self._doorway.close(min(timeout, HANDSHAKE_TIMEOUT))
         peers = self.peers
         if peers is None:
             return
@@ -397,6 +495,8 @@ class GlooTransport:
             assert link.backlog is not None
             link.backlog.join(deadline - time.monotonic())
             self._wait_bye(link, deadline - time.monotonic())
+        for link in peers:
+            link.group = None
         self._pg = None
 
 
@@ -475,6 +575,20 @@ def _connect_mesh(ctx: TransportContext, opts: Any) -> Any:
         ctx, lambda: dist.ProcessGroupGloo(store, ctx.rank, ctx.world_size, opts),
         f"the gloo mesh to its {ctx.world_size - 1} peers",
     )
+
+
+def _dial(address: dict[str, Any], timeout: float | None) -> socket.socket:
+    """Connect to a member's doorway (a dynamic world)."""
+    where, port = address["tcp"]
+    sock = socket.socket(socket.AF_INET6 if ":" in where else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect((where, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _unpack_inline(slot: bytearray, slot_tensor: torch.Tensor, n: int, body_len: int) -> Frame:

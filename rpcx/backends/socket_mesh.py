@@ -14,15 +14,17 @@ import enum
 import os
 import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rpcx.backends.socket_options import SocketRpcBackendOptions
 from rpcx.hosts import address_towards, default_address, host_identity, resolve
 from rpcx.transport import TransportContext
-from rpcx.transport_kit import connect_stream_mesh
+from rpcx.transport_kit import connect_stream_mesh, join_stream_mesh
 
-__all__ = ["Policy", "Route", "connect_mesh", "route_between"]
+__all__ = ["Policy", "Route", "connect_mesh", "join_mesh", "route_between",
+           "route_to_newcomer", "tune"]
 
 _SOCKET_BUFFER = 4 << 20  # SO_SNDBUF/SO_RCVBUF: room for a burst of small frames
 
@@ -74,26 +76,104 @@ def connect_mesh(ctx: TransportContext, label: str, policy: Policy,
     """One connected, introduced socket per peer, and each peer's route. ``host``: this
     worker's host identity (default :func:`~rpcx.hosts.host_identity`)."""
     host = host if host is not None else host_identity()
+    routes = _learn_routes(ctx, label, policy, host,
+                           [rank for rank in range(ctx.world_size) if rank != ctx.rank])
+    listeners = _Listeners(ctx, options, host,
+                           local=any(route.local for route in routes.values()),
+                           remote=not all(route.local for route in routes.values()))
+    try:
+        sockets = connect_stream_mesh(ctx, listeners.sockets, listeners.address,
+                                      listeners.dial(policy), label)
+    finally:
+        listeners.close()
+    return _tuned(sockets, routes), routes
+
+
+def join_mesh(ctx: TransportContext, label: str, policy: Policy,
+              options: SocketRpcBackendOptions, host: str | None = None
+              ) -> tuple[dict[int, socket.socket], dict[int, Route], _Listeners]:
+    """A dynamic world's :func:`connect_mesh`: connect to every member (one socket
+    each, admitted by its doorway), and keep listening, for the routes later workers
+    may need, on what the returned listeners hold (the caller opens a doorway on them
+    and closes them at the end)."""
+    host = host if host is not None else host_identity()
+    members = [rank for rank in range(len(ctx.names))
+               if rank != ctx.rank and not ctx.vacant(rank)]
+    routes = _learn_routes(ctx, label, policy, host, members)
+    listeners = _Listeners(ctx, options, host, local=policy is not Policy.TCP,
+                           remote=policy is not Policy.SHM)
+    try:
+        sockets = join_stream_mesh(ctx, listeners.address, listeners.dial(policy), label)
+    except BaseException:
+        listeners.close()
+        raise
+    return _tuned(sockets, routes), routes, listeners
+
+
+def route_to_newcomer(ctx: TransportContext, label: str, policy: Policy, rank: int,
+                      host: str | None = None) -> Route:
+    """The route to a worker that joined a dynamic world at ``rank`` (it published its
+    host before connecting); ``RuntimeError`` where the policy refuses it."""
+    host = host if host is not None else host_identity()
+    theirs = ctx.store.get(f"{label}/host/{rank}").decode()
+    if policy is Policy.SHM:
+        _refuse_other_hosts(ctx, host, {rank: theirs})
+    return route_between(policy, host, theirs)
+
+
+def tune(sock: socket.socket, route: Route) -> socket.socket:
+    """Socket options for a peer's socket on ``route``."""
+    if not route.local:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+    return sock
+
+
+def _tuned(sockets: dict[int, socket.socket], routes: dict[int, Route]
+           ) -> dict[int, socket.socket]:
+    return {rank: tune(sock, routes[rank]) for rank, sock in sockets.items()}
+
+
+def _learn_routes(ctx: TransportContext, label: str, policy: Policy, host: str,
+                  peers: list[int]) -> dict[int, Route]:
+    """Publish this worker's host, read the ``peers``' hosts; their routes."""
     ctx.store.set(f"{label}/host/{ctx.rank}", host)
-    hosts = {rank: ctx.store.get(f"{label}/host/{rank}").decode()
-             for rank in range(ctx.world_size) if rank != ctx.rank}
-    routes = {rank: route_between(policy, host, theirs) for rank, theirs in hosts.items()}
+    hosts = {rank: ctx.store.get(f"{label}/host/{rank}").decode() for rank in peers}
     if policy is Policy.SHM:
         _refuse_other_hosts(ctx, host, hosts)
-    listeners: list[socket.socket] = []
-    address: dict[str, Any] = {"host": host}
-    directory = None
-    try:
-        if any(route.local for route in routes.values()):
-            directory = tempfile.mkdtemp(prefix="rpcx-shm-")
-            address["path"] = os.path.join(directory, "socket")
-            listeners.append(_listen(socket.AF_UNIX, address["path"], ctx.world_size))
-        if not all(route.local for route in routes.values()):
-            where = _listen_host(ctx, options)
-            family = socket.AF_INET6 if ":" in where else socket.AF_INET
-            listener = _listen(family, (where, 0), ctx.world_size)
-            listeners.append(listener)
-            address["tcp"] = [where, listener.getsockname()[1]]
+    return {rank: route_between(policy, host, theirs) for rank, theirs in hosts.items()}
+
+
+class _Listeners:
+    """The listeners a worker opens: a Unix socket (``local``: peers on this host) and
+    a TCP one (``remote``: peers elsewhere), and the address peers dial them at."""
+
+    def __init__(self, ctx: TransportContext, options: SocketRpcBackendOptions, host: str,
+                 *, local: bool, remote: bool) -> None:
+        self.sockets: list[socket.socket] = []
+        self.address: dict[str, Any] = {"host": host}
+        self._host = host
+        self._directory: str | None = None
+        try:
+            if local:
+                self._directory = tempfile.mkdtemp(prefix="rpcx-shm-")
+                self.address["path"] = os.path.join(self._directory, "socket")
+                self.sockets.append(_listen(socket.AF_UNIX, self.address["path"],
+                                            ctx.world_size))
+            if remote:
+                where = _listen_host(ctx, options)
+                family = socket.AF_INET6 if ":" in where else socket.AF_INET
+                listener = _listen(family, (where, 0), ctx.world_size)
+                self.sockets.append(listener)
+                self.address["tcp"] = [where, listener.getsockname()[1]]
+        except BaseException:
+            self.close()
+            raise
+
+    def dial(self, policy: Policy) -> Callable[[dict[str, Any], float | None], socket.socket]:
+        """How this worker dials a peer's published address."""
+        host = self._host
 
         def dial(theirs: dict[str, Any], timeout: float | None) -> socket.socket:
             if route_between(policy, host, theirs["host"]).local:
@@ -101,21 +181,18 @@ def connect_mesh(ctx: TransportContext, label: str, policy: Policy,
             where, port = theirs["tcp"]
             return _dial(socket.AF_INET6 if ":" in where else socket.AF_INET,
                          (where, port), timeout)
+        return dial
 
-        sockets = connect_stream_mesh(ctx, listeners, address, dial, label)
-    finally:
-        for listener in listeners:
+    def close(self) -> None:
+        """Close the listeners and remove the Unix socket's file and folder."""
+        for listener in self.sockets:
             listener.close()
-        if directory is not None:
+        if self._directory is not None:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(address["path"])
-            os.rmdir(directory)
-    for rank, sock in sockets.items():
-        if not routes[rank].local:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
-    return sockets, routes
+                os.unlink(self.address["path"])
+            with contextlib.suppress(OSError):
+                os.rmdir(self._directory)
+            self._directory = None
 
 
 def _listen_host(ctx: TransportContext, options: SocketRpcBackendOptions) -> str:

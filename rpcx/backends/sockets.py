@@ -57,11 +57,19 @@ from typing import Any, ClassVar
 import torch
 
 from rpcx.backends.segments import ONE_OFF, ReceivedSegments, Segment, SendPool, one_off_copy
-from rpcx.backends.socket_mesh import Policy, Route, connect_mesh
+from rpcx.backends.socket_mesh import (
+    Policy,
+    Route,
+    connect_mesh,
+    join_mesh,
+    route_to_newcomer,
+    tune,
+)
 from rpcx.backends.socket_options import SocketRpcBackendOptions
 from rpcx.hookspecs import hookimpl
 from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx.transport_kit import (
+    Doorway,
     ProtocolError,
     SocketLink,
     StreamTransport,
@@ -124,7 +132,8 @@ class SocketTransport(StreamTransport):
     """Moves frames over one stream socket per pair of workers: Unix and shared memory
     within a host, TCP across hosts, as ``policy`` says."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True,
+                                                        dynamic=True)
     policy: ClassVar[Policy] = Policy.AUTO
     label: ClassVar[str] = "auto"
     bye: ClassVar[bytes] = _HEAD.pack(_BYE, 0, 0)
@@ -158,9 +167,25 @@ class SocketTransport(StreamTransport):
         self._flusher_thread.start()
 
     def connect(self, ctx: TransportContext) -> dict[int, socket.socket]:
-        """One connected socket per peer: Unix on this host, TCP to other hosts."""
-        sockets, self._routes = connect_mesh(ctx, self.label, self.policy, self._options)
+        """One connected socket per peer: Unix on this host, TCP to other hosts. In a
+        dynamic world, one per member, and a doorway for the workers that join later."""
+        if ctx.admit is None:
+            sockets, self._routes = connect_mesh(ctx, self.label, self.policy,
+                                                 self._options)
+            return sockets
+        sockets, self._routes, listeners = join_mesh(ctx, self.label, self.policy,
+                                                     self._options)
+        self.doorway = Doorway(ctx, listeners.sockets, self.label, self.newcomer,
+                               self.welcome, listeners.close)
         return sockets
+
+    def welcome(self, rank: int, sock: socket.socket) -> None:
+        """A worker joined at ``rank``: its route, then the kit's welcome."""
+        ctx = self._ctx
+        assert ctx is not None
+        route = route_to_newcomer(ctx, self.label, self.policy, rank)
+        self._routes = {**self._routes, rank: route}
+        super().welcome(rank, tune(sock, route))
 
     def make_link(self, rank: int, sock: socket.socket) -> _Peer:
         ctx = self._ctx
@@ -182,7 +207,7 @@ class SocketTransport(StreamTransport):
 
         Returns once the frame is written, or at ``frame.deadline`` with the rest queued
         for the peer's writer thread."""
-        peer = self._peers[dst]
+        peer: _Peer = self.link(dst)  # type: ignore[assignment]
         freed = _drain(peer.freed) if peer.freed else None
         if not frame.buffers:  # most calls and replies: the head and header, one write
             head = _HEAD.pack(_FRAME, 0, len(frame.header)) + frame.header
@@ -406,7 +431,7 @@ class AutoTransport(SocketTransport):
 class ShmTransport(SocketTransport):
     """Workers of one host only: Unix sockets and shared memory."""
 
-    capabilities = Capabilities(multi_process=True, multi_host=False)
+    capabilities = Capabilities(multi_process=True, multi_host=False, dynamic=True)
     policy = Policy.SHM
     label = "shm"
 

@@ -48,6 +48,9 @@ import torch.distributed.autograd
 import torch.distributed.rpc.api
 import torch.distributed.rpc.functions
 import torch.distributed.rpc.options
+from torch.distributed.rpc._utils import (
+    _update_group_membership as torch_update_group_membership,
+)
 
 from rpcx.errors import (
     LostCause,
@@ -126,12 +129,14 @@ class TensorPipeTransport:
     # one malformed message there ends the process (std::terminate, "Error reading nop
     # object"), key or no key. docs/security.md says so.
     capabilities: ClassVar[Capabilities] = Capabilities(
-        multi_process=True, multi_host=True, cuda_direct=True, refuses_strangers=False
+        multi_process=True, multi_host=True, cuda_direct=True, refuses_strangers=False,
+        dynamic=True, reuses_ranks=False,
     )
 
     def __init__(self) -> None:
         self._ctx: TransportContext | None = None
         self._agent: Any = None
+        self._agent_set = False  # torch's current agent is ours (we set it)
         self._lock = threading.Lock()
         self._send_seq: dict[int, itertools.count[int]] = {}
         self._inboxes: dict[int, _Inbox] = {}
@@ -170,10 +175,11 @@ class TensorPipeTransport:
         self._ctx = ctx
         routes = ctx.routes
         names = ctx.names
-        for rank in range(ctx.world_size):
-            if rank != ctx.rank:
-                self._send_seq[rank] = itertools.count()
-                self._inboxes[rank] = _Inbox()
+        members = self._members = [rank for rank in range(len(names))
+                                   if rank != ctx.rank and not ctx.vacant(rank)]
+        for rank in members:
+            self._send_seq[rank] = itertools.count()
+            self._inboxes[rank] = _Inbox()
         device_maps: dict[str, dict[torch.device, torch.device]] = {}
         reverse_maps: dict[str, dict[torch.device, torch.device]] = {}
         devices: list[torch.device] = []
@@ -216,19 +222,29 @@ class TensorPipeTransport:
                 log.debug("torch autograd container already initialized: %s", exc)
             if torch.cuda.is_available() and devices:
                 torch.cuda.init()  # type: ignore[no-untyped-call]
+            dynamic = ctx.admit is not None
             with _interface_for_agent(ctx):
+                # (world size None: torch's dynamic group, which workers join and leave)
                 self._agent = TensorPipeAgent(
-                    ctx.store, names[ctx.rank], ctx.rank, ctx.world_size, options,
-                    reverse_maps, devices,
+                    ctx.store, names[ctx.rank], ctx.rank,
+                    None if dynamic else ctx.world_size, options, reverse_maps, devices,
                 )
                 # torch's _init_rpc_states, but asking torch's own "is an agent set?":
                 # under rpcx.use_for_torch() the api module's answers for rpcx's workers.
-                torch_rpc_api._ALL_WORKER_NAMES = set(names)
+                if not dynamic:
+                    torch_rpc_api._ALL_WORKER_NAMES = set(names)
                 if not original(torch_rpc_api, "_is_current_rpc_agent_set")():
                     torch_rpc_api._set_and_start_rpc_agent(self._agent)  # (it listens)
-            for rank in range(ctx.world_size):
-                if rank != ctx.rank:
-                    self._watch(rank)
+                    self._agent_set = True
+            if dynamic:
+                # As torch's init_rpc does for a dynamic group: every member's agent
+                # learns of this one (rpcx's membership token is held meanwhile).
+                me = self._agent.get_worker_info()
+                for rank in members:
+                    torch_rpc_api.rpc_sync(names[rank], torch_update_group_membership,
+                                           args=(me, [], {}, True))
+            for rank in members:
+                self._watch(rank)
             self._wait_for_watches(getattr(source, "rpc_timeout", 0.0) or None)
         except BaseException:
             self._release_slot()
@@ -241,11 +257,10 @@ class TensorPipeTransport:
         # connection breaks every pipe of that listener, so none may be left pending.)
         ctx = self._ctx
         assert ctx is not None
-        expected = ctx.world_size - 1
+        expected = len(self._members)
         with self._lock:
             if not self._all_gone.wait_for(lambda: len(self._watched_by) >= expected, timeout):
-                missing = [ctx.names[r] for r in range(ctx.world_size)
-                           if r != ctx.rank and r not in self._watched_by]
+                missing = [ctx.names[r] for r in self._members if r not in self._watched_by]
                 raise RpcError(
                     f"worker {ctx.names[ctx.rank]!r}: TensorPipe connections from "
                     f"{', '.join(missing)} did not arrive within {timeout} s (rpc_timeout)"
@@ -265,9 +280,10 @@ class TensorPipeTransport:
         if ctx is None:
             return
         me = ctx.names[ctx.rank]
-        for rank in range(ctx.world_size):
-            if rank != ctx.rank:
-                self._say_goodbye(rank)
+        with self._lock:  # (the workers still here, before the goodbyes mark them gone)
+            staying = [rank for rank in self._inboxes if rank not in self._gone]
+        for rank in list(self._inboxes):
+            self._say_goodbye(rank)
         with self._lock:
             if not self._all_gone.wait_for(lambda: not self._awaiting_goodbye, timeout):
                 log.warning("%s: no goodbye from %s within %.1f s; leaving anyway", me,
@@ -277,6 +293,8 @@ class TensorPipeTransport:
         for future in open_replies:  # requests this worker will never answer
             if not future.done():
                 future.set_result(None)
+        if ctx.admit is not None and self._agent is not None:
+            self._leave_torch_group(staying, timeout)
         self._closed = True  # watches failing from here on are not peers dying
         try:
             if self._agent is not None:
@@ -284,8 +302,35 @@ class TensorPipeTransport:
         except Exception as exc:
             log.warning("%s: torch's TensorPipe agent did not stop cleanly: %s", me, exc)
         finally:
-            torch_rpc_api._reset_current_rpc_agent()
+            if self._agent_set:  # (torch asserts on resetting an agent never set)
+                torch_rpc_api._reset_current_rpc_agent()
+                self._agent_set = False
             self._release_slot()
+
+    def _leave_torch_group(self, staying: list[int], timeout: float) -> None:
+        """A dynamic world: tell torch's agent of every worker ``staying`` that this one
+        leaves (as torch's shutdown of a dynamic group does), each call bounded by
+        ``timeout``. After the goodbyes: torch's agent there then forgets this one."""
+        ctx = self._ctx
+        assert ctx is not None and self._agent is not None
+        agent = self._agent
+        me = agent.get_worker_info()
+        for rank in staying:
+            try:
+                torch_rpc_api.rpc_sync(ctx.names[rank], torch_update_group_membership,
+                                       args=(me, [], {}, False), timeout=max(timeout, 0.1))
+            except Exception as exc:  # it left too, or died: nothing to tell it
+                log.debug("%s: telling %s it leaves: %s", self._me(), ctx.names[rank], exc)
+        # torch's agent leaves its group: it strikes its name off the store (a later
+        # worker may take the rank) once its own calls are done. It has no bound of its
+        # own (a peer that never answers a watch would hold it): it gets one here.
+        leaving = threading.Thread(target=agent.join, args=(True,), daemon=True,
+                                   name=f"rpcx-{self._me()}-tensorpipe-leave")
+        leaving.start()
+        leaving.join(max(timeout, 0.1))
+        if leaving.is_alive():
+            log.warning("%s: torch's TensorPipe agent did not leave its group within "
+                        "%.1f s; its rank stays taken in the store", self._me(), timeout)
 
     def _say_goodbye(self, rank: int) -> None:
         """Answer ``rank``'s watch: this worker sends it nothing more."""
@@ -414,6 +459,10 @@ class TensorPipeTransport:
 
     def _incoming_watch(self, src: int) -> torch.futures.Future[Any]:
         watch: torch.futures.Future[Any] = torch.futures.Future()
+        ctx = self._ctx
+        if ctx is not None and ctx.admit is not None and (
+                src not in self._inboxes or src in self._gone):  # a newcomer's first call
+            self._admit(src)
         with self._lock:
             self._watches[src] = watch
             self._watched_by.add(src)
@@ -422,6 +471,23 @@ class TensorPipeTransport:
         if owed:
             self._say_goodbye(src)
         return watch
+
+    def _admit(self, src: int) -> None:
+        """A worker joined this dynamic world at ``src`` (its first call here is its
+        watch, after torch's agent learnt of it): enter it, and watch it in turn; its
+        ``init_rpc`` returns once every member's watch has reached it."""
+        ctx = self._ctx
+        assert ctx is not None and ctx.admit is not None
+        with self._lock:
+            if src in self._inboxes and src not in self._gone:
+                return
+            self._gone.discard(src)  # (a rank taken again: a new worker)
+            for gone in (self._goodbye_sent, self._goodbye_owed, self._watched_by):
+                gone.discard(src)
+            self._send_seq[src] = itertools.count()
+            self._inboxes[src] = _Inbox()
+        ctx.admit(src)
+        self._watch(src)
 
     def _arrive(self, src: int, seq: int, frame: Frame) -> None:
         ctx = self._ctx

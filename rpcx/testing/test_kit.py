@@ -13,6 +13,7 @@ take skip with the reason: those marked ``rpcx_requires`` when its
 from rpcx.testing.conformance import *  # noqa: F403
 from rpcx.testing.conformance_auth import *  # noqa: F403
 from rpcx.testing.conformance_cuda import *  # noqa: F403
+from rpcx.testing.conformance_dynamic import *  # noqa: F403
 from rpcx.testing.conformance_failures import *  # noqa: F403
 from rpcx.testing.conformance_hostile import *  # noqa: F403
 from rpcx.testing.conformance_hosts import *  # noqa: F403

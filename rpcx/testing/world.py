@@ -7,6 +7,7 @@ backends they are threads; otherwise they are processes (``spawn`` start method)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -22,7 +23,7 @@ import rpcx
 from rpcx import _context
 from rpcx.registry import resolve_backend
 
-__all__ = ["World", "start_world", "world"]
+__all__ = ["DynamicWorld", "World", "dynamic_world", "start_world", "world"]
 
 log = logging.getLogger("rpcx.testing")
 
@@ -141,6 +142,110 @@ def world(
 ) -> Iterator[World]:
     """``with world("gloo") as w:`` -- a world that is closed when the block ends."""
     started = start_world(backend, size, init_method, **options)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+# ----------------------------------------------------------------------- dynamic worlds
+
+
+LEAVE_EVENT = "rpcx-testing-leave"  # (the remote.set_event key that tells a joiner to go)
+
+
+def _join_dynamic(name: str, rank: int, world_size: int | None, init_method: str,
+                  backend: str, options: dict[str, Any], outcome: Any) -> None:
+    """A worker process of a dynamic world: join (no ``world_size``), report, serve until
+    told to leave (:meth:`DynamicWorld.leave`), then shut down. A refused join puts
+    ``("refused", type, message)`` on ``outcome``; a join ``("joined", name)``."""
+    from rpcx.testing import remote
+
+    level = os.environ.get(LOG_LEVEL_ENV)
+    if level and not logging.getLogger().handlers:
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        rpcx.init_rpc(name, backend=backend, rank=rank, world_size=world_size,
+                      rpc_backend_options=_options(backend, init_method, options))
+    except Exception as exc:
+        outcome.put(("refused", type(exc).__name__, str(exc)))
+        return
+    outcome.put(("joined", name))
+    remote.wait_for_event(LEAVE_EVENT, 3 * _JOIN_TIMEOUT)
+    rpcx.shutdown()
+
+
+@dataclass
+class DynamicWorld:
+    """A dynamic world (``init_rpc`` without ``world_size``) whose rank 0 is this
+    process; others join and leave when a test says so."""
+
+    backend: str
+    init_method: str
+    options: dict[str, Any]
+    _processes: dict[str, Any] = field(default_factory=dict)
+
+    def join(self, name: str, rank: int, timeout: float = _JOIN_TIMEOUT,
+             world_size: int | None = None) -> tuple[str, ...]:
+        """Start a process that joins as ``name`` at ``rank``; wait (bounded) until it
+        joined or was refused; its outcome (``("joined", name)`` or ``("refused",
+        error type, message)``). ``world_size``: join as a static worker instead (to
+        check the refusal)."""
+        context = multiprocessing.get_context("spawn")
+        outcome = context.Queue()
+        process = context.Process(
+            target=_join_dynamic, daemon=True,
+            args=(name, rank, world_size, self.init_method, self.backend, self.options,
+                  outcome))
+        process.start()
+        self._processes[name] = process
+        try:
+            result: tuple[str, ...] = outcome.get(timeout=timeout)
+        except Exception as exc:  # queue.Empty: it neither joined nor was refused
+            raise TimeoutError(f"worker {name!r} did not join within {timeout:g} s "
+                               f"(exit code {process.exitcode})") from exc
+        if result[0] == "refused":
+            process.join(timeout)
+        return result
+
+    def leave(self, name: str, timeout: float = _JOIN_TIMEOUT) -> None:
+        """Tell worker ``name`` to shut down, and wait (bounded) for its process to end."""
+        from rpcx.testing import remote
+
+        rpcx.rpc_sync(name, remote.set_event, args=(LEAVE_EVENT,))
+        process = self._processes.pop(name)
+        process.join(timeout)
+        if process.is_alive():
+            raise TimeoutError(f"worker {name!r} did not leave within {timeout:g} s")
+
+    def close(self) -> None:
+        """Every joiner leaves, then this worker; processes that do not end are killed."""
+        try:
+            for name in list(self._processes):
+                process = self._processes[name]
+                if process.is_alive():
+                    with contextlib.suppress(Exception):
+                        self.leave(name)
+            if _context.maybe_current_agent() is not None:
+                rpcx.shutdown(timeout=_JOIN_TIMEOUT)
+        finally:
+            for process in self._processes.values():
+                process.join(5)
+                if process.is_alive():
+                    log.warning("worker process %s did not exit; killing it", process.pid)
+                    process.kill()
+
+
+@contextmanager
+def dynamic_world(backend: str, name: str = "worker0", **options: Any
+                  ) -> Iterator[DynamicWorld]:
+    """``with dynamic_world("auto") as w:`` -- this process joins a new dynamic world as
+    ``name`` (rank 0, the store's host), then ``w.join(...)`` adds workers. Every worker
+    leaves when the block ends."""
+    port = free_port()
+    started = DynamicWorld(backend, f"tcp://127.0.0.1:{port}", options)
+    rpcx.init_rpc(name, backend=backend, rank=0,
+                  rpc_backend_options=_options(backend, started.init_method, options))
     try:
         yield started
     finally:

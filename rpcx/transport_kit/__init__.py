@@ -15,7 +15,8 @@ here, public and stable for plugin authors (a plugin needs nothing private from 
 :func:`admit`, :func:`connect_stream_mesh` (:mod:`~rpcx.transport_kit.sockets`)
     A transport over stream sockets: a new socket backend writes ``connect``,
     ``read_one`` and ``pack``, and the kit does the rest (the handshake, with a world
-    key's challenge-response, included).
+    key's challenge-response, included). In a dynamic world, :func:`join_stream_mesh`
+    connects a newcomer to every member and a :class:`Doorway` admits later ones.
 Sentences, checks, views, options (:mod:`~rpcx.transport_kit.basics`)
     ``SHUT_DOWN``, ``CLOSED_CONNECTION``, :func:`unreachable`, :func:`classify`,
     :func:`check_frame_size`, :func:`check_count`, :func:`as_bytes`, :func:`memory_of`,
@@ -57,9 +58,11 @@ from rpcx.transport_kit.basics import (
     unreachable,
     without_cpp_locations,
 )
-from rpcx.transport_kit.links import BYE_TIMEOUT, Link, Peers
+from rpcx.transport_kit.links import BYE_TIMEOUT, Arrivals, Link, Peers
 from rpcx.transport_kit.sockets import (
+    ADMITTED,
     HANDSHAKE_TIMEOUT,
+    Doorway,
     SocketLink,
     SocketReader,
     StreamTransport,
@@ -67,6 +70,7 @@ from rpcx.transport_kit.sockets import (
     connect_stream_mesh,
     hello,
     introduce,
+    join_stream_mesh,
     receive_exactly,
     send_all,
     send_now,
@@ -74,13 +78,15 @@ from rpcx.transport_kit.sockets import (
 from rpcx.transport_kit.writer import Backlog, Pending
 
 __all__ = [
-    "BYE_TIMEOUT", "CLOSED_CONNECTION", "HANDSHAKE_TIMEOUT", "SHUT_DOWN", "Backlog",
-    "Capabilities", "ConnectionAuth", "Frame", "Link", "LostCause", "PeerLostError",
+    "ADMITTED", "BYE_TIMEOUT", "CLOSED_CONNECTION", "HANDSHAKE_TIMEOUT", "SHUT_DOWN",
+    "Arrivals", "Backlog",
+    "Capabilities", "ConnectionAuth", "Doorway", "Frame", "Link", "LostCause", "PeerLostError",
     "Peers", "Pending", "ProtocolError", "ReceiveLane", "SocketLink", "SocketReader",
     "StreamTransport", "Transport", "TransportContext", "address_towards", "admit",
     "as_bytes", "check_count", "check_frame_size", "classify", "connect_limit",
     "connect_stream_mesh", "connect_timeout", "copy_of", "describe", "empty_bytes",
-    "environment_variable", "hello", "host_identity", "introduce", "lost_error",
+    "environment_variable", "hello", "host_identity", "introduce", "join_stream_mesh",
+    "lost_error",
     "lost_reason", "memory_of",
     "options_as", "owning_memory", "receive_exactly", "run_bounded", "send_all",
     "send_now", "unreachable", "without_cpp_locations",

@@ -33,7 +33,7 @@ from rpcx.transport import Frame, ReceiveLane, TransportContext
 from rpcx.transport_kit.basics import SHUT_DOWN, classify
 from rpcx.transport_kit.writer import Backlog
 
-__all__ = ["BYE_TIMEOUT", "Link", "Peers"]
+__all__ = ["BYE_TIMEOUT", "Arrivals", "Link", "Peers"]
 
 log = logging.getLogger("rpcx.transport_kit")
 
@@ -85,6 +85,39 @@ class Link:
 
 
 L = TypeVar("L", bound=Link)
+
+
+class Arrivals(Generic[L]):
+    """Workers joining a dynamic world whose link is being made right now.
+
+    Between the agent's admission of a newcomer (``TransportContext.admit``) and its
+    link, a sender may already have found it; :meth:`link` makes that sender wait for the
+    link instead of failing. Hold :meth:`linking` around admitting and linking.
+    """
+
+    def __init__(self) -> None:
+        self._linking: dict[int, threading.Event] = {}
+
+    @contextlib.contextmanager
+    def linking(self, rank: int) -> Iterator[None]:
+        """The block admits ``rank`` and makes its link; senders to it wait until it ends."""
+        linked = self._linking[rank] = threading.Event()
+        try:
+            yield
+        finally:
+            linked.set()
+            self._linking.pop(rank, None)
+
+    def link(self, peers: Peers[L], rank: int, timeout: float) -> L:
+        """``peers[rank]``, waiting at most ``timeout`` for one being made; ``KeyError``
+        for a rank with none."""
+        try:
+            return peers[rank]
+        except KeyError:
+            linked = self._linking.get(rank)
+            if linked is None or not linked.wait(timeout):
+                raise
+            return peers[rank]
 
 
 class Peers(Generic[L]):
@@ -143,14 +176,26 @@ class Peers(Generic[L]):
     def start_receiving(self) -> None:
         """Give every link its lane (when the agent offers lanes) and start its receive
         loop on a thread of its own."""
+        for link in list(self.links.values()):
+            self._receive_from(link)
+
+    def add(self, link: L) -> None:
+        """A peer that joined a dynamic world (or took a rank again): from now on it is
+        one of the links, and its receive loop runs. It replaces an ended link."""
+        old = self.links.get(link.rank)
+        if old is not None and not old.ended.is_set():
+            raise ValueError(f"rank {link.rank} ({old.name}) is connected already")
+        self.links = {**self.links, link.rank: link}  # (readers iterate a stable dict)
+        self._receive_from(link)
+
+    def _receive_from(self, link: L) -> None:
         ctx = self.ctx
-        for link in self.links.values():
-            name = self.thread_name(link, "recv")
-            if ctx.receive_lane is not None:
-                link.lane = ctx.receive_lane(name, functools.partial(self.receive_loop,
-                                                                     link.rank))
-            threading.Thread(target=self.receive_loop, args=(link.rank,), name=name,
-                             daemon=True).start()
+        name = self.thread_name(link, "recv")
+        if ctx.receive_lane is not None:
+            link.lane = ctx.receive_lane(name, functools.partial(self.receive_loop,
+                                                                 link.rank))
+        threading.Thread(target=self.receive_loop, args=(link.rank,), name=name,
+                         daemon=True).start()
 
     def receive_loop(self, rank: int) -> None:
         """Receive and deliver the peer's frames, in order, until its goodbye or loss.
@@ -276,11 +321,12 @@ class Peers(Generic[L]):
         <then>"``. The transport then releases its connections."""
         self.closing = True
         deadline = time.monotonic() + timeout
-        for link in self.links.values():
+        links = list(self.links.values())
+        for link in links:
             self.send_bye(link, deadline - time.monotonic())
-        for link in self.links.values():
+        for link in links:
             link.ended.wait(max(0.0, deadline - time.monotonic()))
-        stuck = [link for link in self.links.values() if not link.ended.is_set()]
+        stuck = [link for link in links if not link.ended.is_set()]
         if stuck:
             log.warning("%s: no goodbye from %s within %.1f s; %s",
                         self.ctx.names[self.ctx.rank], ", ".join(each.name for each in stuck),

@@ -25,16 +25,18 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from rpcx import auth as _auth
-from rpcx.errors import AuthenticationError, RpcTimeoutError
+from rpcx.errors import AuthenticationError, RpcError, RpcTimeoutError
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES
 from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx.transport_kit.basics import connect_limit, lost_error
-from rpcx.transport_kit.links import Link, Peers
+from rpcx.transport_kit.links import Arrivals, Link, Peers
 from rpcx.transport_kit.writer import Backlog, Pending
 
 __all__ = [
-    "HANDSHAKE_TIMEOUT", "SocketLink", "SocketReader", "StreamTransport", "admit",
-    "connect_stream_mesh", "hello", "introduce", "receive_exactly", "send_all", "send_now",
+    "ADMITTED", "HANDSHAKE_TIMEOUT", "Doorway", "SocketLink", "SocketReader",
+    "StreamTransport", "admit",
+    "connect_stream_mesh", "hello", "introduce", "join_stream_mesh", "receive_exactly",
+    "send_all", "send_now",
 ]
 
 log = logging.getLogger("rpcx.transport_kit")
@@ -446,6 +448,147 @@ def connect_stream_mesh(
     return sockets
 
 
+# A member's answer to a newcomer of a dynamic world, once its hello is checked.
+ADMITTED, _REFUSED = b"\x01", b"\x00"
+
+
+def join_stream_mesh(
+    ctx: TransportContext,
+    address: Any,
+    dial: Callable[[Any, float | None], socket.socket],
+    label: str,
+    check: Callable[[dict[int, Any]], None] | None = None,
+) -> dict[int, socket.socket]:
+    """A newcomer's connections in a dynamic world: one per member, each admitted.
+
+    Publishes ``address`` as :func:`connect_stream_mesh` does, then dials every member
+    (every rank but this one that ``ctx.vacant`` does not call vacant), introduces
+    itself and waits, bounded by ``rpc_timeout``, for the member's :class:`Doorway` to
+    admit it. ``RpcError`` naming the member if one refuses.
+    """
+    limit = connect_limit(ctx)
+    ctx.store.set(f"{label}/{ctx.rank}", json.dumps(address))
+    members = [rank for rank in range(len(ctx.names))
+               if rank != ctx.rank and not ctx.vacant(rank)]
+    addresses = {rank: json.loads(ctx.store.get(f"{label}/{rank}")) for rank in members}
+    if check is not None:
+        check(addresses)
+    sockets: dict[int, socket.socket] = {}
+    try:
+        for rank in members:
+            sock = sockets[rank] = dial(addresses[rank], limit)
+            sock.settimeout(limit)
+            introduce(sock, ctx, rank, label)
+            try:
+                answer = receive_exactly(sock, 1)
+            except TimeoutError:
+                raise RpcTimeoutError(
+                    f"init_rpc: worker {ctx.names[ctx.rank]!r} (rank {ctx.rank}): worker "
+                    f"{ctx.names[rank]!r} did not admit it within {limit:g} s "
+                    "(rpc_timeout)") from None
+            if answer != ADMITTED:
+                raise RpcError(
+                    f"init_rpc: worker {ctx.names[rank]!r} (rank {rank}) refused worker "
+                    f"{ctx.names[ctx.rank]!r} (rank {ctx.rank}) into the dynamic world "
+                    "(its log says why)")
+            sock.settimeout(None)
+    except BaseException:
+        for sock in sockets.values():
+            sock.close()
+        raise
+    return sockets
+
+
+class Doorway:
+    """Admits the workers that join a dynamic world after this one started.
+
+    A thread accepts connections on ``listeners`` until :meth:`close`. Each one runs
+    :func:`admit` (a newcomer is any rank ``expected`` accepts), then
+    ``welcome(rank, sock)``, which makes the newcomer a peer: it calls
+    ``TransportContext.admit``, then writes :data:`ADMITTED` on the socket as its very
+    first byte (before any frame: a sender may find the newcomer as soon as the agent
+    admitted it) and starts receiving (:meth:`StreamTransport.welcome` does all that). A
+    ``welcome`` that raises refuses the newcomer (logged). ``cleanup`` runs once the
+    thread is done with the listeners (close them, remove a socket file).
+    """
+
+    def __init__(self, ctx: TransportContext, listeners: Sequence[socket.socket], label: str,
+                 expected: Callable[[int], bool],
+                 welcome: Callable[[int, socket.socket], None],
+                 cleanup: Callable[[], None]) -> None:
+        self._ctx = ctx
+        self._label = label
+        self._expected = expected
+        self._welcome = welcome
+        self._cleanup = cleanup
+        self._selector = selectors.DefaultSelector()
+        for listener in listeners:
+            listener.setblocking(False)
+            self._selector.register(listener, selectors.EVENT_READ)
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._selector.register(self._wake_read, selectors.EVENT_READ)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"rpcx-{ctx.names[ctx.rank]}-{label}-doorway", daemon=True)
+
+    def start(self) -> None:
+        """Start admitting newcomers."""
+        self._thread.start()
+
+    def close(self, timeout: float = HANDSHAKE_TIMEOUT) -> None:
+        """Admit nobody from now on; waits (bounded) for a newcomer being admitted."""
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._wake_write.send(b"x")
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        elif not self._thread.is_alive():
+            self._release()
+
+    def _run(self) -> None:
+        try:
+            while not self._closed.is_set():
+                for key, _ in self._selector.select():
+                    if key.fileobj is self._wake_read or self._closed.is_set():
+                        continue
+                    listener: socket.socket = key.fileobj  # type: ignore[assignment]
+                    try:
+                        conn, _ = listener.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as exc:
+                        log.warning("%s: accepting a worker that joins failed: %s",
+                                    self._ctx.names[self._ctx.rank], exc)
+                        continue
+                    conn.setblocking(True)
+                    self._greet(conn)
+        finally:
+            self._release()
+
+    def _greet(self, conn: socket.socket) -> None:
+        ctx = self._ctx
+        rank = admit(conn, ctx, self._label, self._expected)
+        if rank is None:
+            conn.close()
+            return
+        try:
+            self._welcome(rank, conn)
+        except Exception as exc:
+            log.warning("%s: refused rank %d into the dynamic world: %s",
+                        ctx.names[ctx.rank], rank, exc)
+            with contextlib.suppress(OSError):
+                conn.sendall(_REFUSED)
+            conn.close()
+
+    def _release(self) -> None:
+        with contextlib.suppress(Exception):
+            for key in list(self._selector.get_map().values()):
+                key.fileobj.close()  # type: ignore[union-attr]
+            self._selector.close()
+            self._wake_write.close()
+        self._cleanup()
+
+
 class _Acceptor:
     """Accepts the next connection on any of several listeners, all within one bound."""
 
@@ -508,6 +651,10 @@ class StreamTransport:
         self._ctx: TransportContext | None = None
         self.peers: Peers[SocketLink] | None = None
         self.max_frame = DEFAULT_MAX_FRAME_BYTES
+        # In a dynamic world, what admits later workers (``connect`` sets it), and the
+        # ranks being admitted now (set once their link is in ``peers``).
+        self.doorway: Doorway | None = None
+        self.arrivals: Arrivals[SocketLink] = Arrivals()
 
     # ----------------------------------------------------------- what a backend writes
 
@@ -539,20 +686,65 @@ class StreamTransport:
     # ---------------------------------------------------------------- the contract
 
     def start(self, ctx: TransportContext) -> None:
-        """Connect to every peer (``connect``) and start receiving."""
+        """Connect to every peer (``connect``) and start receiving; in a dynamic world,
+        open the doorway ``connect`` set up for the workers that join later."""
         self._ctx = ctx
         self.max_frame = int(getattr(ctx.options, "max_frame_bytes", self.max_frame))
-        links = {rank: self.make_link(rank, sock) for rank, sock in self.connect(ctx).items()}
+        try:
+            links = {rank: self.make_link(rank, sock)
+                     for rank, sock in self.connect(ctx).items()}
+        except BaseException:
+            if self.doorway is not None:
+                self.doorway.close()
+            raise
         self.peers = Peers(ctx, links, self.read_one, self.write_bye,
                            end=SocketLink.shutdown, ended=self.loop_ended)
         self.peers.start_receiving()
+        if self.doorway is not None:
+            self.doorway.start()
+
+    def newcomer(self, rank: int) -> bool:
+        """Whether a connection from ``rank`` may be a worker joining (a dynamic world):
+        not this worker, and no live link to it."""
+        ctx, peers = self._ctx, self.peers
+        assert ctx is not None and peers is not None
+        link = peers.links.get(rank)
+        return rank != ctx.rank and rank >= 0 and (link is None or link.ended.is_set())
+
+    def welcome(self, rank: int, sock: socket.socket) -> None:
+        """A worker joined at ``rank`` over ``sock``: enter it (``TransportContext.admit``),
+        tell it it is in, start receiving from it (the :class:`Doorway` calls this).
+
+        Between the agent's admission and the link, a sender that found the newcomer
+        waits for the link (:meth:`link`); the answer is written under the link's send
+        lock before anyone can send on it, so it is the first byte the newcomer reads.
+        """
+        ctx, peers = self._ctx, self.peers
+        assert ctx is not None and ctx.admit is not None and peers is not None
+        with self.arrivals.linking(rank):
+            ctx.admit(rank)
+            sock.settimeout(None)
+            link = self.make_link(rank, sock)
+            with link.lock:
+                send_all(sock, [memoryview(ADMITTED)], ())
+                peers.add(link)
+
+    def link(self, dst: int) -> SocketLink:
+        """The link to ``dst``. One for a worker being admitted right now (a dynamic
+        world) is waited for, at most ``HANDSHAKE_TIMEOUT``; ``KeyError`` for a rank
+        with none."""
+        peers = self.peers
+        assert peers is not None
+        try:
+            return peers.links[dst]  # (the hot path: one dict look-up)
+        except KeyError:
+            return self.arrivals.link(peers, dst, HANDSHAKE_TIMEOUT)
 
     def send(self, dst: int, frame: Frame) -> None:
         """Write ``frame`` to ``dst``; returns once written, or at ``frame.deadline``
         with the rest queued for the peer's writer."""
-        assert self.peers is not None
-        self.peers[dst].send(self.pack(frame), deadline=frame.deadline,
-                             cork=0 if frame.buffers else self.cork_bytes)
+        self.link(dst).send(self.pack(frame), deadline=frame.deadline,
+                            cork=0 if frame.buffers else self.cork_bytes)
 
     def write_bye(self, link: SocketLink) -> None:
         """Write the goodbye (under ``link.lock``; queued behind a peer that reads
@@ -560,7 +752,10 @@ class StreamTransport:
         link.write_locked([self.bye])
 
     def close(self, timeout: float) -> None:
-        """Goodbye to every peer, a bounded wait for theirs, then close the sockets."""
+        """Goodbye to every peer, a bounded wait for theirs, then close the sockets (in a
+        dynamic world the doorway closes first: nobody is admitted any more)."""
+        if self.doorway is not None:
+            self.doorway.close(min(timeout, HANDSHAKE_TIMEOUT))
         peers = self.peers
         if peers is None:
             return

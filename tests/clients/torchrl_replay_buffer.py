@@ -1,11 +1,19 @@
 """TorchRL's RemoteTensorDictReplayBuffer, used over RPC as TorchRL documents it.
 
-Three workers (a fixed-size world): ``ReplayBuffer`` owns the buffer, ``Collector``
-extends it through an RRef, ``Trainer`` samples it through the same RRef. TorchRL's
+Three workers: ``ReplayBuffer`` owns the buffer, ``Collector`` extends it through an
+RRef, ``Trainer`` samples it through the same RRef. TorchRL's
 ``accept_remote_rref_invocation`` finds the RRef passed as ``self`` with
 ``isinstance(self, torch._C._distributed_rpc.PyRRef)``: the check rpcx's switch must
 satisfy. Prints ``RESULT <json>``: which RPC ran it, the buffer's size, three sampled
 batches' sums (the owner's sampler is seeded, so they match across runs).
+
+``python torchrl_replay_buffer.py OUT`` starts a world of fixed size (``world_size=3``).
+``python torchrl_replay_buffer.py OUT dynamic`` starts a dynamic one, as TorchRL's own
+replay-buffer example does: ``init_rpc`` without ``world_size``, the workers joining in
+whatever order their processes get there, the trainer looking the others up by name
+until they are in (TorchRL's example retries ``get_worker_info``), and the others
+serving until the trainer tells them it is done (a dynamic world's ``shutdown`` waits for
+nobody).
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ import json
 import os
 import socket
 import sys
+import threading
+import time
 
 import torch
 import torch.distributed.rpc as rpc
@@ -44,10 +54,40 @@ def collect(buffer: rpc.RRef) -> None:
         rpc.rpc_sync(buffer.owner(), RemoteTensorDictReplayBuffer.extend, args=(buffer, data))
 
 
-def run(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rpc.init_rpc(NAMES[rank], rank=rank, world_size=3,
-                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=60))
+_done = threading.Event()
+
+
+def finish() -> None:
+    """The trainer is done with this worker (dynamic mode): it may leave."""
+    _done.set()
+
+
+def wait_for(name: str, timeout: float = 60.0) -> rpc.WorkerInfo:
+    """Look ``name`` up until it has joined, as TorchRL's example does (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return rpc.get_worker_info(name)
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def run(rank: int, port: int, out: str, dynamic: bool) -> None:
+    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=60)
+    if dynamic:
+        options.init_method = f"tcp://127.0.0.1:{port}"
+        rpc.init_rpc(NAMES[rank], rank=rank, rpc_backend_options=options)
+        if NAMES[rank] != "Trainer":
+            _done.wait(120)  # serve the trainer until it is done with this worker
+            rpc.shutdown()
+            return
+        for name in NAMES[:2]:
+            wait_for(name)
+    else:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        rpc.init_rpc(NAMES[rank], rank=rank, world_size=3, rpc_backend_options=options)
     if NAMES[rank] == "Trainer":
         buffer = rpc.remote("ReplayBuffer", make_buffer)
         rpc.rpc_sync("Collector", collect, args=(buffer,))
@@ -59,15 +99,20 @@ def run(rank: int, port: int, out: str) -> None:
         size = rpc.rpc_sync(buffer.owner(), length, args=(buffer,))
         with open(out, "w") as f:
             json.dump({"rpc": rpc.rpc_sync.__module__, "size": size, "samples": samples}, f)
+        if dynamic:
+            del buffer
+            for name in NAMES[:2]:
+                rpc.rpc_sync(name, finish)
     rpc.shutdown()
 
 
 def main() -> None:
     out = sys.argv[1]
+    dynamic = sys.argv[2:] == ["dynamic"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(run, args=(port, out), nprocs=3, start_method="spawn")
+    mp.start_processes(run, args=(port, out, dynamic), nprocs=3, start_method="spawn")
     with open(out) as f:
         print("RESULT " + f.read(), flush=True)
 

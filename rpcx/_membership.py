@@ -1,0 +1,91 @@
+"""The roster: which worker holds each rank, and, in a dynamic world, who joins and leaves.
+
+A world started with ``world_size`` never changes its roster. A dynamic world (``init_rpc``
+without ``world_size``, as torch's) does: a worker that joins after this one is admitted
+by the transport when it connects (:meth:`Roster.admit`), and one that shuts down is
+struck off when it departs (:meth:`Roster.depart`). Ranks may join in any order, so the
+table can have holes: a :class:`~rpcx.worker.VacantRank` holds each until a worker takes
+it. The agent's per-rank tables (counters, recent request ids, budgets) grow with it
+through ``growers``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from rpcx.errors import RpcError
+from rpcx.worker import VacantRank, WorkerInfo, is_member
+
+__all__ = ["Roster"]
+
+log = logging.getLogger("rpcx.agent")
+
+
+class Roster:
+    """Every rank's worker, by rank, and by name.
+
+    Args:
+        workers: the world as this worker joined it, by rank (vacant ranks included).
+        dynamic: whether workers may join and leave after this one started.
+    """
+
+    def __init__(self, workers: list[WorkerInfo], dynamic: bool = False) -> None:
+        self.workers = workers  # (shared with the agent's parts: changed in place only)
+        self.by_name = {w.name: w for w in workers if is_member(w)}
+        self.dynamic = dynamic
+        # Run with the new table size before a rank past the end is used.
+        self.growers: list[Callable[[int], None]] = []
+        # Run with a rank a worker took again after one had left it.
+        self.on_rejoin: list[Callable[[int], None]] = []
+        self._departed: set[int] = set()
+        self._lock = threading.Lock()
+
+    def holds(self, rank: int) -> bool:
+        """Whether a worker of the world holds ``rank`` now."""
+        return (0 <= rank < len(self.workers) and is_member(self.workers[rank])
+                and rank not in self._departed)
+
+    def members(self) -> list[WorkerInfo]:
+        """The workers of the world now, by rank."""
+        return [w for w in self.workers if is_member(w) and w.id not in self._departed]
+
+    def admit(self, worker: WorkerInfo) -> None:
+        """``worker`` joined (a dynamic world): it holds its rank from now on.
+
+        Raises ``RpcError`` for a rank or name another worker holds."""
+        if not self.dynamic:
+            raise RpcError(f"worker {worker.name!r} (rank {worker.id}) tried to join a world "
+                           "of fixed size")
+        rank = worker.id
+        with self._lock:
+            holder = self.by_name.get(worker.name)
+            if holder is not None and holder.id != rank:
+                raise RpcError(f"worker name {worker.name!r} is taken by rank {holder.id}")
+            if self.holds(rank) and self.workers[rank] != worker:
+                raise RpcError(f"rank {rank} is held by worker {self.workers[rank].name!r}")
+            if rank >= len(self.workers):
+                size = rank + 1
+                for grow in self.growers:
+                    grow(size)
+                self.workers.extend(VacantRank(r) for r in range(len(self.workers), size))
+            rejoined = rank in self._departed
+            self._departed.discard(rank)
+            self.workers[rank] = worker
+            self.by_name[worker.name] = worker
+        if rejoined:
+            for hook in self.on_rejoin:
+                hook(rank)
+        log.info("worker %r (rank %d) joined the world", worker.name, rank)
+
+    def depart(self, rank: int) -> None:
+        """Worker ``rank`` left a dynamic world: its name no longer resolves (its rank's
+        entry stays, so errors of calls that were pending to it still name it)."""
+        if not self.dynamic or not 0 <= rank < len(self.workers):
+            return
+        with self._lock:
+            worker = self.workers[rank]
+            if self.by_name.get(worker.name) == worker:
+                del self.by_name[worker.name]
+            self._departed.add(rank)

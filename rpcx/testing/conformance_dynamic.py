@@ -1,0 +1,147 @@
+"""Conformance: a dynamic world (``init_rpc`` without ``world_size``), as torch has it.
+
+Workers join a running world one at a time, in any rank order, and leave with
+``shutdown()``. What must hold: calls, RRefs and distributed autograd between old and new
+workers both ways; ``get_worker_infos`` follows who is in; a worker that left is
+unknown by name, calls to it fail naming it, and its rank can be taken again; a name or
+rank in use, and a static worker joining a dynamic world, are refused with the reason.
+A backend that cannot admit workers after start (its capabilities lack ``dynamic``)
+refuses a dynamic world at once, naming the backends that can.
+
+This process is rank 0 (it hosts the store); the others are processes it starts.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import cast
+
+import pytest
+import torch
+
+import rpcx
+import rpcx.autograd as dist_autograd
+from rpcx import _context
+from rpcx.agent import RpcAgent
+from rpcx.errors import PeerLostError, RpcError, UnknownWorkerError
+from rpcx.registry import resolve_backend
+from rpcx.testing import remote, training
+from rpcx.testing.fixtures import WorldKeeper
+from rpcx.testing.world import DynamicWorld, _options, dynamic_world, free_port
+
+__all__ = ["TestDynamicWorld", "TestDynamicWorldRefused"]
+
+BOUND = 60.0
+
+
+@pytest.mark.rpcx_requires(
+    "dynamic", reason="the transport connects a fixed set of workers at start")
+class TestDynamicWorld:
+    """Workers join and leave a world that runs."""
+
+    @pytest.fixture
+    def grown(self, rpcx_backend: str, rpc_world_keeper: WorldKeeper
+              ) -> Iterator[DynamicWorld]:
+        """A dynamic world of this process (``lead``, rank 0) and, joined in that order,
+        ``late2`` at rank 2 and ``late1`` at rank 1."""
+        rpc_world_keeper.close()  # (one worker per process: the shared world goes first)
+        with dynamic_world(rpcx_backend, name="lead", rpc_timeout=BOUND) as world:
+            assert [w.name for w in rpcx.get_worker_infos()] == ["lead"]
+            assert world.join("late2", 2) == ("joined", "late2")
+            assert world.join("late1", 1) == ("joined", "late1")
+            yield world
+
+    def test_calls_rrefs_and_autograd_between_old_and_new_workers(
+            self, grown: DynamicWorld) -> None:
+        assert rpcx.get_worker_infos() == [
+            rpcx.WorkerInfo("lead", 0), rpcx.WorkerInfo("late1", 1),
+            rpcx.WorkerInfo("late2", 2)]
+        assert rpcx.get_worker_info("late1").id == 1
+        # the old worker calls the new ones, they call it and each other
+        assert rpcx.rpc_sync("late2", remote.add, args=(torch.ones(2), 1)).tolist() == [2, 2]
+        assert rpcx.rpc_sync("late1", remote.worker_name) == "late1"
+        assert rpcx.rpc_sync("late2", remote.call_with,
+                             args=(rpcx.get_worker_infos,)) == rpcx.get_worker_infos()
+        route = remote.chain(["late1", "late2", "lead"], 0)  # nested: each waits on the next
+        assert route == (3, ["lead", "late1", "late2", "lead"])
+        # an RRef owned by one newcomer, used by the other
+        counter = rpcx.remote("late2", remote.Counter, args=(5,))
+        assert rpcx.rpc_sync("late1", remote.rref_increment, args=(counter, 2)) == 7
+        key = uuid.uuid4().hex
+        rpcx.rpc_sync("late1", remote.hold, args=(key, counter))
+        assert rpcx.rpc_sync("late1", remote.held_to_here, args=(key,)).count == 7
+        rpcx.rpc_sync("late1", remote.drop, args=(key,))
+        # distributed autograd through both newcomers
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        with dist_autograd.context() as ctx:
+            y = rpcx.rpc_sync("late1", training.square_then_call, args=(x, ["late2"]))
+            dist_autograd.backward(ctx, [y.sum()])
+            grads = dist_autograd.get_gradients(ctx)
+        assert torch.equal(grads[x], 4 * x.detach() ** 3)  # d/dx x**4
+
+    def test_a_worker_leaves_and_another_joins(self, grown: DynamicWorld) -> None:
+        agent = cast(RpcAgent, _context.current_agent())
+        grown.leave("late1")
+        assert agent.wait_lost(1, BOUND), "late1's departure never reached lead"
+        assert [w.name for w in rpcx.get_worker_infos()] == ["lead", "late2"]
+        with pytest.raises(UnknownWorkerError, match="late1"):
+            rpcx.get_worker_info("late1")
+        with pytest.raises((UnknownWorkerError, PeerLostError), match="late1"):
+            rpcx.rpc_sync(rpcx.WorkerInfo("late1", 1), remote.add, args=(1, 1))
+        # the others carry on, and see it gone too
+        assert rpcx.rpc_sync("late2", remote.call_with, args=(rpcx.get_worker_infos,)) == [
+            rpcx.WorkerInfo("lead", 0), rpcx.WorkerInfo("late2", 2)]
+        # a new worker joins at a new rank, and everybody reaches it
+        assert grown.join("late3", 3) == ("joined", "late3")
+        assert rpcx.rpc_sync("late3", remote.worker_name) == "late3"
+        assert rpcx.rpc_sync("late2", remote.call_with,
+                             args=(remote.chain, ["late3"], 0)) == (1, ["late2", "late3"])
+
+    def test_a_rank_left_is_taken_again_or_refused_as_declared(
+            self, grown: DynamicWorld, rpcx_backend: str) -> None:
+        agent = cast(RpcAgent, _context.current_agent())
+        grown.leave("late1")
+        assert agent.wait_lost(1, BOUND), "late1's departure never reached lead"
+        outcome = grown.join("again1", 1)
+        if not resolve_backend(rpcx_backend).capabilities.reuses_ranks:
+            assert outcome[:2] == ("refused", "RpcError")
+            assert "cannot take rank 1" in outcome[2] and "held it before" in outcome[2]
+            return
+        assert outcome == ("joined", "again1")
+        assert rpcx.rpc_sync("again1", remote.worker_name) == "again1"
+        assert rpcx.rpc_sync("late2", remote.call_with,
+                             args=(remote.chain, ["again1"], 0)) == (1, ["late2", "again1"])
+
+    def test_a_taken_name_or_rank_and_a_static_worker_are_refused(
+            self, grown: DynamicWorld) -> None:
+        outcome = grown.join("late1", 3)
+        assert outcome[0] == "refused" and "'late1'" in outcome[2] and "taken" in outcome[2]
+        outcome = grown.join("other", 2)
+        assert outcome[0] == "refused" and "rank 2" in outcome[2] and "late2" in outcome[2]
+        outcome = grown.join("static", 3, world_size=4)
+        assert outcome[:2] == ("refused", "RuntimeError")
+        assert "mixes statically and dynamically initialized members" in outcome[2]
+        # the world is as it was
+        assert [w.name for w in rpcx.get_worker_infos()] == ["lead", "late1", "late2"]
+        assert rpcx.rpc_sync("late2", remote.worker_name) == "late2"
+
+
+class TestDynamicWorldRefused:
+    """What a dynamic world refuses before anything starts."""
+
+    def test_a_backend_that_cannot_admit_workers_refuses_at_once(
+            self, rpcx_backend: str, rpc_world_keeper: WorldKeeper) -> None:
+        if resolve_backend(rpcx_backend).capabilities.dynamic:
+            pytest.skip(f"backend {rpcx_backend!r} admits workers after start")
+        rpc_world_keeper.close()
+        options = _options(rpcx_backend, f"tcp://127.0.0.1:{free_port()}", {})
+        with pytest.raises(RpcError, match="cannot admit workers after the world started"):
+            rpcx.init_rpc("alone", backend=rpcx_backend, rank=0, rpc_backend_options=options)
+
+    def test_a_dynamic_worker_needs_its_rank(
+            self, rpcx_backend: str, rpc_world_keeper: WorldKeeper) -> None:
+        rpc_world_keeper.close()
+        options = _options(rpcx_backend, f"tcp://127.0.0.1:{free_port()}", {})
+        with pytest.raises(ValueError, match="rank parameter missing"):
+            rpcx.init_rpc("alone", backend=rpcx_backend, rpc_backend_options=options)
