@@ -70,8 +70,8 @@ def init_rpc(
         rank: this worker's rank; ``-1`` reads ``$RANK`` with ``env://``.
         world_size: number of workers; ``None`` reads ``$WORLD_SIZE`` with ``env://``,
             and without it joins a *dynamic world*: workers join (and may leave, with
-            ``shutdown()``) one at a time, on backends that admit workers after start
-            (``auto``, ``shm``, ``tcp``); see docs/guide/dynamic-worlds.md.
+            ``shutdown()``) one at a time, on every multi-process backend; see
+            docs/guide/dynamic-worlds.md.
         rpc_backend_options: any options object; defaults to the backend's own type.
             ``init_method`` and ``rpc_timeout`` (also used as the bound on waiting for
             the other workers to join) apply to every backend. torch's own

@@ -8,7 +8,7 @@ Keys are ``Suite.test`` (torch's suite name, without the backend prefix). Catego
 - ``torchscript``: TorchScript functions or module interfaces;
 - ``profiler``: torch's RPC profiling events;
 - ``difference``: rpcx deliberately behaves otherwise (keeps a remote error's type, words
-  its errors differently, accepts any options on any backend, fixed membership...);
+  its errors differently, accepts any options on any backend...);
 - ``bug``: an rpcx bug, with what tracks it.
 
 docs/compatibility.md is the readable version of this list; keep the two in step.
@@ -41,8 +41,6 @@ def _each(
 # that only need *an* agent (rpc.api._all_gather, _barrier, _get_current_rpc_agent) find
 # one there and pass: they then test torch's agent, not rpcx.
 NOT_TENSORPIPE = frozenset({"auto", "gloo", "loopback"})
-# Backends whose transport connects a fixed set of workers (no dynamic world).
-STATIC_ONLY = frozenset({"gloo", "tensorpipe"})
 
 
 KNOWN: dict[str, Known] = {
@@ -289,15 +287,6 @@ KNOWN: dict[str, Known] = {
         DIFFERENCE,
         "backends are chosen by name (a string backend is fine) and every backend accepts "
         "every options object, so there is no type mismatch to raise",
-    ),
-    **_each(
-        """TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together
-        TensorPipeAgentRpcTest.test_dynamic_rpc_existing_rank_can_communicate_with_new_rank
-        TensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc
-        TensorPipeAgentRpcTest.test_dynamic_rpc_new_rank_can_communicated_with_existing_rank""",
-        DIFFERENCE, "this backend cannot admit workers after start, so it refuses a dynamic "
-                    "world (init_rpc without world_size); auto, shm and tcp run one "
-                    "(docs/guide/dynamic-worlds.md)", STATIC_ONLY,
     ),
     "TensorPipeAgentRpcTest.test_rref_proxy_timeout": Known(
         DIFFERENCE, "rref.remote(timeout=).f() returns at once and its timeout surfaces on "

@@ -409,6 +409,14 @@ class SocketTransport(StreamTransport):
         self._flush_wanted.set()
         super().close(timeout)
 
+    def retire(self, link: SocketLink) -> None:
+        """Release a peer that left before a new worker takes its rank: its segments
+        too."""
+        super().retire(link)
+        assert isinstance(link, _Peer)
+        link.pool.close()
+        link.received.close()
+
     def released(self, timeout: float) -> None:
         for peer in self._peers.values():
             peer.pool.close()

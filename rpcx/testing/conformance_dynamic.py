@@ -36,7 +36,7 @@ BOUND = 60.0
 
 
 @pytest.mark.rpcx_requires(
-    "dynamic", reason="the transport connects a fixed set of workers at start")
+    "dynamic", reason="it cannot admit workers after the world started")
 class TestDynamicWorld:
     """Workers join and leave a world that runs."""
 

@@ -683,6 +683,15 @@ class StreamTransport:
     def released(self, timeout: float) -> None:
         """After ``close`` closed the sockets: release anything else (bounded)."""
 
+    def retire(self, link: SocketLink) -> None:
+        """A new worker takes the rank of ``link``'s peer, which left (a dynamic world;
+        its receive loop is over): release the old link (``close`` only sees the links
+        of now). Override to release state of the transport's own, calling this."""
+        link.shutdown()
+        if link.backlog is not None:
+            link.backlog.stop()
+        link.sock.close()
+
     # ---------------------------------------------------------------- the contract
 
     def start(self, ctx: TransportContext) -> None:
@@ -723,6 +732,9 @@ class StreamTransport:
         assert ctx is not None and ctx.admit is not None and peers is not None
         with self.arrivals.linking(rank):
             ctx.admit(rank)
+            old = peers.links.get(rank)
+            if old is not None:
+                self.retire(old)
             sock.settimeout(None)
             link = self.make_link(rank, sock)
             with link.lock:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from rpcx.hookspecs import hookimpl
-from rpcx.transport import Capabilities
 
 from rpcx_zmq.options import ZmqRpcBackendOptions
 from rpcx_zmq.transport import ZmqTransport
@@ -21,5 +20,5 @@ def rpcx_register_backends(register: Any) -> None:
         ZmqTransport,
         description="ZeroMQ: TCP across hosts, IPC within one, zero-copy tensor frames",
         options_type=ZmqRpcBackendOptions,
-        capabilities=Capabilities(multi_process=True, multi_host=True),
+        capabilities=ZmqTransport.capabilities,
     )

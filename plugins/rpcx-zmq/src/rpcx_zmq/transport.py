@@ -63,6 +63,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import struct
 import tempfile
 import threading
@@ -74,8 +75,12 @@ import torch
 import zmq
 from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx.transport_kit import (
+    ADMITTED,
+    HANDSHAKE_TIMEOUT,
     SHUT_DOWN,
+    Arrivals,
     Backlog,
+    Doorway,
     Link,
     LostCause,
     PeerLostError,
@@ -85,6 +90,7 @@ from rpcx.transport_kit import (
     connect_limit,
     connect_timeout,
     host_identity,
+    join_stream_mesh,
     lost_reason,
     options_as,
     owning_memory,
@@ -125,6 +131,7 @@ _LOST_MESSAGE = [_HEAD.pack(_LOST, 0)]
 _PART = -1  # a buffer's length in the head when it travels as a part of its own
 
 _LOCAL = "local"  # the user name of a worker's own control sockets
+_DOORWAY = "zmq-door"  # the doorway's label (store keys, handshake) in a dynamic world
 _MONITOR_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
@@ -236,10 +243,19 @@ class _Peers(Peers[_Peer]):
 class ZmqTransport:
     """Moves frames over ZeroMQ: TCP between hosts, IPC within one, zero-copy tensors."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True,
+                                                        dynamic=True)
 
     def __init__(self) -> None:
         self._ctx: TransportContext | None = None
+        # A dynamic world: what admits later workers, the ranks being admitted, the
+        # monitors the monitor thread is to take on, this worker's endpoints' host and
+        # token (for the sockets of newcomers).
+        self._doorway: Doorway | None = None
+        self._arrivals: Arrivals[_Peer] = Arrivals()
+        self._new_monitors: list[_Peer] = []
+        self._host = ""
+        self._token = ""
         self._options = ZmqRpcBackendOptions()
         self._zctx: zmq.Context[Any] | None = None
         self.peers: _Peers | None = None
@@ -271,14 +287,15 @@ class ZmqTransport:
         host = listen_host(options.hostname, options.interface, ctx.init_method)
         if options.ipc:
             self._ipc_dir = _private_dir()
-        token = f"{os.getpid()}-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+        token = self._token = f"{os.getpid()}-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+        self._host = host
         if ctx.auth is not None:
             self._start_zap(ctx)
         published: dict[str, dict[str, str]] = {}
         self.peers = _Peers(ctx, {}, read_one=self._read_one, write_bye=self._write_bye,
                             ended=self._loop_ended)
-        for rank in range(ctx.world_size):
-            if rank == ctx.rank:
+        for rank in range(len(ctx.names)):
+            if rank == ctx.rank or ctx.vacant(rank):
                 continue
             peer = self.peers.links[rank] = _Peer(rank, ctx.names[rank])
             peer.backlog = Backlog(peer.lock, functools.partial(self._write, peer),
@@ -290,8 +307,11 @@ class ZmqTransport:
         ctx.store.set(
             f"zmq/{ctx.rank}", json.dumps({"host": host_identity(), "rx": published})
         )
+        if ctx.admit is not None:
+            self._join_members(ctx, host)
         for peer in self.peers:
-            info = json.loads(ctx.store.get(f"zmq/{peer.rank}"))
+            info = json.loads(ctx.store.get(
+                f"zmq/{peer.rank}" if ctx.admit is None else f"zmq/{peer.rank}/for/{ctx.rank}"))
             peer.endpoint = self._choose_endpoint(info)
             self.endpoints[peer.rank] = peer.endpoint
             self._connect_tx(peer)
@@ -302,6 +322,78 @@ class ZmqTransport:
         )
         self._monitor.start()
         self._wait_connected()
+        if self._doorway is not None:
+            self._doorway.start()
+
+    # --------------------------------------------------------------- dynamic world
+
+    def _join_members(self, ctx: TransportContext, host: str) -> None:
+        """A newcomer of a dynamic world: its receiving sockets are bound and published;
+        tell every member through its doorway (a plain socket), which binds one for this
+        worker, publishes it (``zmq/<member>/for/<this rank>``) and connects to ours.
+        Then open a doorway for the workers that join later."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, 0))
+            listener.listen(16)
+            for sock in join_stream_mesh(ctx, {"tcp": [host, listener.getsockname()[1]]},
+                                         _dial, _DOORWAY).values():
+                sock.close()
+        except BaseException:
+            listener.close()
+            raise
+        self._doorway = Doorway(ctx, [listener], _DOORWAY, self._newcomer, self._welcome,
+                                listener.close)
+
+    @staticmethod
+    def _retire(peer: _Peer) -> None:
+        """Close the sockets of a peer that left (its receive loop is over, and closed
+        ``rx``), before a new worker takes its rank: the context's end waits for every
+        socket, and ``close`` only sees the peers of now."""
+        with peer.ctl_lock:
+            if peer.ctl is not None:
+                peer.ctl.close(linger=0)
+                peer.ctl = None
+        with peer.lock:
+            if peer.tx is not None:
+                peer.tx.close(linger=0)  # (its monitor ends with it: MONITOR_STOPPED)
+                peer.tx = None
+
+    def _newcomer(self, rank: int) -> bool:
+        """Whether a doorway connection from ``rank`` may be a worker joining."""
+        ctx = self._ctx
+        assert ctx is not None
+        peer = self._peers.get(rank)
+        return rank != ctx.rank and rank >= 0 and (peer is None or peer.ended.is_set())
+
+    def _welcome(self, rank: int, sock: socket.socket) -> None:
+        """A worker joins at ``rank`` (the doorway calls this): admit it, bind a socket
+        for it and publish it, connect to the one it bound for this worker, start
+        receiving; then tell it (it connects once told)."""
+        ctx, peers = self._ctx, self.peers
+        assert ctx is not None and ctx.admit is not None and peers is not None
+        with self._arrivals.linking(rank):
+            ctx.admit(rank)
+            old = self._peers.get(rank)
+            if old is not None:  # a worker that left held the rank: release its sockets
+                self._retire(old)
+            peer = _Peer(rank, ctx.names[rank])
+            peer.backlog = Backlog(peer.lock, functools.partial(self._write, peer),
+                                   peers.thread_name(peer, "send"))
+            mine = self._bind_rx(peer, self._host, self._token)
+            ctx.store.set(f"zmq/{ctx.rank}/for/{rank}",
+                          json.dumps({"host": host_identity(), "rx": {str(rank): mine}}))
+            peer.endpoint = self._choose_endpoint(json.loads(ctx.store.get(f"zmq/{rank}")))
+            self.endpoints[rank] = peer.endpoint
+            self._connect_tx(peer)
+            with self._wake_lock:  # the monitor thread takes the new connection's monitor
+                self._new_monitors.append(peer)
+                if self._wake is not None:
+                    self._wake.send(b"add")
+            peers.add(peer)
+            sock.sendall(ADMITTED)
+        sock.close()
 
     def _start_zap(self, ctx: TransportContext) -> None:
         """With a world key, every connection to one of our PULL sockets must log in as
@@ -422,7 +514,11 @@ class ZmqTransport:
     def send(self, dst: int, frame: Frame) -> None:
         """Send ``frame`` to ``dst``; returns once every buffer not copied is written,
         or at ``frame.deadline`` with the rest queued for the peer's writer."""
-        peer = self._peers[dst]
+        try:
+            peer = self._peers[dst]
+        except KeyError:  # a worker joining a dynamic world right now: wait for its link
+            assert self.peers is not None
+            peer = self._arrivals.link(self.peers, dst, HANDSHAKE_TIMEOUT)
         if peer.gone:
             raise PeerLostError(peer.why or SHUT_DOWN)
         buffers = frame.buffers
@@ -691,8 +787,15 @@ class ZmqTransport:
             while True:
                 for sock, _ in poller.poll():
                     if sock is wake:
-                        wake.recv()
-                        return
+                        if wake.recv() != b"add":
+                            return
+                        with self._wake_lock:  # workers that joined (a dynamic world)
+                            joined, self._new_monitors = self._new_monitors, []
+                        for peer in joined:
+                            if peer.tx_monitor is not None:
+                                owners[peer.tx_monitor] = peer
+                                poller.register(peer.tx_monitor, zmq.POLLIN)
+                        continue
                     peer = owners[sock]
                     try:
                         event = recv_monitor_message(sock, zmq.NOBLOCK)
@@ -731,6 +834,8 @@ class ZmqTransport:
         ctx, zctx = self._ctx, self._zctx
         if ctx is None or zctx is None or self._closed:
             return
+        if self._doorway is not None:  # (a dynamic world: nobody is admitted any more)
+            self._doorway.close(min(timeout, HANDSHAKE_TIMEOUT))
         self._closing = True
         deadline = time.monotonic() + timeout
         stuck: list[_Peer] = []
@@ -804,6 +909,20 @@ def _password(ctx: TransportContext, src: int, dst: int) -> str:
     """What ``src`` logs in with on ``dst``'s socket for it (a proof of the world key)."""
     assert ctx.auth is not None
     return ctx.auth.proof("zmq connect", src, dst).hex()
+
+
+def _dial(address: dict[str, Any], timeout: float | None) -> socket.socket:
+    """Connect to a member's doorway (a dynamic world)."""
+    where, port = address["tcp"]
+    sock = socket.socket(socket.AF_INET6 if ":" in where else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect((where, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _pipe(zctx: zmq.Context[Any], address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
