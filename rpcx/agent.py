@@ -55,9 +55,10 @@ class DynamicMembership(Protocol):
     def member(self, rank: int) -> str:
         """The name of the worker that joined at ``rank``."""
 
-    def departing(self) -> contextlib.AbstractContextManager[None]:
-        """Held while this worker closes its transport: no worker joins meanwhile, and
-        this one is off the roster when it ends."""
+    def departing(self, timeout: float) -> contextlib.AbstractContextManager[None]:
+        """Held while this worker closes its transport: it is struck off the roster
+        first, and no worker joins meanwhile. Waits at most ``timeout`` seconds for
+        the world's token."""
 
 
 class RpcAgent:
@@ -359,7 +360,7 @@ class RpcAgent:
         def close_transport(deadline: float | None) -> None:
             # A dynamic worker leaves under the membership token, so that no newcomer
             # dials it while it closes; static worlds need none.
-            with (self._dynamic.departing() if self._dynamic is not None
+            with (self._dynamic.departing(step_bound(deadline)) if self._dynamic is not None
                   else contextlib.nullcontext()):
                 self._transport.close(step_bound(deadline))
 
@@ -377,8 +378,10 @@ class RpcAgent:
         # Transports call this from their receiving threads, which must not send.
         with receiving():
             self._health.peer_lost(rank, cause, detail)
-        if cause is LostCause.DEPARTED:
-            self.roster.depart(rank)  # (a static world's roster never changes)
+        if self._dynamic is not None:
+            # A worker gone from a dynamic world, whichever way, leaves its rank to the
+            # next (a static world's roster never changes).
+            self.roster.depart(rank)
 
     def _admit(self, rank: int) -> str:
         """A worker joined this dynamic world at ``rank`` (the transport calls this when it

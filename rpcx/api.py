@@ -89,19 +89,23 @@ def init_rpc(
         _warn_if_exposed(name, options.init_method, spec)
     world = joining.join(name, spec, options, rank, world_size, key,
                          spawn_world=_context.spawn_world.get())
-    agent = RpcAgent(
-        rank=world.rank,
-        workers=world.workers,
-        store=world.store,
-        transport=spec.factory(),
-        backend=spec.name,
-        options=world.options,
-        init_method=world.options.init_method,
-        routes=world.routes,
-        guard=world.guard,
-        connection_auth=world.connection_auth,
-        dynamic=world.dynamic,
-    )
+    try:
+        agent = RpcAgent(
+            rank=world.rank,
+            workers=world.workers,
+            store=world.store,
+            transport=spec.factory(),
+            backend=spec.name,
+            options=world.options,
+            init_method=world.options.init_method,
+            routes=world.routes,
+            guard=world.guard,
+            connection_auth=world.connection_auth,
+            dynamic=world.dynamic,
+        )
+    except BaseException:
+        world.leave()  # (the roster entry, the membership token, the in-process store)
+        raise
     try:
         calls.install(agent)
         rref.install(agent)

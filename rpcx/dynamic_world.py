@@ -10,7 +10,7 @@ The store also records which kind of world it serves: a worker that joins a stat
 
 Keys, under ``rpcx/dynamic/`` of the store:
 
-* ``token``: the name of the worker holding the token (empty: free);
+* ``token``: who holds the token (``name:purpose:rank:nonce``; empty: free);
 * ``member/<rank>``: the name of the worker holding ``rank`` (empty once it left);
 * ``roster``: every rank held now, as JSON (``{"rank": "name"}``).
 """
@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Iterator
 
 from rpcx._store import BoundedStore
@@ -66,12 +67,15 @@ class DynamicWorld:
     # ------------------------------------------------------------------ the token
 
     @contextlib.contextmanager
-    def token(self, purpose: str) -> Iterator[None]:
+    def token(self, purpose: str, timeout: float | None = None) -> Iterator[None]:
         """Hold the membership token for ``purpose`` ("join", "leave"): no other worker
         joins or leaves meanwhile. ``RpcTimeoutError`` naming the holder if it is not
-        free within the timeout (its holder may be stopped)."""
-        me = f"{self.name}:{purpose}"
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        free within ``timeout`` (default: the world's; its holder may be stopped)."""
+        # Unique to this attempt: two workers that give the same name cannot both
+        # believe they hold it.
+        me = f"{self.name}:{purpose}:{self.rank}:{uuid.uuid4().hex[:8]}"
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         started = report_at = time.monotonic()
         pause = _POLL_FIRST
         while True:
@@ -81,12 +85,12 @@ class DynamicWorld:
                 break
             now = time.monotonic()
             if deadline is not None and now >= deadline:
+                holder_name, holder_purpose = holder.split(":")[:2]
                 raise RpcTimeoutError(
-                    f"init_rpc: worker {self.name!r} (rank {self.rank}) could not {purpose} "
-                    f"the dynamic world within {self.timeout:g} s (rpc_timeout): worker "
-                    f"{holder.rsplit(':', 1)[0]!r} has held its membership token since "
-                    "(it is stopped in the middle of joining or leaving, or still "
-                    "connecting)")
+                    f"worker {self.name!r} (rank {self.rank}) could not {purpose} the "
+                    f"dynamic world within {timeout:g} s: worker {holder_name!r} holds its "
+                    f"membership token (to {holder_purpose}) all that time; it may be "
+                    "stopped in the middle of joining or leaving, or still connecting")
             if now >= report_at + _REPORT_EVERY:
                 report_at = now
                 log.info("%s: waiting %.0f s for the membership token (held by %s)",
@@ -101,10 +105,10 @@ class DynamicWorld:
             except RpcError as exc:  # the store is gone: nobody is left to wait for it
                 log.debug("%s: giving the membership token back: %s", self.name, exc)
 
-    def hold_token(self, purpose: str) -> HeldToken:
+    def hold_token(self, purpose: str, timeout: float | None = None) -> HeldToken:
         """Take the token for ``purpose`` and keep it until :meth:`HeldToken.release`
         (what joining needs: it spans the agent's start)."""
-        self._held = HeldToken(self.token(purpose))
+        self._held = HeldToken(self.token(purpose, timeout))
         return self._held
 
     # ------------------------------------------------------------------ the roster
@@ -141,18 +145,19 @@ class DynamicWorld:
         self.store.set(f"member/{self.rank}", "", self.timeout)
 
     @contextlib.contextmanager
-    def departing(self) -> Iterator[None]:
-        """This worker leaves: off the roster under the token, which is held until the
-        block ends (the worker closes its connections meanwhile). A token or store that
-        does not answer is logged, and the worker leaves all the same. A worker whose
-        join failed still holds the token: it leaves under that one."""
+    def departing(self, timeout: float | None = None) -> Iterator[None]:
+        """This worker leaves: off the roster under the token (waited for at most
+        ``timeout``), which is held until the block ends (the worker closes its
+        connections meanwhile). A token or store that does not answer is logged, and
+        the worker leaves all the same. A worker whose join failed still holds the
+        token: it leaves under that one."""
         if self._held is not None and self._held.held:
             with contextlib.suppress(RpcError):
                 self.leave()
             yield
             return
         try:
-            token = self.hold_token("leave")
+            token = self.hold_token("leave", timeout)
         except RpcError as exc:
             log.warning("%s: leaving the dynamic world without its membership token: %s",
                         self.name, exc)

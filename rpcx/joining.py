@@ -10,13 +10,13 @@ A dynamic world (no ``world_size``, as torch's) is joined under its membership t
 (:mod:`rpcx.dynamic_world`): this worker enters the store's roster, and the token stays
 held until its transport has connected to every member (:meth:`Joined.settle`).
 
-Nothing here runs after ``init_rpc`` except a dynamic worker's :meth:`Joined.strike_off`
-at shutdown; the agent never imports this module.
+Nothing here runs after ``init_rpc`` (a dynamic worker leaves the roster through
+:meth:`rpcx.dynamic_world.DynamicWorld.departing`, which its agent holds); the agent
+never imports this module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -76,27 +76,16 @@ class Joined:
             self.token.release()
 
     def leave(self) -> None:
-        """Release what joining holds beyond the agent: the in-process store, if any; a
-        dynamic worker is struck off the roster."""
+        """``init_rpc`` failed: release what joining holds beyond the agent (the
+        in-process store; a dynamic worker's roster entry and membership token)."""
         if self.token is not None and self.token.held and self.dynamic is not None:
-            with contextlib.suppress(Exception):  # (the start failed: the token is ours)
+            try:
                 self.dynamic.leave()
+            except Exception as exc:  # logged: init_rpc raises its own error
+                log.debug("%s: leaving the dynamic world's roster: %s", self.name, exc)
             self.token.release()
-        else:
-            self.strike_off()
         if self.world_key is not None:
             rendezvous.release_in_process_store(self.world_key)
-
-    def strike_off(self) -> None:
-        """A dynamic worker's last step at shutdown: under the token, leave the roster.
-        Never raises (the store may be gone: its host left first)."""
-        if self.dynamic is None:
-            return
-        try:
-            with self.dynamic.token("leave"):
-                self.dynamic.leave()
-        except Exception as exc:  # logged; shutdown goes on
-            log.debug("%s: leaving the dynamic world's roster: %s", self.name, exc)
 
 
 def join(

@@ -6,6 +6,7 @@ buffers", seen with TorchRL's dynamic replay buffer under load)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from typing import Any
 
@@ -77,3 +78,36 @@ def test_a_frame_sent_at_admission_follows_the_answer(transport: type) -> None:
             newcomer.close(5.0)
     finally:
         member.close(5.0)
+
+
+def test_a_segment_freed_after_its_filler_left_is_not_announced_to_the_next_holder() -> None:
+    # A tensor received over a segment the old holder of rank 1 filled is dropped after
+    # a new worker took rank 1: the id means another segment there, which the new
+    # worker may still be filling. It must not be told (the old code told whoever held
+    # the rank).
+    from types import SimpleNamespace
+
+    from rpcx.backends.segments import SendPool
+    from rpcx.backends.socket_mesh import Route
+    from rpcx.backends.sockets import _Peer
+    from rpcx.transport_kit import Peers
+
+    transport = AutoTransport()
+    here = [socket.socketpair() for _ in range(2)]
+    try:
+        def peer(name: str, sock: socket.socket) -> _Peer:
+            return _Peer(1, name, sock, f"rpcx-test-send-{name}", Route(True, "test"),
+                         1 << 18, SendPool(1 << 20), transport._segment_freed)
+
+        old, new = peer("left", here[0][0]), peer("joined", here[1][0])
+        ctx = SimpleNamespace(rank=0, names=["me", "joined"], receive_lane=None)
+        transport.peers = Peers(ctx, {1: new}, lambda link: None,  # type: ignore[arg-type]
+                                lambda link: None)
+        transport._segment_freed(old, 7)
+        assert list(new.freed) == [] and list(old.freed) == []
+        transport._segment_freed(new, 7)  # (the holder's own segment: announced)
+        assert list(new.freed) == [7]
+    finally:
+        for a, b in here:
+            a.close()
+            b.close()

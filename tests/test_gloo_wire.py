@@ -100,7 +100,9 @@ class End:
                                                    self.lost.put((peer, lost_reason(cause,
                                                                                     detail)))),
         )
-        self.transport._begin(ctx, FakeGroup(wire, rank))  # type: ignore[arg-type]
+        peer = 1 - rank
+        self.transport._begin(ctx, {  # type: ignore[arg-type]
+            peer: gloo._Link(peer, f"w{peer}", FakeGroup(wire, rank), peer)})
         (self.receiver,) = [t for t in threading.enumerate()
                             if t.name == f"rpcx-w{rank}-recv-w{1 - rank}" and t.is_alive()]
 

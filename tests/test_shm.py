@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import rpcx
 from rpcx.backends import sockets as transport_module
-from rpcx.backends.segments import ReceivedSegments, SendPool
+from rpcx.backends.segments import SendPool
 from rpcx.backends.socket_mesh import Policy, Route, connect_mesh
 from rpcx.backends.socket_options import SocketRpcBackendOptions
 from rpcx.backends.sockets import ShmTransport
@@ -567,7 +567,7 @@ def test_any_bytes_read_as_frames_or_end_the_connection_within_bounds(wire: byte
     transport.max_frame = 1 << 30
     ours, theirs = socket.socketpair()
     peer = transport_module._Peer(1, "beta", ours, "rpcx-test-send", Route(True, "test"),
-                                  1 << 18, SendPool(1 << 20), ReceivedSegments(lambda _: None))
+                                  1 << 18, SendPool(1 << 20), lambda peer, segment_id: None)
     try:
         theirs.sendall(wire)
         theirs.shutdown(socket.SHUT_WR)

@@ -75,6 +75,7 @@ from rpcx.transport_kit import (
     address_towards,
     as_bytes,
     check_frame_size,
+    connect_limit,
     empty_bytes,
     join_stream_mesh,
     lost_error,
@@ -199,6 +200,7 @@ class GlooTransport:
         self._doorway: Doorway | None = None
         self._arrivals: Arrivals[_Link] = Arrivals()
         self._nonce = ""
+        self._join_bound = HANDSHAKE_TIMEOUT  # a pair's group is made within this
 
     @property
     def _peers(self) -> dict[int, _Link]:
@@ -238,6 +240,7 @@ class GlooTransport:
         """Join a dynamic world: tell each member through its doorway (a plain socket:
         a process group cannot grow), then make a group with it; open a doorway."""
         self._ctx = ctx
+        self._join_bound = connect_limit(ctx) or HANDSHAKE_TIMEOUT
         self._nonce = uuid.uuid4().hex
         ctx.store.set(f"gloo/nonce/{ctx.rank}", self._nonce)
         options = options_as(ctx, GlooRpcBackendOptions)
@@ -277,11 +280,13 @@ class GlooTransport:
         return _Link(rank, ctx.names[rank], group, 1 - me)
 
     def _newcomer(self, rank: int) -> bool:
-        """Whether a doorway connection from ``rank`` may be a worker joining."""
+        """Whether a doorway connection from ``rank`` may be a worker joining (the link of
+        a worker that left the rank may still be ending: waited for, bounded, then
+        dropped; its group goes with it)."""
         ctx, peers = self._ctx, self.peers
         assert ctx is not None and peers is not None
-        link = peers.links.get(rank)
-        return rank != ctx.rank and rank >= 0 and (link is None or link.ended.is_set())
+        return rank != ctx.rank and rank >= 0 and self._arrivals.leaving(
+            peers, rank, HANDSHAKE_TIMEOUT)
 
     def _welcome(self, rank: int, sock: socket.socket) -> None:
         """A worker joins at ``rank`` (the doorway calls this): admit it, tell it, make
@@ -320,7 +325,7 @@ class GlooTransport:
         try:
             link = peers.links[dst]
         except KeyError:  # a worker joining a dynamic world right now: wait for its link
-            link = self._arrivals.link(peers, dst, HANDSHAKE_TIMEOUT)
+            link = self._arrivals.link(peers, dst, self._join_bound)
         messages = _pack(frame)
         nbytes = sum(tensor.numel() for _, tensor in messages)
         # A frame's messages after its slot go only once the peer has read the slot (it

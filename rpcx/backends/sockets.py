@@ -51,7 +51,7 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -119,12 +119,13 @@ class _Peer(SocketLink):
 
     def __init__(self, rank: int, name: str, sock: socket.socket, writer_name: str,
                  route: Route, shm_min: int, pool: SendPool,
-                 received: ReceivedSegments) -> None:
+                 freed: Callable[[_Peer, int], None]) -> None:
         super().__init__(rank, name, sock, writer_name)
         self.route = route
         self.shm_min = shm_min if route.local else sys.maxsize
         self.pool = pool
-        self.received = received
+        # ``freed(self, segment_id)`` when tensors over a segment it filled are gone.
+        self.received = ReceivedSegments(functools.partial(freed, self))
         self.freed: collections.deque[int] = collections.deque()  # ids to send in FREE
 
 
@@ -193,8 +194,7 @@ class SocketTransport(StreamTransport):
         return _Peer(rank, ctx.names[rank], sock,
                      f"rpcx-{ctx.names[ctx.rank]}-send-{ctx.names[rank]}",
                      self._routes[rank], self._options.shm_min_bytes,
-                     SendPool(self._options.shm_pool_bytes),
-                     ReceivedSegments(functools.partial(self._segment_freed, rank)))
+                     SendPool(self._options.shm_pool_bytes), self._segment_freed)
 
     # ------------------------------------------------------------------------- send
 
@@ -281,15 +281,16 @@ class SocketTransport(StreamTransport):
         if pending is not None:
             peer.wait(pending, frame.deadline)
 
-    def _segment_freed(self, src: int, segment_id: int) -> None:
-        """Tensors over a segment ``src`` filled are gone: let ``src`` fill it again.
+    def _segment_freed(self, peer: _Peer, segment_id: int) -> None:
+        """Tensors over a segment ``peer`` filled are gone: let it fill it again.
 
         Runs from a finalizer, on whichever thread dropped the last such tensor (often a
         receive loop, or one holding a send lock): so it only queues the id, and the
-        transport's flusher thread sends it.
+        transport's flusher thread sends it. Only to that very peer: in a dynamic world
+        a new worker may hold its rank by now, with segments of its own under the same
+        ids.
         """
-        peer = self._peers.get(src)
-        if peer is None or self._closing:
+        if self._closing or self._peers.get(peer.rank) is not peer:
             return
         peer.freed.append(segment_id)
         if not self._flush_wanted.is_set():

@@ -41,6 +41,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from typing import Any, ClassVar
 
 import torch
@@ -240,9 +241,10 @@ class TensorPipeTransport:
                 # As torch's init_rpc does for a dynamic group: every member's agent
                 # learns of this one (rpcx's membership token is held meanwhile).
                 me = self._agent.get_worker_info()
+                bound = getattr(source, "rpc_timeout", 0.0) or 0  # (0: none, as asked)
                 for rank in members:
                     torch_rpc_api.rpc_sync(names[rank], torch_update_group_membership,
-                                           args=(me, [], {}, True))
+                                           args=(me, [], {}, True), timeout=bound)
             for rank in members:
                 self._watch(rank)
             self._wait_for_watches(getattr(source, "rpc_timeout", 0.0) or None)
@@ -315,10 +317,12 @@ class TensorPipeTransport:
         assert ctx is not None and self._agent is not None
         agent = self._agent
         me = agent.get_worker_info()
+        deadline = time.monotonic() + timeout  # (one bound for the whole leave)
         for rank in staying:
             try:
                 torch_rpc_api.rpc_sync(ctx.names[rank], torch_update_group_membership,
-                                       args=(me, [], {}, False), timeout=max(timeout, 0.1))
+                                       args=(me, [], {}, False),
+                                       timeout=max(deadline - time.monotonic(), 0.1))
             except Exception as exc:  # it left too, or died: nothing to tell it
                 log.debug("%s: telling %s it leaves: %s", self._me(), ctx.names[rank], exc)
         # torch's agent leaves its group: it strikes its name off the store (a later
@@ -327,7 +331,7 @@ class TensorPipeTransport:
         leaving = threading.Thread(target=agent.join, args=(True,), daemon=True,
                                    name=f"rpcx-{self._me()}-tensorpipe-leave")
         leaving.start()
-        leaving.join(max(timeout, 0.1))
+        leaving.join(max(deadline - time.monotonic(), 0.1))
         if leaving.is_alive():
             log.warning("%s: torch's TensorPipe agent did not leave its group within "
                         "%.1f s; its rank stays taken in the store", self._me(), timeout)

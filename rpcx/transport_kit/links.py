@@ -30,7 +30,7 @@ from typing import Generic, TypeVar
 
 from rpcx.errors import LostCause, PeerLostError, ProtocolError
 from rpcx.transport import Frame, ReceiveLane, TransportContext
-from rpcx.transport_kit.basics import SHUT_DOWN, classify
+from rpcx.transport_kit.basics import SHUT_DOWN, classify, unreachable
 from rpcx.transport_kit.writer import Backlog
 
 __all__ = ["BYE_TIMEOUT", "Arrivals", "Link", "Peers"]
@@ -109,15 +109,33 @@ class Arrivals(Generic[L]):
             self._linking.pop(rank, None)
 
     def link(self, peers: Peers[L], rank: int, timeout: float) -> L:
-        """``peers[rank]``, waiting at most ``timeout`` for one being made; ``KeyError``
-        for a rank with none."""
+        """``peers[rank]``, waiting at most ``timeout`` for one being made;
+        ``PeerLostError`` for a rank with none (no worker holds it, or its admission
+        failed)."""
         try:
             return peers[rank]
         except KeyError:
             linked = self._linking.get(rank)
-            if linked is None or not linked.wait(timeout):
-                raise
+            if linked is not None:
+                linked.wait(timeout)
+        try:  # (again: the link may have come between the two looks)
             return peers[rank]
+        except KeyError:
+            raise PeerLostError(unreachable(f"no connection to rank {rank}")) from None
+
+    def leaving(self, peers: Peers[L], rank: int, timeout: float) -> bool:
+        """Before a new worker takes ``rank`` (a dynamic world): wait, at most
+        ``timeout``, until the receive loop of the worker that left it is over (its
+        departure is then reported), and take its link out of ``peers``, so that a
+        sender waits for the new one. False if it is still running (not a newcomer's
+        rank, then)."""
+        old = peers.links.get(rank)
+        if old is None:
+            return True
+        if not old.ended.wait(timeout):
+            return False
+        peers.links = {r: link for r, link in peers.links.items() if r != rank}
+        return True
 
 
 class Peers(Generic[L]):

@@ -486,6 +486,10 @@ def join_stream_mesh(
                     f"init_rpc: worker {ctx.names[ctx.rank]!r} (rank {ctx.rank}): worker "
                     f"{ctx.names[rank]!r} did not admit it within {limit:g} s "
                     "(rpc_timeout)") from None
+            except (EOFError, OSError) as exc:  # it closed the connection: refused
+                answer = _REFUSED
+                log.debug("%s: %s ended the connection: %s", ctx.names[ctx.rank],
+                          ctx.names[rank], exc)
             if answer != ADMITTED:
                 raise RpcError(
                     f"init_rpc: worker {ctx.names[rank]!r} (rank {rank}) refused worker "
@@ -714,11 +718,17 @@ class StreamTransport:
 
     def newcomer(self, rank: int) -> bool:
         """Whether a connection from ``rank`` may be a worker joining (a dynamic world):
-        not this worker, and no live link to it."""
+        not this worker, and no live link to it (a worker that left the rank may still
+        be ending its goodbye: waited for, bounded)."""
         ctx, peers = self._ctx, self.peers
         assert ctx is not None and peers is not None
-        link = peers.links.get(rank)
-        return rank != ctx.rank and rank >= 0 and (link is None or link.ended.is_set())
+        old = peers.links.get(rank)
+        if rank == ctx.rank or rank < 0 or not self.arrivals.leaving(
+                peers, rank, HANDSHAKE_TIMEOUT):
+            return False
+        if old is not None:
+            self.retire(old)
+        return True
 
     def welcome(self, rank: int, sock: socket.socket) -> None:
         """A worker joined at ``rank`` over ``sock``: enter it (``TransportContext.admit``),
@@ -732,9 +742,6 @@ class StreamTransport:
         assert ctx is not None and ctx.admit is not None and peers is not None
         with self.arrivals.linking(rank):
             ctx.admit(rank)
-            old = peers.links.get(rank)
-            if old is not None:
-                self.retire(old)
             sock.settimeout(None)
             link = self.make_link(rank, sock)
             with link.lock:

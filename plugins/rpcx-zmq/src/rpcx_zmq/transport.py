@@ -361,11 +361,18 @@ class ZmqTransport:
                 peer.tx = None
 
     def _newcomer(self, rank: int) -> bool:
-        """Whether a doorway connection from ``rank`` may be a worker joining."""
-        ctx = self._ctx
-        assert ctx is not None
-        peer = self._peers.get(rank)
-        return rank != ctx.rank and rank >= 0 and (peer is None or peer.ended.is_set())
+        """Whether a doorway connection from ``rank`` may be a worker joining (the link of
+        a worker that left the rank may still be ending: waited for, bounded, then
+        dropped and its sockets closed)."""
+        ctx, peers = self._ctx, self.peers
+        assert ctx is not None and peers is not None
+        old = peers.links.get(rank)
+        if rank == ctx.rank or rank < 0 or not self._arrivals.leaving(
+                peers, rank, HANDSHAKE_TIMEOUT):
+            return False
+        if old is not None:
+            self._retire(old)
+        return True
 
     def _welcome(self, rank: int, sock: socket.socket) -> None:
         """A worker joins at ``rank`` (the doorway calls this): admit it, bind a socket
@@ -375,18 +382,26 @@ class ZmqTransport:
         assert ctx is not None and ctx.admit is not None and peers is not None
         with self._arrivals.linking(rank):
             ctx.admit(rank)
-            old = self._peers.get(rank)
-            if old is not None:  # a worker that left held the rank: release its sockets
-                self._retire(old)
             peer = _Peer(rank, ctx.names[rank])
             peer.backlog = Backlog(peer.lock, functools.partial(self._write, peer),
                                    peers.thread_name(peer, "send"))
-            mine = self._bind_rx(peer, self._host, self._token)
-            ctx.store.set(f"zmq/{ctx.rank}/for/{rank}",
-                          json.dumps({"host": host_identity(), "rx": {str(rank): mine}}))
-            peer.endpoint = self._choose_endpoint(json.loads(ctx.store.get(f"zmq/{rank}")))
-            self.endpoints[rank] = peer.endpoint
-            self._connect_tx(peer)
+            try:
+                # (a name of its own per admission: a rank taken again gets fresh ones)
+                mine = self._bind_rx(peer, self._host, f"{self._token}-{next(_ids)}")
+                ctx.store.set(f"zmq/{ctx.rank}/for/{rank}",
+                              json.dumps({"host": host_identity(), "rx": {str(rank): mine}}))
+                peer.endpoint = self._choose_endpoint(
+                    json.loads(ctx.store.get(f"zmq/{rank}")))
+                self.endpoints[rank] = peer.endpoint
+                self._connect_tx(peer)
+            except BaseException:
+                self._retire(peer)  # (ZeroMQ's context waits for every socket at exit)
+                rx, peer.rx = peer.rx, None
+                if rx is not None:
+                    rx.close(linger=0)
+                if peer.tx_monitor is not None:
+                    peer.tx_monitor.close(linger=0)
+                raise
             with self._wake_lock:  # the monitor thread takes the new connection's monitor
                 self._new_monitors.append(peer)
                 if self._wake is not None:
@@ -434,7 +449,7 @@ class ZmqTransport:
         rx.bind(f"tcp://{host}:*")
         endpoints = {"tcp": _last_endpoint(rx)}
         if self._ipc_dir is not None:
-            endpoints["ipc"] = f"ipc://{self._ipc_dir}/{peer.rank}"
+            endpoints["ipc"] = f"ipc://{self._ipc_dir}/{peer.rank}-{next(_ids)}"
             rx.bind(endpoints["ipc"])
         inproc = f"inproc://rpcx-zmq-{token}-{peer.rank}"
         rx.bind(inproc)
@@ -944,7 +959,7 @@ def _last_endpoint(sock: zmq.Socket[bytes]) -> str:
 def _private_dir() -> str | None:
     """A fresh directory only this user can enter, for ``ipc://`` sockets (or None)."""
     path = tempfile.mkdtemp(prefix="rpcx-zmq-")
-    if len(path) + 12 > _IPC_PATH_MAX:  # room for "/<rank>"
+    if len(path) + 12 > _IPC_PATH_MAX:  # room for "/<rank>-<n>"
         log.info("temp directory %s is too long for ipc:// paths; using TCP only", path)
         os.rmdir(path)
         return None
