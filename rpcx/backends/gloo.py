@@ -76,6 +76,7 @@ from rpcx.transport_kit import (
     as_bytes,
     check_frame_size,
     connect_limit,
+    dial_tcp,
     empty_bytes,
     join_stream_mesh,
     lost_error,
@@ -251,7 +252,7 @@ class GlooTransport:
             listener.bind((where, 0))
             listener.listen(16)
             sockets = join_stream_mesh(
-                ctx, {"tcp": [where, listener.getsockname()[1]]}, _dial, "gloo")
+                ctx, {"tcp": [where, listener.getsockname()[1]]}, dial_tcp, "gloo")
             links = {}
             try:
                 for rank in sockets:
@@ -283,10 +284,8 @@ class GlooTransport:
         """Whether a doorway connection from ``rank`` may be a worker joining (the link of
         a worker that left the rank may still be ending: waited for, bounded, then
         dropped; its group goes with it)."""
-        ctx, peers = self._ctx, self.peers
-        assert ctx is not None and peers is not None
-        return rank != ctx.rank and rank >= 0 and self._arrivals.leaving(
-            peers, rank, HANDSHAKE_TIMEOUT)
+        assert self.peers is not None
+        return self._arrivals.make_room(self.peers, rank, HANDSHAKE_TIMEOUT)
 
     def _welcome(self, rank: int, sock: socket.socket) -> None:
         """A worker joins at ``rank`` (the doorway calls this): admit it, tell it, make
@@ -580,20 +579,6 @@ def _connect_mesh(ctx: TransportContext, opts: Any) -> Any:
         ctx, lambda: dist.ProcessGroupGloo(store, ctx.rank, ctx.world_size, opts),
         f"the gloo mesh to its {ctx.world_size - 1} peers",
     )
-
-
-def _dial(address: dict[str, Any], timeout: float | None) -> socket.socket:
-    """Connect to a member's doorway (a dynamic world)."""
-    where, port = address["tcp"]
-    sock = socket.socket(socket.AF_INET6 if ":" in where else socket.AF_INET,
-                         socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect((where, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def _unpack_inline(slot: bytearray, slot_tensor: torch.Tensor, n: int, body_len: int) -> Frame:

@@ -123,18 +123,22 @@ class Arrivals(Generic[L]):
         except KeyError:
             raise PeerLostError(unreachable(f"no connection to rank {rank}")) from None
 
-    def leaving(self, peers: Peers[L], rank: int, timeout: float) -> bool:
-        """Before a new worker takes ``rank`` (a dynamic world): wait, at most
-        ``timeout``, until the receive loop of the worker that left it is over (its
-        departure is then reported), and take its link out of ``peers``, so that a
-        sender waits for the new one. False if it is still running (not a newcomer's
-        rank, then)."""
+    def make_room(self, peers: Peers[L], rank: int, timeout: float,
+                  retire: Callable[[L], None] = lambda link: None) -> bool:
+        """Whether a connection from ``rank`` may be a worker joining a dynamic world;
+        a transport's doorway asks before admitting it. Not this worker's rank; and if
+        a worker that left the rank still has a link, its receive loop must end within
+        ``timeout`` (its departure is then reported): the link leaves ``peers`` (a
+        sender waits for the new one) and ``retire(link)`` releases it."""
+        if rank < 0 or rank == peers.ctx.rank:
+            return False
         old = peers.links.get(rank)
         if old is None:
             return True
         if not old.ended.wait(timeout):
             return False
         peers.links = {r: link for r, link in peers.links.items() if r != rank}
+        retire(old)
         return True
 
 

@@ -34,9 +34,8 @@ from rpcx.transport_kit.writer import Backlog, Pending
 
 __all__ = [
     "ADMITTED", "HANDSHAKE_TIMEOUT", "Doorway", "SocketLink", "SocketReader",
-    "StreamTransport", "admit",
-    "connect_stream_mesh", "hello", "introduce", "join_stream_mesh", "receive_exactly",
-    "send_all", "send_now",
+    "StreamTransport", "admit", "connect_stream_mesh", "dial_tcp", "hello", "introduce",
+    "join_stream_mesh", "receive_exactly", "send_all", "send_now",
 ]
 
 log = logging.getLogger("rpcx.transport_kit")
@@ -452,6 +451,22 @@ def connect_stream_mesh(
 ADMITTED, _REFUSED = b"\x01", b"\x00"
 
 
+def dial_tcp(address: dict[str, Any], timeout: float | None) -> socket.socket:
+    """Connect to ``address["tcp"]`` (``[host, port]``, as published for a doorway),
+    bounded by ``timeout``: the ``dial`` a transport whose doorway is a plain TCP
+    listener gives :func:`join_stream_mesh`."""
+    where, port = address["tcp"]
+    sock = socket.socket(socket.AF_INET6 if ":" in where else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect((where, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def join_stream_mesh(
     ctx: TransportContext,
     address: Any,
@@ -720,15 +735,8 @@ class StreamTransport:
         """Whether a connection from ``rank`` may be a worker joining (a dynamic world):
         not this worker, and no live link to it (a worker that left the rank may still
         be ending its goodbye: waited for, bounded)."""
-        ctx, peers = self._ctx, self.peers
-        assert ctx is not None and peers is not None
-        old = peers.links.get(rank)
-        if rank == ctx.rank or rank < 0 or not self.arrivals.leaving(
-                peers, rank, HANDSHAKE_TIMEOUT):
-            return False
-        if old is not None:
-            self.retire(old)
-        return True
+        assert self.peers is not None
+        return self.arrivals.make_room(self.peers, rank, HANDSHAKE_TIMEOUT, self.retire)
 
     def welcome(self, rank: int, sock: socket.socket) -> None:
         """A worker joined at ``rank`` over ``sock``: enter it (``TransportContext.admit``),

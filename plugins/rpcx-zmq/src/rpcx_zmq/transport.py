@@ -89,6 +89,7 @@ from rpcx.transport_kit import (
     check_frame_size,
     connect_limit,
     connect_timeout,
+    dial_tcp,
     host_identity,
     join_stream_mesh,
     lost_reason,
@@ -338,7 +339,7 @@ class ZmqTransport:
             listener.bind((host, 0))
             listener.listen(16)
             for sock in join_stream_mesh(ctx, {"tcp": [host, listener.getsockname()[1]]},
-                                         _dial, _DOORWAY).values():
+                                         dial_tcp, _DOORWAY).values():
                 sock.close()
         except BaseException:
             listener.close()
@@ -364,15 +365,8 @@ class ZmqTransport:
         """Whether a doorway connection from ``rank`` may be a worker joining (the link of
         a worker that left the rank may still be ending: waited for, bounded, then
         dropped and its sockets closed)."""
-        ctx, peers = self._ctx, self.peers
-        assert ctx is not None and peers is not None
-        old = peers.links.get(rank)
-        if rank == ctx.rank or rank < 0 or not self._arrivals.leaving(
-                peers, rank, HANDSHAKE_TIMEOUT):
-            return False
-        if old is not None:
-            self._retire(old)
-        return True
+        assert self.peers is not None
+        return self._arrivals.make_room(self.peers, rank, HANDSHAKE_TIMEOUT, self._retire)
 
     def _welcome(self, rank: int, sock: socket.socket) -> None:
         """A worker joins at ``rank`` (the doorway calls this): admit it, bind a socket
@@ -924,20 +918,6 @@ def _password(ctx: TransportContext, src: int, dst: int) -> str:
     """What ``src`` logs in with on ``dst``'s socket for it (a proof of the world key)."""
     assert ctx.auth is not None
     return ctx.auth.proof("zmq connect", src, dst).hex()
-
-
-def _dial(address: dict[str, Any], timeout: float | None) -> socket.socket:
-    """Connect to a member's doorway (a dynamic world)."""
-    where, port = address["tcp"]
-    sock = socket.socket(socket.AF_INET6 if ":" in where else socket.AF_INET,
-                         socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect((where, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def _pipe(zctx: zmq.Context[Any], address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
