@@ -5,6 +5,10 @@
   to do about it (exit status 1 if there is one);
 - ``launch -n N [--backend B] script.py [args]``: N workers of a script on this host,
   torchrun's variables set, output prefixed by worker, Ctrl-C stops them all;
+- ``trace merge DIR -o OUT.json``: one Chrome trace (Perfetto, chrome://tracing) of the
+  workers' ``*.rpcx-trace.json`` files in DIR, clocks aligned (exit status 1 if a call's
+  steps are still out of order);
+- ``trace plot DIR -o OUT.png``: the same timeline as a picture (needs matplotlib);
 - ``bench [args]``: the benchmark suite against torch.distributed.rpc (``bench/run.py``
   of a source checkout).
 """
@@ -47,6 +51,19 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--backend", help="sets $RPCX_BACKEND for the workers")
     launch.add_argument("script", help="the Python script each worker runs")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    trace = commands.add_parser("trace", help="merge or plot the workers' trace files")
+    trace_commands = trace.add_subparsers(dest="trace_command", required=True,
+                                          metavar="{merge,plot}")
+    trace_merge = trace_commands.add_parser("merge", help="write one Chrome trace of DIR")
+    trace_merge.add_argument("directory", metavar="DIR", help="the *.rpcx-trace.json files")
+    trace_merge.add_argument("-o", "--output", required=True, metavar="OUT.json",
+                             help="the merged trace to write")
+    trace_plot = trace_commands.add_parser("plot", help="draw DIR's timeline as a PNG")
+    trace_plot.add_argument("directory", metavar="DIR", help="the *.rpcx-trace.json files "
+                            "(or a merged trace)")
+    trace_plot.add_argument("-o", "--output", required=True, metavar="OUT.png",
+                            help="the picture to write")
+    trace_plot.add_argument("--title", help="the plot's title")
     commands.add_parser("bench", help="run the benchmark suite (bench/run.py), arguments "
                         "passed on", add_help=False)
     args, rest = parser.parse_known_args(argv)
@@ -66,4 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         from rpcx.cli.launch import launch_script
 
         return launch_script(args.nprocs, args.script, args.script_args, args.backend)
+    if args.command == "trace":
+        from rpcx.cli.trace import merge_command, plot_command
+
+        if args.trace_command == "merge":
+            return merge_command(args.directory, args.output)
+        return plot_command(args.directory, args.output, args.title)
     return 2  # pragma: no cover - argparse rejects unknown commands
