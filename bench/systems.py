@@ -7,14 +7,18 @@ as in a program ported with ``import rpcx as rpc``.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from types import SimpleNamespace
 from typing import Any
 
 # Without rpcx (or before its registry answers), the systems named when none are given.
 FALLBACK_SYSTEMS = ("torch",)
 # A system is a backend name, optionally with flags: "gloo+auth" runs gloo with a world
-# key (rpcx.auth: every frame's header MACed), "gloo+auth+payload" MACs tensors too.
-AUTH_FLAG, PAYLOAD_FLAG = "auth", "payload"
+# key (rpcx.auth: every frame's header MACed), "gloo+auth+payload" MACs tensors too;
+# "auto+trace" records every call with rpcx.tracing (files written at shutdown, outside
+# the timed part).
+AUTH_FLAG, PAYLOAD_FLAG, TRACE_FLAG = "auth", "payload", "trace"
 BENCH_KEY = "rpcx-bench-key-0123456789abcdef"
 BASELINE = "torch"
 RPC_TIMEOUT_S = 60.0  # every call's default timeout: a lost reply becomes an error, not a hang
@@ -106,6 +110,8 @@ def init_worker(
     extra: dict[str, Any] = {}
     if AUTH_FLAG in _flags(ns.system):
         extra = {"auth_key": BENCH_KEY, "auth_payload": PAYLOAD_FLAG in _flags(ns.system)}
+    if TRACE_FLAG in _flags(ns.system):
+        extra["trace_dir"] = os.path.join(tempfile.gettempdir(), f"rpcx-bench-trace-{os.getppid()}")
     options = ns.rpc.TensorPipeRpcBackendOptions(
         init_method=init_method, num_worker_threads=NUM_WORKER_THREADS,
         rpc_timeout=RPC_TIMEOUT_S, **extra,
@@ -148,10 +154,10 @@ def missing_requirement(system: str) -> str | None:
             import rpcx
         except ImportError as exc:
             return f"rpcx does not import: {exc}"
-        unknown = _flags(system) - {AUTH_FLAG, PAYLOAD_FLAG}
+        unknown = _flags(system) - {AUTH_FLAG, PAYLOAD_FLAG, TRACE_FLAG}
         if unknown or (PAYLOAD_FLAG in _flags(system) and AUTH_FLAG not in _flags(system)):
-            return (f"system {system!r}: flags are +{AUTH_FLAG} and +{AUTH_FLAG}+"
-                    f"{PAYLOAD_FLAG}")
+            return (f"system {system!r}: flags are +{AUTH_FLAG}, +{AUTH_FLAG}+"
+                    f"{PAYLOAD_FLAG} and +{TRACE_FLAG}")
         if backend_of(system) not in rpcx.backend_names():
             return (f"unknown system {system!r}: neither torch nor an installed rpcx backend "
                     f"({', '.join(rpcx.backend_names())})")

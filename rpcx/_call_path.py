@@ -35,9 +35,18 @@ from rpcx._executors import Executors
 from rpcx._lanes import current_lane
 from rpcx._pending import PendingCall, PendingCalls
 from rpcx._pool import current_pool
+from rpcx._profiling import (
+    PROFILED_KINDS,
+    CallSpan,
+    begin_span,
+    install_profile_hooks,
+    profiler_active,
+    serve_profiled,
+)
 from rpcx._recent import RecentIds
 from rpcx._retransmit import NoRetransmission
 from rpcx._shutdown import Lifecycle
+from rpcx._trace_ring import NoTrace
 from rpcx.devices import DeviceRoutes
 from rpcx.errors import (
     PeerLostError,
@@ -105,6 +114,9 @@ class CallPath:
         routes: device routes for the codec; ``stage_devices``: copy device tensors to
             the host (a transport that cannot move device memory).
         back_pressure, retransmission: the optional policies (do-nothing by default).
+
+    ``trace`` is the trace policy (:mod:`rpcx._trace_ring`): do-nothing unless
+    ``rpcx.tracing`` records this worker; it may be swapped while calls run.
     """
 
     def __init__(
@@ -131,6 +143,7 @@ class CallPath:
         self._stage_devices = stage_devices
         self._back_pressure = back_pressure
         self._retransmission = retransmission
+        self.trace: NoTrace = NoTrace()
         self._ids = itertools.count(1)
         # The handler table (services fill it through the agent).
         self.handlers: dict[int, Handler] = {}
@@ -142,6 +155,9 @@ class CallPath:
         # replies by the id of the call they answered.
         self._served = [RecentIds() for _ in workers]
         self._answered = RecentIds(floor=False)  # answers come in any order
+        self.handlers[MessageKind.PROFILED] = self._serve_profiled
+        install_profile_hooks()  # (remote events join a caller's profile as it ends)
+        self.decode_error_hooks[MessageKind.PROFILED] = self._profiled_decode_error
 
     def grow(self, size: int) -> None:
         """The roster grew to ``size`` ranks (a worker joined a dynamic world)."""
@@ -173,12 +189,19 @@ class CallPath:
         if self._life.closed:
             raise self._shut_down_error(api, describe_target(target), dst)
         rid = next(self._ids)
+        span: CallSpan | None = None
+        if profiler_active():  # torch's profiler records this thread (rpcx._profiling)
+            span = begin_span(api, target, describe_target, self._name, dst.name, dst.id)
+            if kind in PROFILED_KINDS:
+                kind, payload, span.remote = MessageKind.PROFILED, (int(kind), payload), True
         ctx = self._request_context(dst.id)
         if self.scope is not None:
             ctx.scope = self.scope.outgoing(dst.id)
         try:
             frame = self._encode(kind, rid, payload, ctx)
         except SerializationError as exc:
+            if span is not None:
+                span.abandon()
             raise SerializationError(
                 f"{api}({describe_target(target)}) to worker {dst.name!r}: "
                 f"could not pickle the call: {exc}"
@@ -186,6 +209,10 @@ class CallPath:
         future: RpcFuture[Any] = RpcFuture()
         started = time.monotonic()
         pending = PendingCall(future, dst, api, target, started, timeout, describe_target)
+        if span is not None:
+            if span.remote:
+                pending.span = span
+            future = span.end_with(future)  # (the pending call settles the original)
         if kind not in CONTROL_KINDS and not _receiving.delivering:  # (it must never wait)
             refusal = self._back_pressure.admit(pending, frame, self._gone)
             if refusal is not None:
@@ -204,6 +231,7 @@ class CallPath:
             frame.deadline = started + timeout
             self._executors.timer.schedule(frame.deadline, rid)
         self._retransmission.sent(kind, rid, dst.id, frame)
+        self.trace.sent(dst.id, rid, api, target, describe_target)
         self._transmit(dst.id, frame, ctx, rid)
         return future
 
@@ -224,6 +252,7 @@ class CallPath:
         except SerializationError as exc:
             log.warning("%s: one-way message to %s not sent: %s", self._name, dst.name, exc)
             return
+        self.trace.posted(dst.id, kind)
         self._transmit(dst.id, frame, ctx, 0)
 
     def _send_acknowledged(self, dst: WorkerInfo, kind: MessageKind, payload: Any) -> None:
@@ -340,6 +369,10 @@ class CallPath:
             return
         if rid:
             self._retransmission.received(src, kind, rid)
+            if not is_reply:
+                self.trace.arrived(src, rid)
+        else:
+            self.trace.delivered(src, kind)
         if not is_reply and kind not in self.handlers:
             # Checked before anything in the frame is decoded: not even its notes.
             log.warning("%s: dropped a frame of unknown kind %d from %s", self._name, kind,
@@ -441,9 +474,20 @@ class CallPath:
             self.complete(rid, exception=lambda _: error)
             return
         if kind == _RESULT:
+            if pending.span is not None:
+                payload = self._profiled_reply(pending, payload)
             self.complete(rid, value=payload)
         else:
             self.complete(rid, exception=lambda p: payload.rebuild(p.call))
+
+    def _profiled_reply(self, pending: PendingCall, reply: Any) -> Any:
+        """The value of a PROFILED request's reply; its remote events are kept."""
+        try:
+            return pending.span.received(reply)
+        except (TypeError, ValueError):  # not (value, serve_ns, events): a peer's bug
+            log.warning("%s: the reply to %s from %s carried no profile", self._name,
+                        pending.call, pending.dst.name)
+            return reply
 
     def _discard(self, src: int, frame: Frame) -> None:
         try:
@@ -456,6 +500,8 @@ class CallPath:
     def serve(self, src: int, kind: int, rid: int, frame: Frame) -> None:
         """Decode request ``rid`` from ``src``, run its handler, reply."""
         caller = self._workers[src]
+        trace = self.trace
+        trace.serving(src, rid, kind)
         scope, tag = decode_scope(frame)
         try:
             handler = self.handlers.get(kind)
@@ -467,6 +513,7 @@ class CallPath:
                 with self.scope.entered(scope, src):
                     result = self._run(caller, handler, kind, frame, scope, tag)
         except BaseException as exc:
+            trace.served(src, rid)
             self._reply_error(src, rid, exc)
             return
         if isinstance(result, Deferred):
@@ -474,7 +521,27 @@ class CallPath:
                 lambda fut: self._reply_with(src, rid, fut, scope)
             )
         else:
+            trace.served(src, rid)
             self._reply(src, rid, result, scope)
+
+    def _serve_profiled(self, caller: WorkerInfo, payload: Any) -> Any:
+        """The handler of ``PROFILED``: the wrapped request's own handler, under torch's
+        profiler (:func:`rpcx._profiling.serve_profiled`)."""
+        kind, inner = payload
+        handler = self.handlers.get(kind) if kind in PROFILED_KINDS else None
+        if handler is None:
+            raise RpcError(f"worker {self._name!r} does not profile message kind {kind}")
+        return serve_profiled(lambda: handler(caller, inner),
+                              lambda result: isinstance(result, Deferred), Deferred)
+
+    def _profiled_decode_error(self, caller: WorkerInfo, partial: Any,
+                               error: BaseException) -> None:
+        # (the wrapped request's own hook: a remote() whose arguments cannot be read
+        # still has to settle the RRef it was to create)
+        if isinstance(partial, tuple) and len(partial) == 2:
+            hook = self.decode_error_hooks.get(partial[0])
+            if hook is not None and partial[0] != MessageKind.PROFILED:
+                hook(caller, partial[1], error)
 
     def _run(self, caller: WorkerInfo, handler: Handler, kind: int, frame: Frame,
              scope: int | None, tag: int) -> Any:
@@ -521,6 +588,7 @@ class CallPath:
     def _reply_with(
         self, src: int, rid: int, future: torch._C.Future[Any], scope: int | None
     ) -> None:
+        self.trace.served(src, rid)
         try:
             value = future.wait()
         except BaseException as exc:
@@ -541,6 +609,7 @@ class CallPath:
             return
         frame.reply_to = rid
         self._retransmission.answered(src, rid, frame)
+        self.trace.replied(src, rid, True)
         self._transmit(src, frame, ctx, 0)  # a failed reply is the caller's to notice
 
     def _reply_error(self, src: int, rid: int, exc: BaseException) -> None:
@@ -552,6 +621,7 @@ class CallPath:
         frame = self._encode(MessageKind.ERROR, rid, info, ctx)
         frame.reply_to = rid
         self._retransmission.answered(src, rid, frame)
+        self.trace.replied(src, rid, False)
         self._transmit(src, frame, ctx, 0)
 
     # -------------------------------------------------------------- 4. complete
@@ -567,6 +637,8 @@ class CallPath:
         if pending.nbytes:
             self._back_pressure.give(pending.dst.id, pending.nbytes)
         outcome = None if exception is None else exception(pending)
+        self.trace.completed(pending.dst.id, rid,
+                             "ok" if outcome is None else type(outcome).__name__)
         future = pending.future
         if current_pool() is self._completions:
             _settle(future, value, outcome)

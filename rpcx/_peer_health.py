@@ -59,6 +59,7 @@ class PeerHealth:
         self._fail = fail
         self._on_forget = on_forget
         self.on_peer_lost: list[Callable[[int], None]] = []  # services' hooks
+        self.on_peer_silent: list[Callable[[int], None]] = []  # (rpcx.tracing's)
         self._lock = threading.Lock()
         self._lost_handled: set[int] = set()  # lost peers whose hooks ran
         self._lost_causes: dict[int, LostCause] = {}  # why each lost peer is gone
@@ -217,6 +218,11 @@ class PeerHealth:
         log.warning("%s: %s; failing %d pending calls; calls to it fail until it answers",
                     self._name, text, len(victims))
         self._fail(victims, lambda p: self.lost_error(p, text))
+        for hook in self.on_peer_silent:
+            try:
+                hook(rank)
+            except Exception:
+                log.exception("%s: silent-peer hook failed", self._name)
 
     def on_heard_again(self, rank: int, quiet: float) -> None:
         """Worker ``rank`` answers again after ``quiet`` s: calls to it are accepted."""

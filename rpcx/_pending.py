@@ -59,6 +59,7 @@ class PendingCall:
     timeout: float | None
     describe_target: Callable[[Any], str] = field(default=describe_callable)
     nbytes: int = 0  # counted against the back-pressure budget to ``dst`` until done
+    span: Any = None  # rpcx._profiling.CallSpan of a request sent wrapped as PROFILED
 
     @property
     def call(self) -> str:

@@ -31,8 +31,10 @@ from rpcx._intra_op import adopt_intra_op_threads
 from rpcx._membership import Roster
 from rpcx._peer_health import PeerHealth
 from rpcx._pending import PendingCalls, describe_callable
+from rpcx._profiling import mark_profiler_node
 from rpcx._retransmit import NoRetransmission, Retransmission
 from rpcx._shutdown import Lifecycle, Shutdown, TeardownStep, bounded, each_hook, step_bound
+from rpcx._trace_ring import NoTrace
 from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
 from rpcx.errors import LostCause, PeerLostError, UnknownWorkerError
@@ -98,6 +100,8 @@ class RpcAgent:
         self._store = store
         self._transport = transport
         capabilities = transport.capabilities
+        if capabilities.multi_process:
+            mark_profiler_node(rank)  # (torch's profiler: events carry the worker's rank)
         self._back_pressure = (BytesInFlight(len(workers), options.max_bytes_in_flight)
                                if options.max_bytes_in_flight > 0 else BackPressure())
         self._life = Lifecycle()
@@ -142,6 +146,7 @@ class RpcAgent:
         # deletions); hooks run with a rank when that peer died or left.
         self.note_sources: list[NoteSource] = self._calls.note_sources
         self.on_peer_lost: list[Callable[[int], None]] = self._health.on_peer_lost
+        self.on_peer_silent: list[Callable[[int], None]] = self._health.on_peer_silent
         self.register_handler(MessageKind.HEARTBEAT, self._health.on_heartbeat, in_order=True)
 
     # ------------------------------------------------------------ identity
@@ -208,6 +213,16 @@ class RpcAgent:
         if timeout is None or timeout < 0:
             timeout = self.rpc_timeout
         return float(timeout) if timeout > 0 else None
+
+    @property
+    def trace(self) -> NoTrace:
+        """The trace policy (:mod:`rpcx._trace_ring`): records this worker's calls while
+        ``rpcx.tracing`` runs; does nothing otherwise."""
+        return self._calls.trace
+
+    @trace.setter
+    def trace(self, policy: NoTrace) -> None:
+        self._calls.trace = policy  # (one attribute: calls in flight see one or the other)
 
     def stats(self) -> dict[str, Any]:
         """This worker's call traffic, for ``debug_info``: ``pending_calls``,

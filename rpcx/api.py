@@ -6,11 +6,12 @@ import atexit
 import contextlib
 import ipaddress
 import logging
+import os
 import threading
 import weakref
 from typing import Any, TypeVar
 
-from rpcx import _context, auth, calls, hosts, joining, rref
+from rpcx import _context, auth, calls, hosts, joining, rref, trace_session
 from rpcx.agent import RpcAgent
 from rpcx.autograd import service as autograd_service
 from rpcx.calls import rpc_async, rpc_sync  # (the public API's, defined with the call service)
@@ -111,6 +112,11 @@ def init_rpc(
         rref.install(agent)
         autograd_service.install(agent)
         agent.start()
+        # Recording starts before the world is ready, so that each worker's first calls
+        # find their callee recording too.
+        trace_dir = world.options.trace_dir or os.environ.get("RPCX_TRACE")
+        session = (trace_session.begin_session(trace_dir, agent=agent, sample=False)
+                   if trace_dir else None)
         if world.dynamic is None:
             agent.barrier("ready", world.options.rpc_timeout or None)
         # (a dynamic worker is ready once connected: every member admitted it)
@@ -129,6 +135,8 @@ def init_rpc(
         _context.bind_agent(None)  # drop a stale in-process binding of this thread
         _context.set_process_agent(agent)
         _register_atexit()
+    if session is not None:
+        session.sample_clock()  # (now that every worker serves: the first sample)
     if world.dynamic is None:
         log.info("worker %r (rank %d of %d) joined on backend %r", name, world.rank,
                  world.world_size, spec.name)
@@ -183,8 +191,15 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     except RpcShutdownError as exc:
         log.debug("shutdown() again: %s", exc)  # already shut down: nothing to do
         return
+    session = trace_session.session_of(agent)
+    if session is not None:
+        session.closing()
+        if graceful and agent.is_running:
+            session.sample_clock()  # (the last sample, while the world is still up)
     if not agent.shutdown(graceful=graceful, timeout=timeout if timeout and timeout > 0 else None):
         return
+    if session is not None:
+        trace_session.end_session(agent, sample=False)
     world = _joined.pop(agent, None)
     if world is not None:
         world.leave()

@@ -33,6 +33,8 @@ class MessageKind(enum.IntEnum):
     RREF_CALL = 15  # payload: (rref_id, method name, args, kwargs); an RRef proxy's call
     AUTOGRAD_FORGET = 16  # one-way (mostly a note), payload: [context_id]; forget them and
     #   tell their other peers the same way
+    PROFILED = 17  # payload: (kind, payload) of a CALL, REMOTE_CALL or RREF_CALL sent while
+    #   the caller runs torch's profiler; answered with (value, serve_ns, events)
 
 
 

@@ -79,6 +79,9 @@ class RpcBackendOptions:
             pass it waits, within its timeout, for earlier calls to that peer to finish,
             then fails with ``RpcTimeoutError`` naming the limit. A single larger call
             goes when nothing else is in flight to that peer. ``0``: no limit.
+        trace_dir: record this worker's calls (``rpcx.tracing``) from ``init_rpc`` to
+            ``shutdown`` and write its trace file into this directory; ``$RPCX_TRACE``
+            does the same for every worker. ``None``: no trace (the default).
     """
 
     def __init__(
@@ -93,8 +96,10 @@ class RpcBackendOptions:
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
+        trace_dir: str | None = None,
     ) -> None:
         self.max_bytes_in_flight = int(max_bytes_in_flight)
+        self.trace_dir = None if trace_dir is None else str(trace_dir)
         self.heartbeat_interval = float(heartbeat_interval)
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.rpc_timeout = float(rpc_timeout)
@@ -150,7 +155,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     ``device_maps`` maps a destination worker's name to ``{local device: remote device}``.
     Responses travel along the inverse map. Maps must be one-to-one. ``max_frame_bytes``
-    and the ``auth_*`` fields are rpcx's own (see :class:`RpcBackendOptions`).
+    and the ``auth_*``, ``heartbeat_*``, ``max_bytes_in_flight`` and ``trace_dir`` fields
+    are rpcx's own (see :class:`RpcBackendOptions`).
     """
 
     def __init__(
@@ -169,12 +175,13 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
+        trace_dir: str | None = None,
     ) -> None:
         super().__init__(rpc_timeout, init_method, num_worker_threads,
                          max_frame_bytes=max_frame_bytes, auth_key=auth_key,
                          auth_payload=auth_payload, heartbeat_interval=heartbeat_interval,
                          heartbeat_timeout=heartbeat_timeout,
-                         max_bytes_in_flight=max_bytes_in_flight)
+                         max_bytes_in_flight=max_bytes_in_flight, trace_dir=trace_dir)
         self.device_maps: dict[str, DeviceMap] = {}
         self.devices: list[torch.device] = []
         # TensorPipe's transports and channels: the tensorpipe backend hands them to

@@ -250,6 +250,15 @@ class RRef(Generic[T]):
         """Proxy: ``rref.remote().method(*args)`` returns an RRef to the result."""
         return _Proxy(self, "remote", timeout)
 
+    def _get_profiling_future(self) -> torch.futures.Future[Any]:
+        """torch's name for the future of the ``remote()`` call that made this RRef: its
+        profiler span has ended once it completes (a completed future for other RRefs)."""
+        if self._created is not None:
+            return self._created
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
     def _get_future(self) -> torch.futures.Future[Any]:
         """The future of the ``remote()`` call that created this RRef (as torch's)."""
         if self._created is not None:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from rpcx._pending import describe_callable
+from rpcx._trace_ring import NoTrace
 from rpcx.devices import DeviceRoutes
 from rpcx.errors import PeerLostError
 from rpcx.futures import RpcFuture
@@ -95,6 +96,9 @@ class ServiceHost(Protocol):
     """The backend's name."""
     rpc_timeout: float
     """The default call timeout in seconds (0: none)."""
+    trace: NoTrace
+    """The trace policy (``rpcx.tracing``): services record point events with
+    ``trace.instant``."""
 
     @property
     def name(self) -> str:
@@ -123,6 +127,10 @@ class ServiceHost(Protocol):
     @property
     def on_peer_lost(self) -> list[Callable[[int], None]]:
         """Hooks run with a rank when that peer died or left."""
+
+    @property
+    def on_peer_silent(self) -> list[Callable[[int], None]]:
+        """Hooks run with a rank when that peer went silent past ``heartbeat_timeout``."""
 
     def register_handler(
         self, kind: MessageKind, handler: Handler, *, in_order: bool = False,

@@ -33,7 +33,9 @@ class _LocalOptimizer:
 
     def step(self, context_id: int) -> None:
         """Apply the gradients of ``context_id`` held on this worker."""
-        svc = autograd_service(_context.current_agent())
+        agent = _context.current_agent()
+        agent.trace.instant("optimizer step")
+        svc = autograd_service(agent)
         grads = svc.get(context_id).grads
         # The optimizer reads .grad: lend it the context's gradients for the step. The
         # worker's gradient lock serializes this with every other step on this worker

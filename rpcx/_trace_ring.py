@@ -1,0 +1,131 @@
+"""What a worker records for ``rpcx.tracing``: its calls' events, in a bounded ring.
+
+The call path calls a trace policy at each step of a call (docs/design/tracing.md lists
+the events). :class:`NoTrace`, the default, does nothing; :class:`TraceRing` appends one
+tuple per event to a ``deque`` of fixed length: no lock beyond the deque's own, no I/O,
+no formatting beyond the label of a sent call. The file is written when the trace ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["DEFAULT_CAPACITY", "NoTrace", "TraceEvent", "TraceRing"]
+
+DEFAULT_CAPACITY = 200_000
+"""Events a worker keeps (the newest); about 100 bytes each."""
+
+TraceEvent = tuple[int, str, int, int, int, str]
+"""``(t_ns, kind, thread id, peer rank, call id, label)``; see docs/design/tracing.md."""
+
+_now = time.monotonic_ns
+_HEARTBEAT = 14  # rpcx.messages.MessageKind.HEARTBEAT (this module sits below messages)
+_thread_id = threading.get_native_id  # (the OS id: small, and what py-spy and perf show)
+
+
+class NoTrace:
+    """The trace policy when tracing is off: every method does nothing."""
+
+    on = False
+
+    def sent(self, peer: int, rid: int, api: str, target: Any,
+             describe: Callable[[Any], str]) -> None:
+        """Request ``rid`` to ``peer`` is handed to the transport."""
+
+    def arrived(self, peer: int, rid: int) -> None:
+        """Request ``rid`` from ``peer`` was delivered."""
+
+    def serving(self, peer: int, rid: int, kind: int) -> None:
+        """Request ``rid`` from ``peer`` starts being served (decoding included)."""
+
+    def served(self, peer: int, rid: int) -> None:
+        """The handler of request ``rid`` from ``peer`` has finished."""
+
+    def replied(self, peer: int, rid: int, ok: bool) -> None:
+        """The reply to request ``rid`` from ``peer`` is handed to the transport."""
+
+    def completed(self, peer: int, rid: int, outcome: str) -> None:
+        """Call ``rid`` to ``peer`` was settled: ``ok``, or how it failed."""
+
+    def posted(self, peer: int, kind: int) -> None:
+        """A one-way message of ``kind`` (a backward hop, an RRef deletion) is sent."""
+
+    def delivered(self, peer: int, kind: int) -> None:
+        """A one-way message of ``kind`` from ``peer`` was delivered."""
+
+    def instant(self, label: str, peer: int = -1) -> None:
+        """A point event (an RRef created, a peer lost, an optimizer step...)."""
+
+
+class TraceRing(NoTrace):
+    """The trace policy when tracing is on: events go to a ring of ``capacity``."""
+
+    on = True
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY,
+                 kind_names: Callable[[int], str] = str) -> None:
+        if capacity <= 0:
+            raise ValueError(f"a trace ring needs a positive capacity, not {capacity}")
+        self.capacity = capacity
+        self.events: collections.deque[TraceEvent] = collections.deque(maxlen=capacity)
+        self.threads: dict[int, str] = {}  # thread id: name, of the threads that recorded
+        self._kind_names = kind_names
+        self._count = itertools.count()
+        self._recorded = 0
+        self.started_ns = _now()
+        self.wall = (self.started_ns, time.time_ns())
+
+    @property
+    def dropped(self) -> int:
+        """Events pushed out of the ring by newer ones."""
+        return max(0, self._recorded - self.capacity)
+
+    def _add(self, kind: str, peer: int, rid: int, label: str) -> None:
+        tid = _thread_id()
+        if tid not in self.threads:
+            self.threads[tid] = threading.current_thread().name
+        self.events.append((_now(), kind, tid, peer, rid, label))
+        self._recorded = next(self._count) + 1
+
+    def sent(self, peer: int, rid: int, api: str, target: Any,
+             describe: Callable[[Any], str]) -> None:
+        self._add("send", peer, rid, f"{api}#{describe(target)}")
+
+    def arrived(self, peer: int, rid: int) -> None:
+        self._add("arrive", peer, rid, "")
+
+    def serving(self, peer: int, rid: int, kind: int) -> None:
+        self._add("serve_start", peer, rid, self._kind_names(kind))
+
+    def served(self, peer: int, rid: int) -> None:
+        self._add("serve_end", peer, rid, "")
+
+    def replied(self, peer: int, rid: int, ok: bool) -> None:
+        self._add("reply", peer, rid, "ok" if ok else "error")
+
+    def completed(self, peer: int, rid: int, outcome: str) -> None:
+        self._add("complete", peer, rid, outcome)
+
+    def posted(self, peer: int, kind: int) -> None:
+        if kind != _HEARTBEAT:  # (liveness chatter, not the program's traffic)
+            self._add("instant", peer, 0, f"sent {self._kind_names(kind)}")
+
+    def delivered(self, peer: int, kind: int) -> None:
+        if kind != _HEARTBEAT:
+            self._add("instant", peer, 0, f"received {self._kind_names(kind)}")
+
+    def instant(self, label: str, peer: int = -1) -> None:
+        self._add("instant", peer, 0, label)
+
+    def snapshot(self) -> list[TraceEvent]:
+        """The events held now, oldest first (safe while others record)."""
+        while True:
+            try:
+                return list(self.events)
+            except RuntimeError:  # "deque mutated during iteration": try again
+                continue
