@@ -63,7 +63,11 @@ class NoTrace:
 
 
 class TraceRing(NoTrace):
-    """The trace policy when tracing is on: events go to a ring of ``capacity``."""
+    """The trace policy when tracing is on: events go to a ring of ``capacity``.
+
+    A call is recorded from its start: the end of one sent or served before the ring
+    was switched on is not (the trace would show a call without a beginning).
+    """
 
     on = True
 
@@ -77,6 +81,9 @@ class TraceRing(NoTrace):
         self._kind_names = kind_names
         self._count = itertools.count()
         self._recorded = 0
+        self._calling: set[tuple[int, int]] = set()  # (callee, id): sent, not completed
+        self._serving: set[tuple[int, int]] = set()  # (caller, id): serve started, not ended
+        self._replying: set[tuple[int, int]] = set()  # (caller, id): served, not replied
         self.started_ns = _now()
         self.wall = (self.started_ns, time.time_ns())
 
@@ -94,22 +101,45 @@ class TraceRing(NoTrace):
 
     def sent(self, peer: int, rid: int, api: str, target: Any,
              describe: Callable[[Any], str]) -> None:
+        self._calling.add((peer, rid))
         self._add("send", peer, rid, f"{api}#{describe(target)}")
 
     def arrived(self, peer: int, rid: int) -> None:
         self._add("arrive", peer, rid, "")
 
     def serving(self, peer: int, rid: int, kind: int) -> None:
+        self._serving.add((peer, rid))
         self._add("serve_start", peer, rid, self._kind_names(kind))
 
     def served(self, peer: int, rid: int) -> None:
-        self._add("serve_end", peer, rid, "")
+        key = (peer, rid)
+        if key in self._serving:
+            self._serving.discard(key)
+            self._replying.add(key)
+            self._add("serve_end", peer, rid, "")
 
     def replied(self, peer: int, rid: int, ok: bool) -> None:
-        self._add("reply", peer, rid, "ok" if ok else "error")
+        key = (peer, rid)
+        if key in self._replying:
+            self._replying.discard(key)
+            self._add("reply", peer, rid, "ok" if ok else "error")
 
     def completed(self, peer: int, rid: int, outcome: str) -> None:
-        self._add("complete", peer, rid, outcome)
+        key = (peer, rid)
+        if key in self._calling:
+            self._calling.discard(key)
+            self._add("complete", peer, rid, outcome)
+
+    def close(self) -> None:
+        """The ring was switched off: drop the starts of serves still running (when
+        the trace ends from inside a call, that call's serve never ends in it). Calls
+        sent and still in flight stay: they were in flight when the trace ended."""
+        open_serves, self._serving = self._serving, set()
+        if not open_serves:
+            return
+        kept = [event for event in self.snapshot()
+                if not (event[1] == "serve_start" and (event[3], event[4]) in open_serves)]
+        self.events = collections.deque(kept, maxlen=self.capacity)
 
     def posted(self, peer: int, kind: int) -> None:
         if kind != _HEARTBEAT:  # (liveness chatter, not the program's traffic)

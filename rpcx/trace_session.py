@@ -72,28 +72,38 @@ class TraceSession:
 
     # ------------------------------------------------------------------ life
 
-    def begin(self, sample: bool = True) -> None:
-        """Sample the clock (if ``sample``: the world must be up), start recording,
-        refresh the clock every so often."""
+    def begin(self, sample: bool = True, record: bool = True) -> None:
+        """Sample the clock (if ``sample``: the world must be up), start recording (if
+        ``record``, else at :meth:`record`), refresh the clock every so often."""
         self.directory.mkdir(parents=True, exist_ok=True)
         if sample:
             self.sample_clock()
         self.agent.on_peer_lost.append(self._peer_lost)
         self.agent.on_peer_silent.append(self._peer_silent)
-        self.agent.trace = self.ring
+        if record:
+            self.record()
         if self.reference.id != self.agent.rank:
             self._refresher = threading.Thread(
                 target=self._refresh, name=f"rpcx-{self.agent.name}-trace-clock", daemon=True)
             self._refresher.start()
 
+    def record(self) -> None:
+        """Switch the ring on: this worker's calls are recorded from now."""
+        self.agent.trace = self.ring
+
+    def quiet(self) -> None:
+        """Switch the ring off (calls are no longer recorded; the file is not written)."""
+        if self.agent.trace is self.ring:
+            self.agent.trace = NoTrace()
+            self.ring.close()
+
     def end(self, sample: bool = True) -> pathlib.Path:
-        """Stop recording (after a last clock sample, if ``sample`` and the world is
-        still up) and write the trace file; returns its path."""
+        """Stop recording, take a last clock sample (if ``sample``: the world must be
+        up) and write the trace file; returns its path."""
         self._stop.set()
         if self._refresher is not None:
             self._refresher.join(timeout=max(5.0, self.agent.rpc_timeout or 5.0))
-        if self.agent.trace is self.ring:
-            self.agent.trace = NoTrace()
+        self.quiet()
         if sample:
             self.sample_clock()  # (after recording stopped: the probes are not the step's)
         for hooks, hook in ((self.agent.on_peer_lost, self._peer_lost),
@@ -200,16 +210,18 @@ def session_of(agent: ServiceHost | None = None) -> TraceSession | None:
 
 
 def begin_session(directory: str | os.PathLike[str], capacity: int = DEFAULT_CAPACITY,
-                  agent: ServiceHost | None = None, sample: bool = True) -> TraceSession:
+                  agent: ServiceHost | None = None, sample: bool = True,
+                  record: bool = True) -> TraceSession:
     """Start tracing ``agent`` (default: the current worker) into ``directory``
-    (``sample=False``: the caller takes the first clock sample, once the world is up)."""
+    (``sample=False``: the caller takes the first clock sample, once the world is up;
+    ``record=False``: the ring is switched on later, with ``TraceSession.record``)."""
     agent = agent if agent is not None else _context.current_agent()
     if session_of(agent) is not None:
         raise RuntimeError(f"worker {agent.name!r} is already tracing")
     session = TraceSession(agent, directory, capacity)
     agent.services[_SERVICE] = session
     try:
-        session.begin(sample)
+        session.begin(sample, record)
     except BaseException:
         agent.services.pop(_SERVICE, None)
         raise

@@ -105,6 +105,30 @@ def test_traced_ddp_rpc_is_one_causal_timeline(rpcx_backend: str, tmp_path: path
     assert summary.arrows >= len(done)
 
 
+def test_one_traced_step_keeps_the_set_up_out(rpcx_backend: str, tmp_path: pathlib.Path
+                                              ) -> None:
+    """examples/ddp_rpc --trace: trainer0 wraps its last step in rpcx.tracing.trace()."""
+    _multi_process_default(rpcx_backend)
+    trace_dir = tmp_path / "step"
+    env = {**os.environ, "RPCX_BACKEND": rpcx_backend}
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "ddp_rpc" / "main.py"), "--epochs", "2",
+         "--batches", "3", "--trace", str(trace_dir)], capture_output=True, text=True,
+        timeout=BOUND, env=env, cwd=EXAMPLES / "ddp_rpc")
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    traces = load_traces(trace_dir)
+    assert sorted(t.worker for t in traces) == ["master", "ps", "trainer0", "trainer1"]
+    calls = match_calls(traces)
+    # trace()'s own calls (start, stop, clock probes) are not in the step's trace
+    assert not [c for c in calls if "tracing" in c.label or "clock_probe" in c.label]
+    trainer0 = next(t for t in traces if t.worker == "trainer0")
+    steps = [e for e in trainer0.events if e.kind == "instant" and e.label == "optimizer step"]
+    assert len(steps) == 1  # one step, its optimizer step
+    sent = [c for c in calls if c.caller == "trainer0"]
+    assert any(c.label.startswith("rpc_sync#") and c.callee == "ps" for c in sent)  # lookup
+    assert causality_violations(calls, _errors(traces)) == []
+
+
 # ------------------------------------------------------------------- skewed clocks
 
 SKEWED_WORKER = textwrap.dedent("""
@@ -202,12 +226,35 @@ def test_skewed_clocks_on_two_hosts_are_aligned(rpcx_backend: str, tmp_path: pat
 def test_the_ring_keeps_the_newest_events_and_counts_the_rest() -> None:
     ring = TraceRing(capacity=3)
     for rid in range(5):
-        ring.completed(1, rid, "ok")
-    assert [event[4] for event in ring.snapshot()] == [2, 3, 4]
+        ring.instant(f"step {rid}")
+    assert [event[5] for event in ring.snapshot()] == ["step 2", "step 3", "step 4"]
     assert ring.dropped == 2
-    assert all(event[1] == "complete" and event[5] == "ok" for event in ring.snapshot())
     with pytest.raises(ValueError, match="positive capacity"):
         TraceRing(capacity=0)
+
+
+def test_a_call_is_recorded_from_its_start_only() -> None:
+    ring = TraceRing()
+    # Ends of calls that began before the ring was on: nothing recorded.
+    ring.completed(1, 7, "ok")
+    ring.served(2, 8)
+    ring.replied(2, 8, True)
+    assert ring.snapshot() == []
+    # A whole call on each side.
+    ring.sent(1, 9, "rpc_sync", _add, lambda f: f.__name__)
+    ring.completed(1, 9, "ok")
+    ring.serving(2, 10, 3)
+    ring.served(2, 10)
+    ring.replied(2, 10, False)
+    assert [(e[1], e[3], e[4], e[5]) for e in ring.snapshot()] == [
+        ("send", 1, 9, "rpc_sync#_add"), ("complete", 1, 9, "ok"),
+        ("serve_start", 2, 10, "3"), ("serve_end", 2, 10, ""), ("reply", 2, 10, "error")]
+    # Switched off inside a serve (a trace() block ending): its start goes too.
+    ring.serving(2, 11, 3)
+    ring.sent(1, 12, "rpc_async", _add, lambda f: f.__name__)  # in flight: kept
+    ring.close()
+    kinds = [(e[1], e[4]) for e in ring.snapshot()]
+    assert ("serve_start", 11) not in kinds and ("send", 12) in kinds
 
 
 def test_no_trace_records_nothing() -> None:
@@ -244,7 +291,10 @@ def test_a_trace_block_records_every_worker_and_writes_their_files(
     calls = _complete(match_calls(traces))
     labels = sorted(c.label for c in calls)
     assert labels.count(f"rpc_sync#{__name__}._add") == 2, labels
-    assert any(label.startswith("remote#") for label in labels)
+    # (remote()'s own reply may come after to_here()'s, so after the block: it is sent
+    # and served in the trace, its completion maybe not)
+    assert any(c.label.startswith("remote#") and c.send_ns and c.serve_end_ns
+               for c in match_calls(traces))
     assert any(label.startswith("to_here#") for label in labels)
     assert causality_violations(match_calls(traces), _errors(traces)) == []
     # The call made before the block is in no trace.

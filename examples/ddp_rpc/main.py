@@ -23,12 +23,17 @@ Run it::
     python examples/ddp_rpc/main.py --backend loopback --epochs 3
     torchrun --nproc-per-node 4 examples/ddp_rpc/main.py --backend gloo
     python examples/ddp_rpc/main.py --cuda              # on GPUs, through device maps
+    python examples/ddp_rpc/main.py --trace step/       # trace trainer0's last step
 
 With ``--cuda`` the embedding lives on the parameter server's ``cuda:0`` and trainer
 ``i``'s dense layer on ``cuda:i`` (modulo the GPUs there are; both share ``cuda:0`` on a
 one-GPU machine). Each trainer's device map to ``ps`` sends its lookups to ``cuda:0`` and
 brings the embeddings, and in the backward pass their gradients, back along the inverse
 map, so no tensor passes through host memory on a backend that moves device memory itself.
+
+With ``--trace DIR`` every worker records trainer0's last training step with
+``rpcx.tracing`` (each writes ``DIR/<worker>.rpcx-trace.json``); ``rpcx trace merge DIR -o
+step.json`` and ``rpcx trace plot DIR -o step.png`` show it as one timeline.
 
 It prints each trainer's loss and time per epoch and exits with status 0 only if the
 loss fell and both trainers ended with identical dense weights (DDP kept them in step).
@@ -37,6 +42,7 @@ loss fell and both trainers ended with identical dense weights (DDP kept them in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -49,6 +55,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rpcx
 import rpcx.autograd as dist_autograd
+import rpcx.tracing
 from rpcx.nn import RemoteModule
 from rpcx.optim import DistributedOptimizer
 from rpcx.registry import resolve_backend
@@ -119,9 +126,10 @@ def trainer_device(index: int, cuda: bool) -> torch.device:
 
 def run_trainer(
     index: int, embedding: RemoteModule, epochs: int, per_epoch: int, store_path: str | None,
-    cuda: bool = False,
+    cuda: bool = False, trace_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Train for ``epochs``; returns the loss and seconds of each epoch and the weights."""
+    """Train for ``epochs``; returns the loss and seconds of each epoch and the weights.
+    With ``trace_dir``, trainer0 records its last step on every worker (rpcx.tracing)."""
     device = trainer_device(index, cuda)
     model = HybridModel(embedding, _trainer_group(index, store_path), seed=1234, device=device)
     # The remote part's parameters as RRefs from its owner, the local ones wrapped here
@@ -133,10 +141,13 @@ def run_trainer(
     losses, seconds = [], []
     for epoch in range(epochs):
         started, total = time.perf_counter(), 0.0
-        for indices, offsets, labels in batches(generator, per_epoch):
+        for number, (indices, offsets, labels) in enumerate(batches(generator, per_epoch)):
             # (drawn on the CPU from the trainer's generator: the same batches everywhere)
             indices, offsets, labels = (t.to(device) for t in (indices, offsets, labels))
-            with dist_autograd.context() as context_id:
+            last = epoch == epochs - 1 and number == per_epoch - 1
+            traced = (rpcx.tracing.trace(trace_dir) if trace_dir and index == 0 and last
+                      else contextlib.nullcontext())
+            with traced, dist_autograd.context() as context_id:
                 loss = criterion(model(indices, offsets), labels)
                 dist_autograd.backward(context_id, [loss])
                 optimizer.step(context_id)
@@ -150,12 +161,14 @@ def run_trainer(
             "weight": model.fc.module.weight.detach().cpu()}
 
 
-def run_master(epochs: int, per_epoch: int, store_path: str | None, cuda: bool = False) -> bool:
+def run_master(epochs: int, per_epoch: int, store_path: str | None, cuda: bool = False,
+               trace_dir: str | None = None) -> bool:
     """Create the embedding, run both trainers, check what they did."""
     embedding = RemoteModule(f"ps/{PS_CUDA_DEVICE if cuda else 'cpu'}", SeededEmbeddingBag,
                              args=(NUM_EMBEDDINGS, EMBEDDING_DIM, 42))
     futures = [rpcx.rpc_async(f"trainer{i}", run_trainer,
-                              args=(i, embedding, epochs, per_epoch, store_path, cuda))
+                              args=(i, embedding, epochs, per_epoch, store_path, cuda,
+                                    trace_dir))
                for i in range(len(TRAINERS))]
     results = [future.wait() for future in futures]
     identical = torch.equal(results[0]["weight"], results[1]["weight"])
@@ -216,7 +229,7 @@ def run_worker(worker: rpcx.LaunchedWorker, args: argparse.Namespace) -> bool:
         where = ", on GPUs" if args.cuda else ""
         print(f"DDP + RPC on the {backend!r} backend: {args.epochs} epochs of "
               f"{args.batches} batches{where}", flush=True)
-        passed = run_master(args.epochs, args.batches, store_path, args.cuda)
+        passed = run_master(args.epochs, args.batches, store_path, args.cuda, args.trace)
     rpcx.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -231,6 +244,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=10, help="batches per epoch")
     parser.add_argument("--cuda", action="store_true",
                         help="embedding and dense layers on GPUs, tensors along device maps")
+    parser.add_argument("--trace", metavar="DIR", default=None,
+                        help="record trainer0's last step on every worker into DIR "
+                             "(rpcx.tracing; then: rpcx trace plot DIR -o step.png)")
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda: torch sees no CUDA device on this machine")

@@ -21,11 +21,12 @@ import contextlib
 import os
 import pathlib
 from collections.abc import Iterator
+from typing import Any
 
 from rpcx import _context
 from rpcx._trace_ring import DEFAULT_CAPACITY
 from rpcx.calls import rpc_sync
-from rpcx.trace_session import begin_session, end_session, session_of
+from rpcx.trace_session import TraceSession, begin_session, end_session, session_of
 
 __all__ = ["DEFAULT_CAPACITY", "TraceFiles", "is_tracing", "start", "stop", "trace"]
 
@@ -53,8 +54,18 @@ class TraceFiles(list[pathlib.Path]):
     directory: pathlib.Path
 
 
-def _start_here(directory: str, capacity: int) -> None:
-    begin_session(directory, capacity)
+# What a trace() block asks of the other workers, in order (see trace()).
+
+def _prepare_here(directory: str, capacity: int) -> None:
+    begin_session(directory, capacity, record=False)
+
+
+def _record_here() -> None:
+    _session().record()
+
+
+def _quiet_here() -> None:
+    _session().quiet()
 
 
 def _stop_here() -> str | None:
@@ -62,34 +73,52 @@ def _stop_here() -> str | None:
     return None if path is None else str(path)
 
 
+def _session() -> TraceSession:
+    session = session_of()
+    if session is None:
+        raise RuntimeError(f"worker {_context.current_agent().name!r} is not tracing")
+    return session
+
+
 @contextlib.contextmanager
 def trace(directory: str | os.PathLike[str], *, capacity: int = DEFAULT_CAPACITY,
           world: bool = True) -> Iterator[TraceFiles]:
     """Record every worker (``world=False``: this one only) for the ``with`` block.
 
-    The others are started before the block runs and stopped after it, each writing
-    its own file into ``directory`` (a path every worker can write to: a shared one
-    across hosts, or gather the files afterwards). Yields the list of files, filled
-    when the block ends.
+    Every worker writes its own file into ``directory`` (a path each of them can write
+    to: a shared one across hosts, or gather the files afterwards). Yields the list of
+    files, filled when the block ends.
+
+    The set-up is kept out of the trace: every worker first samples its clock with
+    recording off, then the others switch recording on and this worker last; at the
+    end this worker stops first, then the others, and only then do they take their
+    last clock samples and write their files.
     """
     agent = _context.current_agent()
+    directory = str(directory)
     files = TraceFiles()
     files.directory = pathlib.Path(directory)
-    others = ([w for w in agent.members() if w.id != agent.rank] if world else [])
-    started = []
+    others = [w for w in agent.members() if w.id != agent.rank] if world else []
+    prepared: list[Any] = []
     try:
         for worker in others:
-            rpc_sync(worker, _start_here, args=(str(directory), capacity))
-            started.append(worker)
-        begin_session(directory, capacity, agent)
+            rpc_sync(worker, _prepare_here, args=(directory, capacity))
+            prepared.append(worker)
+        session = begin_session(directory, capacity, agent, record=False)
         try:
+            for worker in others:
+                rpc_sync(worker, _record_here)
+            session.record()
             yield files
         finally:
+            session.quiet()
+            for worker in prepared:
+                rpc_sync(worker, _quiet_here)
             mine = end_session(agent)
             if mine is not None:
                 files.append(mine)
     finally:
-        for worker in started:
+        for worker in prepared:
             path = rpc_sync(worker, _stop_here)
             if path is not None:
                 files.append(pathlib.Path(path))
