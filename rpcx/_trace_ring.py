@@ -9,7 +9,6 @@ no formatting beyond the label of a sent call. The file is written when the trac
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +24,17 @@ TraceEvent = tuple[int, str, int, int, int, str]
 
 _now = time.monotonic_ns
 _HEARTBEAT = 14  # rpcx.messages.MessageKind.HEARTBEAT (this module sits below messages)
-_thread_id = threading.get_native_id  # (the OS id: small, and what py-spy and perf show)
+_thread_ids = threading.local()
+
+
+def _thread_id() -> int:
+    """The calling thread's OS id (small, and what py-spy and perf show), asked of the
+    OS once per thread: ``get_native_id`` is a system call."""
+    try:
+        return _thread_ids.value  # type: ignore[no-any-return]
+    except AttributeError:
+        _thread_ids.value = threading.get_native_id()
+        return _thread_ids.value  # type: ignore[no-any-return]
 
 
 class NoTrace:
@@ -79,7 +88,6 @@ class TraceRing(NoTrace):
         self.events: collections.deque[TraceEvent] = collections.deque(maxlen=capacity)
         self.threads: dict[int, str] = {}  # thread id: name, of the threads that recorded
         self._kind_names = kind_names
-        self._count = itertools.count()
         self._recorded = 0
         self._calling: set[tuple[int, int]] = set()  # (callee, id): sent, not completed
         self._serving: set[tuple[int, int]] = set()  # (caller, id): serve started, not ended
@@ -97,7 +105,7 @@ class TraceRing(NoTrace):
         if tid not in self.threads:
             self.threads[tid] = threading.current_thread().name
         self.events.append((_now(), kind, tid, peer, rid, label))
-        self._recorded = next(self._count) + 1
+        self._recorded += 1  # (racing threads may lose a count: only ``dropped`` reads it)
 
     def sent(self, peer: int, rid: int, api: str, target: Any,
              describe: Callable[[Any], str]) -> None:
