@@ -103,9 +103,11 @@ def program_fixture(rpcx_backend: str, tmp_path: pathlib.Path) -> pathlib.Path:
     return script
 
 
-def test_remote_events_match_torchs(rpcx_backend: str, program: pathlib.Path) -> None:
+def test_remote_events_match_torchs_and_nest_in_their_span(rpcx_backend: str,
+                                                          program: pathlib.Path) -> None:
     theirs = _by_span(_profile(program, "torch", "legacy"))
-    ours = _by_span(_profile(program, rpcx_backend, "legacy"))
+    events = _profile(program, rpcx_backend, "legacy")
+    ours = _by_span(events)
     # torch records no span for to_here(); rpcx does (the fetch is a call too)
     fetches = [span for span in ours if span.startswith("to_here#")]
     assert fetches == ["to_here#RRef(w0 -> w1)"], list(ours)
@@ -114,10 +116,7 @@ def test_remote_events_match_torchs(rpcx_backend: str, program: pathlib.Path) ->
     for span, remote in theirs.items():
         assert remote, f"torch recorded no remote event under {span}"
         assert ours[span] == remote, (span, ours[span], remote)
-
-
-def test_remote_events_nest_in_their_span(rpcx_backend: str, program: pathlib.Path) -> None:
-    events = _profile(program, rpcx_backend, "legacy")
+    # Each remote event lies within its call's span on the caller's timeline.
     spans = {name: (start, end) for name, _, remote, start, end in events if not remote}
     for name, _, remote, start, end in events:
         if remote:

@@ -57,7 +57,7 @@ def test_traced_ddp_rpc_is_one_causal_timeline(rpcx_backend: str, tmp_path: path
     env = {**os.environ, "RPCX_BACKEND": rpcx_backend, "RPCX_TRACE": str(trace_dir)}
     out = subprocess.run(
         [sys.executable, str(EXAMPLES / "ddp_rpc" / "main.py"), "--epochs", "2",
-         "--batches", "3"], capture_output=True, text=True, timeout=BOUND, env=env,
+         "--batches", "2"], capture_output=True, text=True, timeout=BOUND, env=env,
         cwd=EXAMPLES / "ddp_rpc")
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
 
@@ -69,7 +69,7 @@ def test_traced_ddp_rpc_is_one_causal_timeline(rpcx_backend: str, tmp_path: path
         assert len(t.clock) >= 2, t.worker  # at start and at shutdown
     calls = match_calls(traces)
     done = _complete(calls)
-    assert len(done) >= 30, f"only {len(done)} complete calls"
+    assert len(done) >= 20, f"only {len(done)} complete calls"
     # Each call's events are on the workers it names: the send and the completion on the
     # caller's trace, the serve on the callee's (match_calls joins them by the caller's
     # rank and request id; a mismatch would leave the call without a serve).
@@ -91,12 +91,12 @@ def test_traced_ddp_rpc_is_one_causal_timeline(rpcx_backend: str, tmp_path: path
     ps = next(t for t in traces if t.worker == "ps")
     for t in traces:
         if t.worker.startswith("trainer"):
-            # 2 epochs of 3 batches: one backward hop to the parameter server and one
+            # 2 epochs of 2 batches: one backward hop to the parameter server and one
             # optimizer step (here, for the dense layer) per batch
-            assert instants(t, "sent AUTOGRAD_CHAIN") == 6, t.worker
-            assert instants(t, "optimizer step") == 6, t.worker
-    assert instants(ps, "received AUTOGRAD_CHAIN") == 12
-    assert instants(ps, "optimizer step") == 12  # the embedding's, for both trainers
+            assert instants(t, "sent AUTOGRAD_CHAIN") == 4, t.worker
+            assert instants(t, "optimizer step") == 4, t.worker
+    assert instants(ps, "received AUTOGRAD_CHAIN") == 8
+    assert instants(ps, "optimizer step") == 8  # the embedding's, for both trainers
 
     summary = plot_timeline(trace_dir, tmp_path / "step.png")
     assert {row.split(" / ")[0] for row in summary.rows} == {
