@@ -122,6 +122,7 @@ def init_rpc(
         # (a dynamic worker is ready once connected: every member admitted it)
     except BaseException:
         # Do not leave threads, connections, the roster or the in-process store behind.
+        trace_session.discard_session(agent)
         with contextlib.suppress(Exception):
             agent.shutdown(graceful=False)
         world.leave()

@@ -29,6 +29,7 @@ __all__ = [
     "TraceSession",
     "begin_session",
     "clock_probe",
+    "discard_session",
     "end_session",
     "session_of",
 ]
@@ -40,6 +41,8 @@ CLOCK_PROBES = 5
 """Round trips per clock sample; the one with the shortest round trip is kept."""
 CLOCK_REFRESH_S = 10.0
 """Seconds between clock samples while a trace runs (clocks drift apart slowly)."""
+CLOCK_PROBE_TIMEOUT_S = 10.0
+"""Bound on one probe (a reference that does not answer costs a sample, not a hang)."""
 _SERVICE = "tracing"
 
 
@@ -102,7 +105,8 @@ class TraceSession:
         up) and write the trace file; returns its path."""
         self._stop.set()
         if self._refresher is not None:
-            self._refresher.join(timeout=max(5.0, self.agent.rpc_timeout or 5.0))
+            # (a probe in flight ends within its bound)
+            self._refresher.join(timeout=CLOCK_PROBES * CLOCK_PROBE_TIMEOUT_S)
         self.quiet()
         if sample:
             self.sample_clock()  # (after recording stopped: the probes are not the step's)
@@ -139,7 +143,7 @@ class TraceSession:
                     # (through this agent, not the thread's: the refresher is rpcx's thread)
                     remote = agent.request(
                         self.reference, MessageKind.CALL, (clock_probe, (), {}),
-                        timeout=agent.rpc_timeout or 10.0, api="rpc_sync",
+                        timeout=CLOCK_PROBE_TIMEOUT_S, api="rpc_sync",
                         target=clock_probe).wait()
                     back = time.monotonic_ns()
                     middle = (sent + back) // 2
@@ -226,6 +230,14 @@ def begin_session(directory: str | os.PathLike[str], capacity: int = DEFAULT_CAP
         agent.services.pop(_SERVICE, None)
         raise
     return session
+
+
+def discard_session(agent: ServiceHost) -> None:
+    """Stop ``agent``'s trace session without writing a file (``init_rpc`` failed)."""
+    session = agent.services.pop(_SERVICE, None)
+    if isinstance(session, TraceSession):
+        session._stop.set()
+        session.quiet()
 
 
 def end_session(agent: ServiceHost | None = None, sample: bool = True) -> pathlib.Path | None:

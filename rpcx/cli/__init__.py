@@ -9,6 +9,8 @@
   workers' ``*.rpcx-trace.json`` files in DIR, clocks aligned (exit status 1 if a call's
   steps are still out of order);
 - ``trace plot DIR -o OUT.png``: the same timeline as a picture (needs matplotlib);
+- ``trace otel DIR [--endpoint URL]``: the same calls as OpenTelemetry spans, sent over
+  OTLP or printed one JSON object a line (needs opentelemetry-sdk);
 - ``bench [args]``: the benchmark suite against torch.distributed.rpc (``bench/run.py``
   of a source checkout).
 """
@@ -51,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--backend", help="sets $RPCX_BACKEND for the workers")
     launch.add_argument("script", help="the Python script each worker runs")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
-    trace = commands.add_parser("trace", help="merge or plot the workers' trace files")
+    trace = commands.add_parser("trace", help="merge, plot or export the workers' trace "
+                                "files")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True,
-                                          metavar="{merge,plot}")
+                                          metavar="{merge,plot,otel}")
     trace_merge = trace_commands.add_parser("merge", help="write one Chrome trace of DIR")
     trace_merge.add_argument("directory", metavar="DIR", help="the *.rpcx-trace.json files")
     trace_merge.add_argument("-o", "--output", required=True, metavar="OUT.json",
@@ -64,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     trace_plot.add_argument("-o", "--output", required=True, metavar="OUT.png",
                             help="the picture to write")
     trace_plot.add_argument("--title", help="the plot's title")
+    trace_otel = trace_commands.add_parser("otel", help="export DIR as OpenTelemetry spans")
+    trace_otel.add_argument("directory", metavar="DIR", help="the *.rpcx-trace.json files")
+    trace_otel.add_argument("--endpoint", metavar="URL", help="an OTLP collector: gRPC "
+                            "(http://localhost:4317), HTTP if it ends in /v1/traces "
+                            "(needs opentelemetry-exporter-otlp); default: print the spans")
+    trace_otel.add_argument("--service-name", default="rpcx", help="the spans' service.name "
+                            "(default: rpcx)")
     commands.add_parser("bench", help="run the benchmark suite (bench/run.py), arguments "
                         "passed on", add_help=False)
     args, rest = parser.parse_known_args(argv)
@@ -84,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch_script(args.nprocs, args.script, args.script_args, args.backend)
     if args.command == "trace":
-        from rpcx.cli.trace import merge_command, plot_command
+        from rpcx.cli.trace import merge_command, otel_command, plot_command
 
         if args.trace_command == "merge":
             return merge_command(args.directory, args.output)
+        if args.trace_command == "otel":
+            return otel_command(args.directory, args.endpoint, args.service_name)
         return plot_command(args.directory, args.output, args.title)
     return 2  # pragma: no cover - argparse rejects unknown commands

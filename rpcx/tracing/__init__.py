@@ -18,6 +18,7 @@ docs/design/tracing.md gives the file format and how clocks are aligned.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pathlib
 from collections.abc import Iterator
@@ -29,6 +30,8 @@ from rpcx.calls import rpc_sync
 from rpcx.trace_session import TraceSession, begin_session, end_session, session_of
 
 __all__ = ["DEFAULT_CAPACITY", "TraceFiles", "is_tracing", "start", "stop", "trace"]
+
+log = logging.getLogger("rpcx.tracing")
 
 
 def start(directory: str | os.PathLike[str], *, capacity: int = DEFAULT_CAPACITY) -> None:
@@ -100,25 +103,38 @@ def trace(directory: str | os.PathLike[str], *, capacity: int = DEFAULT_CAPACITY
     files.directory = pathlib.Path(directory)
     others = [w for w in agent.members() if w.id != agent.rank] if world else []
     prepared: list[Any] = []
+    session: TraceSession | None = None
     try:
         for worker in others:
             rpc_sync(worker, _prepare_here, args=(directory, capacity))
             prepared.append(worker)
         session = begin_session(directory, capacity, agent, record=False)
-        try:
-            for worker in others:
-                rpc_sync(worker, _record_here)
-            session.record()
-            yield files
-        finally:
+        for worker in others:
+            rpc_sync(worker, _record_here)
+        session.record()
+        yield files
+    finally:
+        # Every worker that started is stopped, even if one of them fails to answer.
+        if session is not None:
             session.quiet()
-            for worker in prepared:
-                rpc_sync(worker, _quiet_here)
+        for worker in prepared:
+            _ask(worker, _quiet_here)
+        if session is not None:
             mine = end_session(agent)
             if mine is not None:
                 files.append(mine)
-    finally:
         for worker in prepared:
-            path = rpc_sync(worker, _stop_here)
+            path = _ask(worker, _stop_here)
             if path is not None:
                 files.append(pathlib.Path(path))
+
+
+def _ask(worker: Any, func: Any) -> Any:
+    """``rpc_sync(worker, func)`` while ending a trace: a failure is logged (the worker
+    keeps no file) and the others are still stopped."""
+    try:
+        return rpc_sync(worker, func)
+    except Exception as exc:
+        log.warning("rpcx.tracing: could not end the trace on worker %r: %s", worker.name,
+                    exc)
+        return None
