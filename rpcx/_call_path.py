@@ -188,20 +188,31 @@ class CallPath:
         """Send a request and return the future of its reply (see ``RpcAgent.request``)."""
         if self._life.closed:
             raise self._shut_down_error(api, describe_target(target), dst)
+        if not profiler_active():  # (torch's profiler records this thread: rpcx._profiling)
+            return self._send_request(dst, kind, payload, timeout, api, target,
+                                      describe_target, None)
+        span = begin_span(api, target, describe_target, self._name, dst.name, dst.id)
+        if kind in PROFILED_KINDS:
+            kind, payload, span.remote = MessageKind.PROFILED, (int(kind), payload), True
+        try:
+            future = self._send_request(dst, kind, payload, timeout, api, target,
+                                        describe_target, span)
+        except BaseException:
+            span.abandon()
+            raise
+        return span.end_with(future)  # (the span ends when the call's own future does)
+
+    def _send_request(
+        self, dst: WorkerInfo, kind: MessageKind, payload: Any, timeout: float | None,
+        api: str, target: Any, describe_target: Callable[[Any], str], span: CallSpan | None,
+    ) -> RpcFuture[Any]:
         rid = next(self._ids)
-        span: CallSpan | None = None
-        if profiler_active():  # torch's profiler records this thread (rpcx._profiling)
-            span = begin_span(api, target, describe_target, self._name, dst.name, dst.id)
-            if kind in PROFILED_KINDS:
-                kind, payload, span.remote = MessageKind.PROFILED, (int(kind), payload), True
         ctx = self._request_context(dst.id)
         if self.scope is not None:
             ctx.scope = self.scope.outgoing(dst.id)
         try:
             frame = self._encode(kind, rid, payload, ctx)
         except SerializationError as exc:
-            if span is not None:
-                span.abandon()
             raise SerializationError(
                 f"{api}({describe_target(target)}) to worker {dst.name!r}: "
                 f"could not pickle the call: {exc}"
@@ -209,17 +220,19 @@ class CallPath:
         future: RpcFuture[Any] = RpcFuture()
         started = time.monotonic()
         pending = PendingCall(future, dst, api, target, started, timeout, describe_target)
-        if span is not None:
-            if span.remote:
-                pending.span = span
-            future = span.end_with(future)  # (the pending call settles the original)
+        if span is not None and span.remote:
+            pending.span = span
         if kind not in CONTROL_KINDS and not _receiving.delivering:  # (it must never wait)
             refusal = self._back_pressure.admit(pending, frame, self._gone)
             if refusal is not None:
                 future.set_exception(refusal)
                 return future
+        # (recorded before the call can complete: a timer or a lost peer may settle it
+        # as soon as it is registered)
+        self.trace.sent(dst.id, rid, kind, api, target, describe_target)
         refused = self._pending.register(rid, pending)
         if refused is not None:
+            self.trace.completed(dst.id, rid, "refused")
             if pending.nbytes:
                 self._back_pressure.give(dst.id, pending.nbytes)
             if refused.closed:
@@ -231,7 +244,6 @@ class CallPath:
             frame.deadline = started + timeout
             self._executors.timer.schedule(frame.deadline, rid)
         self._retransmission.sent(kind, rid, dst.id, frame)
-        self.trace.sent(dst.id, rid, api, target, describe_target)
         self._transmit(dst.id, frame, ctx, rid)
         return future
 
@@ -370,7 +382,7 @@ class CallPath:
         if rid:
             self._retransmission.received(src, kind, rid)
             if not is_reply:
-                self.trace.arrived(src, rid)
+                self.trace.arrived(src, rid, kind)
         else:
             self.trace.delivered(src, kind)
         if not is_reply and kind not in self.handlers:
@@ -528,7 +540,8 @@ class CallPath:
         """The handler of ``PROFILED``: the wrapped request's own handler, under torch's
         profiler (:func:`rpcx._profiling.serve_profiled`)."""
         kind, inner = payload
-        handler = self.handlers.get(kind) if kind in PROFILED_KINDS else None
+        handler = self.handlers.get(kind) if kind in PROFILED_KINDS else None  # (never a
+        # bookkeeping kind: those keep their plain-data decoder)
         if handler is None:
             raise RpcError(f"worker {self._name!r} does not profile message kind {kind}")
         return serve_profiled(lambda: handler(caller, inner),
@@ -538,9 +551,9 @@ class CallPath:
                                error: BaseException) -> None:
         # (the wrapped request's own hook: a remote() whose arguments cannot be read
         # still has to settle the RRef it was to create)
-        if isinstance(partial, tuple) and len(partial) == 2:
+        if isinstance(partial, tuple) and len(partial) == 2 and partial[0] in PROFILED_KINDS:
             hook = self.decode_error_hooks.get(partial[0])
-            if hook is not None and partial[0] != MessageKind.PROFILED:
+            if hook is not None:
                 hook(caller, partial[1], error)
 
     def _run(self, caller: WorkerInfo, handler: Handler, kind: int, frame: Frame,

@@ -8,7 +8,7 @@ legacy profiler) is active on the calling thread:
   ``rpc_async#udf(worker0 -> worker1)``, from the call until its future completes;
 * a request that runs user code (``CALL``, ``REMOTE_CALL``, ``RREF_CALL``) travels
   wrapped as ``PROFILED``: the callee serves it under torch's thread-local legacy
-  profiler and answers ``(value, events)``; the caller keeps the events;
+  profiler and answers ``(value, serve_ns, events)``; the caller keeps the events;
 * when the caller's profile builds its event list, the events kept for its spans are
   added to it as remote events (``is_remote``, ``node_id`` = the callee's rank), named
   ``<span>#remote_op: <op>`` and placed inside their span (the callee's times, shifted
@@ -16,7 +16,9 @@ legacy profiler) is active on the calling thread:
 
 torch gives no public way to add events to a profile, so the last step wraps the two
 methods that build one (``torch.autograd.profiler.profile._ensure_function_events`` and
-``torch.autograd.profiler_legacy.profile.__exit__``), once, when the first agent starts.
+``torch.autograd.profiler_legacy.profile.__exit__``), and the two that start one (their
+``_start_trace``: a profile takes only the events of calls made after it started), once,
+when the first agent starts.
 The wrappers call torch's method first and only ever append. docs/design/tracing.md
 says more.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -84,12 +87,13 @@ def span_name(api: str, target: Any, describe: Callable[[Any], str], caller: str
 class CallSpan:
     """One profiled call on the caller: its span, and the remote events of its reply."""
 
-    __slots__ = ("_record", "callee_rank", "name", "remote", "sent_ns")
+    __slots__ = ("_record", "callee_rank", "name", "remote", "sent_ns", "sequence")
 
     def __init__(self, name: str, callee_rank: int) -> None:
         self.name = name
         self.callee_rank = callee_rank
         self.sent_ns = time.monotonic_ns()
+        self.sequence = _kept.next_sequence()  # (profiles started later do not take it)
         self.remote = False  # the request went wrapped: the reply carries events
         record: Any = torch.autograd.profiler.record_function(name)
         record.__enter__()
@@ -105,9 +109,11 @@ class CallSpan:
             record.__exit__(None, None, None)  # (the span itself ends with the future)
         out: RpcFuture[Any] = RpcFuture()
 
-        def relay(done: torch.futures.Future[Any]) -> None:
+        def relay(_: torch.futures.Future[Any]) -> None:
+            # The outcome is read from the call's own future: torch's end-callbacks
+            # future carries an error as a plain value.
             try:
-                out.set_result(done.value())
+                out.set_result(future.value())
             except BaseException as exc:
                 out.set_exception(exc)
 
@@ -125,7 +131,7 @@ class CallSpan:
         # The request's travel time is unknown; half of what the round trip did not
         # spend serving is the best guess.
         shift_us = max(0, round_trip_ns - serve_ns) / 2e3
-        _kept.add(self.name, self.callee_rank,
+        _kept.add(self.name, self.callee_rank, self.sequence,
                   [(name, start + shift_us, end + shift_us, thread, shapes)
                    for name, start, end, thread, shapes in events])
         return value
@@ -171,12 +177,18 @@ def serve_profiled(run: Callable[[], Any], is_deferred: Callable[[Any], bool],
             result = run()
         events = _remote_events(prof.function_events)
     if is_deferred(result):
-        future = result.future
+        answered: torch.futures.Future[Any] = torch.futures.Future()
 
-        def answer(done: torch.futures.Future[Any]) -> Any:
-            return (done.value(), time.monotonic_ns() - started, events)
+        def answer(done: torch.futures.Future[Any]) -> None:
+            # (not Future.then: a callback that raises would turn the handler's error
+            # into torch's RuntimeError)
+            try:
+                answered.set_result((done.value(), time.monotonic_ns() - started, events))
+            except BaseException as exc:
+                answered.set_exception(exc)
 
-        return defer(future.then(answer))
+        result.future.add_done_callback(answer)
+        return defer(answered)
     return (result, time.monotonic_ns() - started, events)
 
 
@@ -194,34 +206,49 @@ def _remote_events(function_events: Any) -> list[RemoteEvent]:
 # ------------------------------------------------- adding them to the caller's profile
 
 class _KeptEvents:
-    """Remote events of profiled calls, by span name, until a profile takes them."""
+    """Remote events of profiled calls, by span name, until a profile takes them.
 
-    LIMIT = 10_000  # batches kept; the oldest go first (calls no profile ever read)
+    Each call gets a sequence number when its span opens; a profile notes the next
+    number when it starts, and takes only batches from then on, so events of calls a
+    profile never read cannot pair with the spans of a later one. What no profile takes
+    is dropped, oldest first, past ``LIMIT`` events.
+    """
+
+    LIMIT = 200_000  # events kept in all
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._batches: collections.OrderedDict[int, tuple[str, int, list[RemoteEvent]]] = (
             collections.OrderedDict())
-        self._next = 0
+        self._sequence = itertools.count()
+        self._events = 0
 
-    def add(self, span: str, rank: int, events: list[RemoteEvent]) -> None:
+    def next_sequence(self) -> int:
+        """A number for a call about to be made (or for a profile about to start)."""
+        return next(self._sequence)
+
+    def add(self, span: str, rank: int, sequence: int, events: list[RemoteEvent]) -> None:
         with self._lock:
-            self._batches[self._next] = (span, rank, events)
-            self._next += 1
-            while len(self._batches) > self.LIMIT:
-                self._batches.popitem(last=False)
+            self._batches[sequence] = (span, rank, events)
+            self._events += len(events)
+            while self._events > self.LIMIT and self._batches:
+                _, (_, _, dropped) = self._batches.popitem(last=False)
+                self._events -= len(dropped)
 
-    def take_for(self, spans: dict[str, list[Any]]) -> list[tuple[Any, int, list[RemoteEvent]]]:
-        """Pair kept batches with the spans of a profile: the n-th span of a name
-        with the n-th batch kept under it (calls of one name are kept in the order
-        their replies came, which is their order unless they overlap)."""
+    def take_for(self, spans: dict[str, list[Any]], since: int
+                 ) -> list[tuple[Any, int, list[RemoteEvent]]]:
+        """Pair the batches of calls made since sequence ``since`` with the spans of a
+        profile: the n-th span of a name with the n-th such call (in the order the
+        calls were made)."""
         taken: list[tuple[Any, int, list[RemoteEvent]]] = []
         with self._lock:
-            for key, (name, rank, events) in list(self._batches.items()):
+            for sequence in sorted(s for s in self._batches if s >= since):
+                name, rank, events = self._batches[sequence]
                 queue = spans.get(name)
                 if queue:
                     taken.append((queue.pop(0), rank, events))
-                    del self._batches[key]
+                    del self._batches[sequence]
+                    self._events -= len(events)
         return taken
 
 
@@ -230,8 +257,9 @@ _hooks_installed = False
 _hooks_lock = threading.Lock()
 
 
-def _add_remote_events(function_events: Any) -> None:
-    """Append to a profile's event list the remote events of the calls it spans."""
+def _add_remote_events(function_events: Any, since: int) -> None:
+    """Append to a profile's event list the remote events of the calls it spans (those
+    made since sequence ``since``, when the profile started)."""
     if function_events is None:
         return
     spans: dict[str, list[Any]] = {}
@@ -245,7 +273,7 @@ def _add_remote_events(function_events: Any) -> None:
     function_event: Any = profiler_util.FunctionEvent
 
     next_id = max((event.id for event in function_events), default=0) + 1
-    for span, rank, events in _kept.take_for(spans):
+    for span, rank, events in _kept.take_for(spans, since):
         start = span.time_range.start
         for name, begin_us, end_us, thread, shapes in events:
             full = f"{span.name}{REMOTE_OP}{name}"
@@ -267,27 +295,42 @@ def install_profile_hooks() -> None:
             return
         from torch.autograd import profiler, profiler_legacy
 
+        for cls in (profiler.profile, profiler_legacy.profile):
+            cls._start_trace = _noting_start(cls._start_trace)  # type: ignore[method-assign]
+
         ensure: Any = profiler.profile._ensure_function_events
 
         @functools.wraps(ensure)
         def ensure_with_remote(self: Any) -> None:
+            first = self._function_events is None  # (built once; later calls return early)
             ensure(self)
-            try:
-                _add_remote_events(self._function_events)
-            except Exception:  # a profile without our events beats a profile that fails
-                log.exception("rpcx: could not add remote events to a profile")
+            if first:
+                _add_safely(self._function_events, self)
 
         legacy_exit: Any = profiler_legacy.profile.__exit__
 
         @functools.wraps(legacy_exit)
         def exit_with_remote(self: Any, *exc: Any) -> Any:
             result = legacy_exit(self, *exc)
-            try:
-                _add_remote_events(getattr(self, "function_events", None))
-            except Exception:
-                log.exception("rpcx: could not add remote events to a profile")
+            _add_safely(getattr(self, "function_events", None), self)
             return result
 
         profiler.profile._ensure_function_events = ensure_with_remote  # type: ignore[method-assign]
         profiler_legacy.profile.__exit__ = exit_with_remote  # type: ignore[method-assign]
         _hooks_installed = True
+
+
+def _noting_start(start: Any) -> Any:
+    @functools.wraps(start)
+    def start_noting_sequence(self: Any) -> Any:
+        self._rpcx_since = _kept.next_sequence()
+        return start(self)
+
+    return start_noting_sequence
+
+
+def _add_safely(function_events: Any, profile: Any) -> None:
+    try:
+        _add_remote_events(function_events, getattr(profile, "_rpcx_since", 0))
+    except Exception:  # a profile without our events beats a profile that fails
+        log.exception("rpcx: could not add remote events to a profile")

@@ -23,7 +23,9 @@ TraceEvent = tuple[int, str, int, int, int, str]
 """``(t_ns, kind, thread id, peer rank, call id, label)``; see docs/design/tracing.md."""
 
 _now = time.monotonic_ns
-_HEARTBEAT = 14  # rpcx.messages.MessageKind.HEARTBEAT (this module sits below messages)
+# rpcx.messages.MessageKind's HEARTBEAT and CLOCK (this module sits below messages):
+# liveness chatter and clock probes, not the program's traffic
+_HEARTBEAT, _CLOCK = 14, 18
 _thread_ids = threading.local()
 
 
@@ -42,12 +44,12 @@ class NoTrace:
 
     on = False
 
-    def sent(self, peer: int, rid: int, api: str, target: Any,
+    def sent(self, peer: int, rid: int, kind: int, api: str, target: Any,
              describe: Callable[[Any], str]) -> None:
-        """Request ``rid`` to ``peer`` is handed to the transport."""
+        """Request ``rid`` (of ``kind``) to ``peer`` is about to go to the transport."""
 
-    def arrived(self, peer: int, rid: int) -> None:
-        """Request ``rid`` from ``peer`` was delivered."""
+    def arrived(self, peer: int, rid: int, kind: int) -> None:
+        """Request ``rid`` (of ``kind``) from ``peer`` was delivered."""
 
     def serving(self, peer: int, rid: int, kind: int) -> None:
         """Request ``rid`` from ``peer`` starts being served (decoding included)."""
@@ -107,15 +109,24 @@ class TraceRing(NoTrace):
         self.events.append((_now(), kind, tid, peer, rid, label))
         self._recorded += 1  # (racing threads may lose a count: only ``dropped`` reads it)
 
-    def sent(self, peer: int, rid: int, api: str, target: Any,
+    def sent(self, peer: int, rid: int, kind: int, api: str, target: Any,
              describe: Callable[[Any], str]) -> None:
+        if kind == _CLOCK:  # (rpcx.tracing's own clock probes)
+            return
+        try:
+            label = f"{api}#{describe(target)}"
+        except Exception:  # (recording must never fail a call)
+            label = f"{api}#{type(target).__name__}"
         self._calling.add((peer, rid))
-        self._add("send", peer, rid, f"{api}#{describe(target)}")
+        self._add("send", peer, rid, label)
 
-    def arrived(self, peer: int, rid: int) -> None:
-        self._add("arrive", peer, rid, "")
+    def arrived(self, peer: int, rid: int, kind: int) -> None:
+        if kind != _CLOCK:
+            self._add("arrive", peer, rid, "")
 
     def serving(self, peer: int, rid: int, kind: int) -> None:
+        if not rid or kind == _CLOCK:  # (one-way messages are instants: posted/delivered)
+            return
         self._serving.add((peer, rid))
         self._add("serve_start", peer, rid, self._kind_names(kind))
 
@@ -139,15 +150,18 @@ class TraceRing(NoTrace):
             self._add("complete", peer, rid, outcome)
 
     def close(self) -> None:
-        """The ring was switched off: drop the starts of serves still running (when
-        the trace ends from inside a call, that call's serve never ends in it). Calls
-        sent and still in flight stay: they were in flight when the trace ended."""
+        """The ring was switched off: drop the arrivals and starts of requests not
+        served to the end (when the trace ends from inside a call, that call's serve
+        never ends in it). Calls sent and still in flight stay: they were in flight
+        when the trace ended."""
         open_serves, self._serving = self._serving, set()
-        if not open_serves:
-            return
-        kept = [event for event in self.snapshot()
-                if not (event[1] == "serve_start" and (event[3], event[4]) in open_serves)]
-        self.events = collections.deque(kept, maxlen=self.capacity)
+        events = self.snapshot()
+        ended = {(e[3], e[4]) for e in events if e[1] == "serve_end"}
+        kept = [e for e in events
+                if not ((e[1] == "serve_start" and (e[3], e[4]) in open_serves)
+                        or (e[1] == "arrive" and (e[3], e[4]) not in ended))]
+        if len(kept) != len(events):
+            self.events = collections.deque(kept, maxlen=self.capacity)
 
     def posted(self, peer: int, kind: int) -> None:
         if kind != _HEARTBEAT:  # (liveness chatter, not the program's traffic)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -148,6 +149,9 @@ class RpcAgent:
         self.on_peer_lost: list[Callable[[int], None]] = self._health.on_peer_lost
         self.on_peer_silent: list[Callable[[int], None]] = self._health.on_peer_silent
         self.register_handler(MessageKind.HEARTBEAT, self._health.on_heartbeat, in_order=True)
+        # rpcx.tracing's clock probes: read the clock as the request arrives
+        self.register_handler(MessageKind.CLOCK, lambda caller, payload: time.monotonic_ns(),
+                              in_order=True)
 
     # ------------------------------------------------------------ identity
 

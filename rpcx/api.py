@@ -197,10 +197,10 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         session.closing()
         if graceful and agent.is_running:
             session.sample_clock()  # (the last sample, while the world is still up)
-    if not agent.shutdown(graceful=graceful, timeout=timeout if timeout and timeout > 0 else None):
+    shut = agent.shutdown(graceful=graceful, timeout=timeout if timeout and timeout > 0 else None)
+    trace_session.end_session(agent, sample=False)  # (its file, if it traced)
+    if not shut:
         return
-    if session is not None:
-        trace_session.end_session(agent, sample=False)
     world = _joined.pop(agent, None)
     if world is not None:
         world.leave()
@@ -322,6 +322,7 @@ def _shutdown_at_exit() -> None:
             agent.name,
         )
         agent.shutdown(graceful=False)
+        trace_session.end_session(agent, sample=False)  # (a trace is most wanted then)
 
 
 def _register_atexit() -> None:

@@ -35,6 +35,8 @@ class MessageKind(enum.IntEnum):
     #   tell their other peers the same way
     PROFILED = 17  # payload: (kind, payload) of a CALL, REMOTE_CALL or RREF_CALL sent while
     #   the caller runs torch's profiler; answered with (value, serve_ns, events)
+    CLOCK = 18  # payload: None; answered with the callee's time.monotonic_ns() (rpcx.tracing
+    #   aligns the workers' clocks with it)
 
 
 
@@ -44,6 +46,6 @@ CONTROL_KINDS = frozenset({
     MessageKind.RREF_FETCH, MessageKind.RREF_FORKS, MessageKind.RREF_DELETE,
     MessageKind.RREF_CONFIRM, MessageKind.AUTOGRAD_BACKWARD, MessageKind.AUTOGRAD_RELEASE,
     MessageKind.AUTOGRAD_RUN, MessageKind.AUTOGRAD_CHAIN, MessageKind.AUTOGRAD_CHAIN_END,
-    MessageKind.HEARTBEAT, MessageKind.AUTOGRAD_FORGET,
+    MessageKind.HEARTBEAT, MessageKind.AUTOGRAD_FORGET, MessageKind.CLOCK,
 })
 PING, PONG = 0, 1  # HEARTBEAT payloads

@@ -28,7 +28,6 @@ __all__ = [
     "FORMAT",
     "TraceSession",
     "begin_session",
-    "clock_probe",
     "discard_session",
     "end_session",
     "session_of",
@@ -44,11 +43,6 @@ CLOCK_REFRESH_S = 10.0
 CLOCK_PROBE_TIMEOUT_S = 10.0
 """Bound on one probe (a reference that does not answer costs a sample, not a hang)."""
 _SERVICE = "tracing"
-
-
-def clock_probe() -> int:
-    """The reference worker's clock (run there by the others' probes)."""
-    return time.monotonic_ns()
 
 
 def _kind_name(kind: int) -> str:
@@ -140,11 +134,12 @@ class TraceSession:
             try:
                 for _ in range(CLOCK_PROBES):
                     sent = time.monotonic_ns()
-                    # (through this agent, not the thread's: the refresher is rpcx's thread)
+                    # (a CLOCK request, answered on the reference's receiving thread
+                    # and never recorded in a trace)
                     remote = agent.request(
-                        self.reference, MessageKind.CALL, (clock_probe, (), {}),
-                        timeout=CLOCK_PROBE_TIMEOUT_S, api="rpc_sync",
-                        target=clock_probe).wait()
+                        self.reference, MessageKind.CLOCK, None,
+                        timeout=CLOCK_PROBE_TIMEOUT_S, api="clock probe",
+                        target=self.reference.name).wait()
                     back = time.monotonic_ns()
                     middle = (sent + back) // 2
                     if best is None or back - sent < best[0]:

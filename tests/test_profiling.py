@@ -159,3 +159,61 @@ def test_no_profiler_no_span_and_the_names_follow_torch() -> None:
         rpcx.shutdown()
 
     rpcx.spawn(body, args=(f"tcp://127.0.0.1:{free_port()}",), nprocs=2, backend="loopback")
+
+
+def _fails(x: torch.Tensor) -> torch.Tensor:
+    raise ValueError(f"bad input {x.shape}")
+
+
+def _sleeps(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)  # (the call under test times out meanwhile)
+
+
+@rpcx.functions.async_execution
+def _fails_later(x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_exception(KeyError("missing later"))
+    return future
+
+
+@rpcx.functions.async_execution
+def _doubles_later(x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(x * 2)
+    return future
+
+
+def test_failures_under_the_profiler_stay_failures() -> None:
+    """A call that fails, times out or fails later (@async_execution) raises the same
+    error with the profiler on as off, and its span still ends."""
+
+    def body(rank: int, url: str) -> None:
+        rpcx.init_rpc(f"f{rank}", rank=rank, world_size=2, backend="loopback",
+                      rpc_backend_options=rpcx.RpcBackendOptions(init_method=url))
+        if rank == 0:
+            x = torch.ones(2)
+            with legacy_profile() as prof:
+                with pytest.raises(ValueError, match="bad input"):
+                    rpcx.rpc_sync("f1", _fails, args=(x,))
+                with pytest.raises(ValueError, match="bad input"):
+                    rpcx.rpc_async("f1", _fails, args=(x,)).wait()
+                with pytest.raises(KeyError, match="missing later"):
+                    rpcx.rpc_sync("f1", _fails_later, args=(x,))
+                assert torch.equal(rpcx.rpc_sync("f1", _doubles_later, args=(x,)), x * 2)
+                with pytest.raises(rpcx.RpcTimeoutError):
+                    rpcx.rpc_sync("f1", _sleeps, args=(0.5,), timeout=0.05)
+                rref = rpcx.remote("f1", _fails, args=(x,))
+                with pytest.raises(ValueError, match="bad input"):
+                    rref.to_here()
+            names = [e.name for e in prof.function_events]
+            for span in ("rpc_sync#_fails(f0 -> f1)", "rpc_async#_fails(f0 -> f1)",
+                         "rpc_sync#_fails_later(f0 -> f1)", "rpc_sync#_sleeps(f0 -> f1)",
+                         "rpc_remote#_fails(f0 -> f1)"):
+                assert names.count(span) == 1, (span, names)
+            ended = [e for e in prof.function_events if e.name.endswith("(f0 -> f1)")]
+            assert all(e.time_range.end >= e.time_range.start for e in ended)
+        rpcx.shutdown()
+
+    rpcx.spawn(body, args=(f"tcp://127.0.0.1:{free_port()}",), nprocs=2, backend="loopback")

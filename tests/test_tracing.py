@@ -22,7 +22,8 @@ import torch
 
 import rpcx
 import rpcx.tracing
-from rpcx._trace_ring import NoTrace, TraceRing
+from rpcx._trace_ring import TraceRing
+from rpcx.messages import MessageKind
 from rpcx.registry import DEFAULT_BACKEND
 from rpcx.testing.conformance_hosts import INTERFACE_VARIABLES, run_on_hosts, two_hosts
 from rpcx.testing.world import free_port
@@ -119,8 +120,11 @@ def test_one_traced_step_keeps_the_set_up_out(rpcx_backend: str, tmp_path: pathl
     traces = load_traces(trace_dir)
     assert sorted(t.worker for t in traces) == ["master", "ps", "trainer0", "trainer1"]
     calls = match_calls(traces)
-    # trace()'s own calls (start, stop, clock probes) are not in the step's trace
-    assert not [c for c in calls if "tracing" in c.label or "clock_probe" in c.label]
+    # trace()'s own calls (start, stop, clock probes) are not in the step's trace: every
+    # call of trainer0's in it was recorded from its send (an orphan arrival or serve of
+    # a set-up call would show as one without)
+    assert [c for c in calls if c.caller == "trainer0" and c.send_ns is None] == []
+    assert not [c for c in calls if "tracing" in c.label]
     trainer0 = next(t for t in traces if t.worker == "trainer0")
     steps = [e for e in trainer0.events if e.kind == "instant" and e.label == "optimizer step"]
     assert len(steps) == 1  # one step, its optimizer step
@@ -165,8 +169,7 @@ def _check_alignment(trace_dir: pathlib.Path) -> None:
     offset = traces[1].clock[0].offset_ns
     assert abs(offset + SKEW_S * 10**9) < 10**9 // 10, offset  # found within 0.1 s
     calls = _complete(match_calls(traces))
-    # 40 calls each way; the last clock samples' probes (at shutdown) come on top
-    assert len([c for c in calls if "clock_probe" not in c.label]) == 80
+    assert len(calls) == 80  # 40 each way; the clock probes are not recorded
     assert causality_violations(calls, _errors(traces)) == []
     # The same trace without the clock samples: every call now looks served long
     # before (or after) it was sent. The alignment is what makes the order right.
@@ -221,6 +224,27 @@ def test_skewed_clocks_on_two_hosts_are_aligned(rpcx_backend: str, tmp_path: pat
     _check_alignment(trace_dir)
 
 
+def test_a_worker_that_exits_without_shutdown_still_writes_its_trace(
+        rpcx_backend: str, tmp_path: pathlib.Path) -> None:
+    _multi_process_default(rpcx_backend)
+    script = tmp_path / "no_shutdown.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch, rpcx
+        rpcx.init_rpc("alone", rank=0, world_size=1, backend=sys.argv[1],
+                      rpc_backend_options=rpcx.TensorPipeRpcBackendOptions(
+                          init_method=sys.argv[2], trace_dir=sys.argv[3]))
+        rpcx.rpc_sync("alone", torch.add, args=(torch.ones(1), 1))
+        # no rpcx.shutdown(): the exit hook leaves, and writes the trace
+    """))
+    out = subprocess.run(
+        [sys.executable, str(script), rpcx_backend, f"tcp://127.0.0.1:{free_port()}",
+         str(tmp_path / "trace")], capture_output=True, text=True, timeout=BOUND)
+    assert out.returncode == 0, out.stderr
+    assert "exits without rpcx.shutdown()" in out.stderr  # (the warning says so)
+    calls = _complete(match_calls(load_traces(tmp_path / "trace")))
+    assert [c.label for c in calls] == ["rpc_sync#torch._VariableFunctionsClass.add"]
+
+
 # ------------------------------------------------------------------- the ring itself
 
 def test_the_ring_keeps_the_newest_events_and_counts_the_rest() -> None:
@@ -235,33 +259,50 @@ def test_the_ring_keeps_the_newest_events_and_counts_the_rest() -> None:
 
 def test_a_call_is_recorded_from_its_start_only() -> None:
     ring = TraceRing()
+    call, clock = int(MessageKind.CALL), int(MessageKind.CLOCK)
     # Ends of calls that began before the ring was on: nothing recorded.
     ring.completed(1, 7, "ok")
     ring.served(2, 8)
     ring.replied(2, 8, True)
+    # Neither clock probes nor one-way messages served (those are instants).
+    ring.sent(1, 5, clock, "clock probe", "w1", str)
+    ring.arrived(2, 6, clock)
+    ring.serving(2, 6, clock)
+    ring.serving(2, 0, call)
+    ring.served(2, 0)
     assert ring.snapshot() == []
     # A whole call on each side.
-    ring.sent(1, 9, "rpc_sync", _add, lambda f: f.__name__)
+    ring.sent(1, 9, call, "rpc_sync", _add, lambda f: f.__name__)
     ring.completed(1, 9, "ok")
-    ring.serving(2, 10, 3)
+    ring.arrived(2, 10, call)
+    ring.serving(2, 10, call)
     ring.served(2, 10)
     ring.replied(2, 10, False)
     assert [(e[1], e[3], e[4], e[5]) for e in ring.snapshot()] == [
-        ("send", 1, 9, "rpc_sync#_add"), ("complete", 1, 9, "ok"),
+        ("send", 1, 9, "rpc_sync#_add"), ("complete", 1, 9, "ok"), ("arrive", 2, 10, ""),
         ("serve_start", 2, 10, "3"), ("serve_end", 2, 10, ""), ("reply", 2, 10, "error")]
-    # Switched off inside a serve (a trace() block ending): its start goes too.
-    ring.serving(2, 11, 3)
-    ring.sent(1, 12, "rpc_async", _add, lambda f: f.__name__)  # in flight: kept
+    # Switched off inside a serve (a trace() block ending): its arrival and start go
+    # too, as does an arrival not yet served; a call in flight stays.
+    ring.arrived(2, 11, call)
+    ring.serving(2, 11, call)
+    ring.arrived(2, 13, call)
+    ring.sent(1, 12, call, "rpc_async", _add, lambda f: f.__name__)
     ring.close()
-    kinds = [(e[1], e[4]) for e in ring.snapshot()]
-    assert ("serve_start", 11) not in kinds and ("send", 12) in kinds
+    kept = [(e[1], e[4]) for e in ring.snapshot()]
+    assert ("send", 12) in kept and ("arrive", 10) in kept
+    assert not {("arrive", 11), ("serve_start", 11), ("arrive", 13)} & set(kept)
 
 
-def test_no_trace_records_nothing() -> None:
-    policy = NoTrace()
-    assert policy.on is False
-    policy.sent(1, 1, "rpc_sync", torch.add, str)  # does nothing, raises nothing
-    assert not hasattr(policy, "events")
+def test_recording_never_fails_a_call() -> None:
+    class Unnamed:
+        pass
+
+    def broken(_: object) -> str:
+        raise RuntimeError("no name")
+
+    ring = TraceRing()
+    ring.sent(1, 1, int(MessageKind.CALL), "rpc_sync", Unnamed(), broken)
+    assert ring.snapshot()[0][5] == "rpc_sync#Unnamed"
 
 
 def _add(x: torch.Tensor) -> torch.Tensor:
