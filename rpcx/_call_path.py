@@ -39,6 +39,7 @@ from rpcx._profiling import (
     PROFILED_KINDS,
     CallSpan,
     begin_span,
+    hop_span,
     install_profile_hooks,
     profiler_active,
     serve_profiled,
@@ -255,6 +256,13 @@ class CallPath:
         """Send a message that gets no reply; failures are only logged."""
         if self._life.closed:
             return
+        if kind == MessageKind.AUTOGRAD_CHAIN and profiler_active():
+            with hop_span(self._name, dst.name):  # (a backward hop, in the profile)
+                self._send_one_way(dst, kind, payload)
+            return
+        self._send_one_way(dst, kind, payload)
+
+    def _send_one_way(self, dst: WorkerInfo, kind: MessageKind, payload: Any) -> None:
         if self._retransmission.acknowledges(kind):
             self._send_acknowledged(dst, kind, payload)
             return

@@ -44,6 +44,7 @@ __all__ = [
     "CallSpan",
     "RemoteEvent",
     "begin_span",
+    "hop_span",
     "install_profile_hooks",
     "mark_profiler_node",
     "profiler_active",
@@ -135,6 +136,13 @@ class CallSpan:
                   [(name, start + shift_us, end + shift_us, thread, shapes)
                    for name, start, end, thread, shapes in events])
         return value
+
+
+def hop_span(caller: str, callee: str) -> Any:
+    """The span of a backward hop (a one-way ``AUTOGRAD_CHAIN``): sending the gradients,
+    ``dist_autograd.backward#hop(trainer0 -> ps)``; the callee's share is its own."""
+    return torch.autograd.profiler.record_function(
+        f"dist_autograd.backward#hop({caller} -> {callee})")
 
 
 def begin_span(api: str, target: Any, describe: Callable[[Any], str], caller: str,

@@ -19,6 +19,8 @@ import torch
 from torch.autograd.profiler_legacy import profile as legacy_profile
 
 import rpcx
+import rpcx.autograd
+import rpcx.functions
 from rpcx._profiling import span_name
 from rpcx.registry import DEFAULT_BACKEND
 from rpcx.testing.world import free_port
@@ -214,6 +216,25 @@ def test_failures_under_the_profiler_stay_failures() -> None:
                 assert names.count(span) == 1, (span, names)
             ended = [e for e in prof.function_events if e.name.endswith("(f0 -> f1)")]
             assert all(e.time_range.end >= e.time_range.start for e in ended)
+        rpcx.shutdown()
+
+    rpcx.spawn(body, args=(f"tcp://127.0.0.1:{free_port()}",), nprocs=2, backend="loopback")
+
+
+def test_a_backward_hop_is_a_span() -> None:
+    def body(rank: int, url: str) -> None:
+        rpcx.init_rpc(f"b{rank}", rank=rank, world_size=2, backend="loopback",
+                      rpc_backend_options=rpcx.RpcBackendOptions(init_method=url))
+        if rank == 0:
+            with rpcx.autograd.context() as context_id:
+                x = torch.ones(3, requires_grad=True)
+                loss = rpcx.rpc_sync("b1", torch.mul, args=(x, 2)).sum()
+                with legacy_profile() as prof:
+                    rpcx.autograd.backward(context_id, [loss])
+                grads = rpcx.autograd.get_gradients(context_id)
+            assert torch.equal(grads[x], torch.full((3,), 2.0))
+            names = [e.name for e in prof.function_events]
+            assert names.count("dist_autograd.backward#hop(b0 -> b1)") == 1, names
         rpcx.shutdown()
 
     rpcx.spawn(body, args=(f"tcp://127.0.0.1:{free_port()}",), nprocs=2, backend="loopback")

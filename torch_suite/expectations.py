@@ -206,7 +206,7 @@ KNOWN: dict[str, Known] = {
     "DistAutogradTest.test_dist_autograd_profiling": Known(
         PROFILER, "looks for the names of torch's C++ autograd nodes (SendRpcBackward, "
         "RecvRpcBackward, torch::distributed::autograd::backward); rpcx's engine records "
-        "its backward hops as call spans (dist_autograd.backward#...)"),
+        "its backward hops as spans of its own (dist_autograd.backward#hop(w0 -> w1))"),
     **_each(
         """RpcTest.test_profiler_with_script_async_rpc
         RpcTest.test_profiler_with_script_async_rpc_single_threaded
