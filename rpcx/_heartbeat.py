@@ -9,6 +9,13 @@ refuses new ones, until a frame from it arrives again.
 
 Only a count per peer is touched on the receive path (the agent bumps ``heard[src]``);
 everything else runs on this module's one thread.
+
+Silence is counted only while this thread runs. On a starved host the thread that
+watches is starved too: when it wakes later than it asked to (by more than one tick),
+the time it lost is taken out of every peer's silence, since a frame that arrived
+meanwhile could not have been counted either. So CPU starvation of this worker never
+makes a peer look silent; a peer that is stopped or hung while this worker runs still
+is, after ``timeout`` seconds of this worker's running time.
 """
 
 from __future__ import annotations
@@ -90,37 +97,62 @@ class Heartbeat:
             self._thread.join(_JOIN_TIMEOUT)
 
     def _run(self) -> None:
-        now = time.monotonic()
-        counts = {rank: self.heard[rank] for rank in self._peers}
-        heard_at = {rank: now for rank in self._peers}
-        last_ping = {rank: now for rank in self._peers}
-        silent: set[int] = set()
+        self._begin(time.monotonic())
         while not self._stop.wait(self._tick):
-            now = time.monotonic()
-            while self._joined:
-                rank = self._joined.pop()
-                self._forgotten.discard(rank)
-                silent.discard(rank)
-                if rank not in counts:
-                    self._peers.append(rank)
-                counts[rank], heard_at[rank], last_ping[rank] = self.heard[rank], now, now
-            for rank in self._peers:
-                if rank in self._forgotten:
-                    continue
-                count = self.heard[rank]
-                if count != counts[rank]:
-                    counts[rank] = count
-                    if rank in silent:
-                        silent.discard(rank)
-                        self._report(self._on_heard, rank, now - heard_at[rank])
-                    heard_at[rank] = now
-                quiet = now - heard_at[rank]
-                if quiet >= self._interval and now - last_ping[rank] >= self._interval:
-                    last_ping[rank] = now
-                    self._report(self._ping, rank)
-                if quiet >= self._timeout and rank not in silent:
-                    silent.add(rank)
-                    self._report(self._on_silent, rank, quiet)
+            self._step(time.monotonic())
+
+    def _begin(self, now: float) -> None:
+        """Start the watch at ``now`` (every peer as if just heard from)."""
+        self._counts = {rank: self.heard[rank] for rank in self._peers}
+        self._heard_at = {rank: now for rank in self._peers}
+        self._last_ping = {rank: now for rank in self._peers}
+        self._silent: set[int] = set()
+        self._last_step = now
+        self.stalled = 0.0  # seconds this thread lost to starvation, in all
+
+    def _step(self, now: float) -> None:
+        """One look at every peer, at time ``now`` (a tick after the last, or later)."""
+        counts, heard_at, last_ping, silent = (
+            self._counts, self._heard_at, self._last_ping, self._silent)
+        late = now - self._last_step - self._tick
+        self._last_step = now
+        if late > self._tick:
+            # This thread did not run for ``late`` seconds: neither could it count what
+            # arrived meanwhile, so that time is not silence.
+            self.stalled += late
+            for rank in heard_at:
+                heard_at[rank] += late
+                last_ping[rank] += late
+            log.debug("heartbeat ran %.2f s late (this worker was starved of CPU); that "
+                      "time is not counted as any peer's silence", late)
+        while self._joined:
+            rank = self._joined.pop()
+            self._forgotten.discard(rank)
+            silent.discard(rank)
+            if rank not in counts:
+                self._peers.append(rank)
+            counts[rank], heard_at[rank], last_ping[rank] = self.heard[rank], now, now
+        for rank in self._peers:
+            if rank in self._forgotten:
+                continue
+            count = self.heard[rank]
+            if count != counts[rank]:
+                counts[rank] = count
+                if rank in silent:
+                    silent.discard(rank)
+                    self._report(self._on_heard, rank, now - heard_at[rank])
+                heard_at[rank] = now
+            quiet = now - heard_at[rank]
+            if quiet >= self._interval and now - last_ping[rank] >= self._interval:
+                last_ping[rank] = now
+                self._report(self._ping, rank)
+            if quiet >= self._timeout and rank not in silent:
+                silent.add(rank)
+                if self.stalled:
+                    log.info("peer rank %d silent for %.1f s of this worker's running "
+                             "time (starved of CPU, this worker lost %.1f s since the "
+                             "watch began; not counted)", rank, quiet, self.stalled)
+                self._report(self._on_silent, rank, quiet)
 
     @staticmethod
     def _report(callback: Callable[..., None], *args: object) -> None:

@@ -79,3 +79,49 @@ def test_close_ends_the_thread() -> None:
     watch.start()
     watch.close()
     assert not watch._thread.is_alive()
+
+
+# The watch's own clock, stepped by hand: deterministic, no waiting.
+TICK = min(INTERVAL, TIMEOUT / 4)
+
+
+def _stepped(seen: Recorder) -> Heartbeat:
+    watch = seen.watch([1])
+    watch._begin(0.0)
+    return watch
+
+
+def test_time_this_worker_was_starved_is_not_a_peers_silence() -> None:
+    seen = Recorder()
+    watch = _stepped(seen)
+    watch._step(TICK)
+    watch._step(TICK + 30 * TIMEOUT)  # this thread did not run for 30 timeouts
+    assert seen.silent == []  # the peer could not have been heard meanwhile either
+    assert watch.stalled > 29 * TIMEOUT
+    # From then on its silence counts again, and is reported after a timeout of running.
+    now = TICK + 30 * TIMEOUT
+    while not seen.silent:
+        now += TICK
+        watch._step(now)
+        assert now < 40 * TIMEOUT, "never reported"
+    ((rank, quiet),) = seen.silent
+    assert rank == 1 and TIMEOUT <= quiet < TIMEOUT + 2 * TICK
+
+
+def test_a_peer_silent_while_this_worker_runs_is_reported_after_the_timeout() -> None:
+    seen = Recorder()
+    watch = _stepped(seen)
+    now = 0.0
+    while not seen.silent:
+        now += TICK  # on time, every tick
+        watch._step(now)
+    assert seen.silent == [(1, now)] and TIMEOUT <= now < TIMEOUT + TICK + 1e-9
+    assert watch.stalled == 0.0
+    assert 1 in seen.pinged  # pinged once quiet for an interval
+
+
+def test_a_late_tick_within_one_tick_is_ordinary_jitter() -> None:
+    seen = Recorder()
+    watch = _stepped(seen)
+    watch._step(1.9 * TICK)  # 0.9 tick late: scheduling jitter, counted as silence
+    assert watch.stalled == 0.0
