@@ -716,6 +716,7 @@ class _ControlUnpickler(pickle.Unpickler):
         ("rpcx.serialization", "_rebuild_tensor"),
         ("rpcx.serialization", "_rebuild_view"),
         ("rpcx.serialization", "_rebuild_sparse"),
+        ("rpcx.serialization", "_rebuild_placed"),  # (a gradient bound for a device)
         ("rpcx.errors", "RemoteErrorInfo"),
     })
 
@@ -728,13 +729,26 @@ class _ControlUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+class _LenientControlUnpickler(_ControlUnpickler):
+    """The recovery read of a bookkeeping message that failed: what the strict read
+    refuses becomes an inert placeholder, so nothing it names is imported or run, but
+    the message's frame (an autograd chain's driver and token) can still be read."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except pickle.UnpicklingError:
+            return _Missing
+
+
 def decode_payload(frame: Frame, ctx: DecodeContext, lenient: bool = False) -> Any:
     """Unpickle a frame's payload. Raises :class:`SerializationError` saying what failed.
 
     ``lenient=True`` replaces classes and functions that cannot be found by inert
     placeholders, to recover what can be recovered from a message that failed to decode.
     Requests of the bookkeeping kinds (``CONTROL_KINDS``) are read by an unpickler that
-    refuses anything but plain data and tensors, leniently or not.
+    refuses anything but plain data and tensors; leniently, it puts placeholders where
+    the strict read refused, and still imports and calls nothing else.
     """
     ctx.buffers = frame.buffers
     start = _payload_start(frame.header)
@@ -743,7 +757,8 @@ def decode_payload(frame: Frame, ctx: DecodeContext, lenient: bool = False) -> A
     try:
         data = memoryview(frame.header)[start:]
         if frame.header[0] & _KIND_MASK in CONTROL_KINDS:
-            return _ControlUnpickler(io.BytesIO(data)).load()
+            control = _LenientControlUnpickler if lenient else _ControlUnpickler
+            return control(io.BytesIO(data)).load()
         if lenient:
             return _LenientUnpickler(io.BytesIO(data)).load()
         return pickle.loads(data)

@@ -20,6 +20,7 @@ from rpcx.messages import MessageKind
 from rpcx.serialization import (
     DecodeContext,
     EncodeContext,
+    Placed,
     current_decode_context,
     current_encode_context,
     decode_envelope,
@@ -529,15 +530,21 @@ def test_bookkeeping_payloads_are_read_as_plain_data_and_tensors_only() -> None:
     from rpcx.testing.remote import SetsEnvironmentWhenUnpickled
 
     marker = f"RPCX_TEST_{uuid.uuid4().hex}"
-    grads = (7, [(1, 0, torch.arange(4.0)), (2, 1, torch.ones(2, 3).t())])
+    # (A gradient bound for a device travels as a Placed: on GPUs, every backward hop.)
+    placed = Placed(torch.full((3,), 2.0), torch.device("cpu"))
+    grads = (7, [(1, 0, torch.arange(4.0)), (2, 1, torch.ones(2, 3).t()), (3, 0, placed)])
     for kind in sorted(CONTROL_KINDS):
         frame = encode(kind, 0, grads, EncodeContext(1))
         context_id, entries = decode_payload(frame, DecodeContext(0))
         assert context_id == 7 and torch.equal(entries[1][2], torch.ones(2, 3).t())
-        hostile = encode(kind, 0, SetsEnvironmentWhenUnpickled(marker), EncodeContext(1))
-        for lenient in (False, True):
-            with pytest.raises(SerializationError, match="plain data and tensors only"):
-                decode_payload(hostile, DecodeContext(0), lenient=lenient)
+        assert torch.equal(entries[2][2], placed.tensor)
+        hostile = encode(kind, 0, (7, SetsEnvironmentWhenUnpickled(marker)), EncodeContext(1))
+        with pytest.raises(SerializationError, match="plain data and tensors only"):
+            decode_payload(hostile, DecodeContext(0))
+        # The recovery read keeps the frame and puts an inert stand-in where the
+        # refused object was; it still runs nothing the stream names.
+        context_id, stand_in = decode_payload(hostile, DecodeContext(0), lenient=True)
+        assert context_id == 7 and type(stand_in).__name__ == "_Missing"
     assert marker not in os.environ
     # A call's payload is no bookkeeping: it may name any function.
     call = encode(MessageKind.CALL, 1, (torch.add, (1, 2), {}), EncodeContext(1))

@@ -581,6 +581,19 @@ class AutogradService:
         if frontier is not None:
             self._end_chain(chain, frontier, None)
 
+    def chain_undecodable(self, caller: WorkerInfo, partial: Any, error: BaseException) -> None:
+        """A chain reached this worker with gradients it cannot read (``partial`` is the
+        lenient read): end the chain here with that error, so that the driver's backward
+        fails now, naming this worker and the cause, instead of at its timeout."""
+        try:
+            _context_id, _items, (driver, token) = partial
+            chain = (int(driver), int(token))
+        except (TypeError, ValueError):
+            log.warning("%s: an unreadable backward chain from %s could not be ended: %s",
+                        self.agent.name, caller.name, error)
+            return
+        self._end_chain(chain, None, error)
+
     def handle_chain_end(self, caller: WorkerInfo, payload: Any) -> None:
         """A chain this worker drives ended on ``caller`` (in order, never blocks)."""
         token, frontier, info = payload
@@ -640,7 +653,8 @@ def install(agent: ServiceHost) -> None:
     set_scope_hooks(_on_encode, _on_decode)
     agent.register_handler(MessageKind.AUTOGRAD_BACKWARD, svc.handle_backward)
     agent.register_handler(MessageKind.AUTOGRAD_RUN, svc.handle_run)
-    agent.register_handler(MessageKind.AUTOGRAD_CHAIN, svc.handle_chain)
+    agent.register_handler(MessageKind.AUTOGRAD_CHAIN, svc.handle_chain,
+                           on_decode_error=svc.chain_undecodable)
     agent.register_handler(MessageKind.AUTOGRAD_CHAIN_END, svc.handle_chain_end, in_order=True)
     agent.register_handler(MessageKind.AUTOGRAD_RELEASE, svc.handle_release)
     agent.register_handler(MessageKind.AUTOGRAD_FORGET, svc.handle_forget, in_order=True)

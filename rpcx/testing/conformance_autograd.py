@@ -19,6 +19,8 @@ import torch
 import rpcx
 import rpcx.autograd as dist_autograd
 from rpcx import _context
+from rpcx.autograd import service as autograd_service_module
+from rpcx.autograd.service import AutogradService
 from rpcx.autograd.service import service as autograd_service
 from rpcx.nn import RemoteModule
 from rpcx.optim import DistributedOptimizer
@@ -115,6 +117,34 @@ class TestDistAutograd:
             y = rpcx.rpc_sync(W1, training.square_then_call, args=(x, [W2]))
             dist_autograd.backward(context_id, [y.sum()])
             assert _close(dist_autograd.get_gradients(context_id)[x], 4 * x.detach() ** 3)
+
+    def test_gradients_the_next_worker_cannot_read_fail_the_backward_now(
+            self, rpc_world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+        # The gradient this worker owes worker1 travels as an object that bookkeeping
+        # messages may not carry: worker1 ends the chain with that error, and backward
+        # raises it at once, naming worker1 and the cause. (On GPUs every gradient once
+        # failed that way, and backward waited out rpc_timeout.)
+        collect = AutogradService.collect
+
+        def collect_placed(self: AutogradService, peer: int, context_id: int, tag: int,
+                           index: int, grad: torch.Tensor,
+                           source: torch.device | None = None) -> None:
+            collect(self, peer, context_id, tag, index, grad, torch.device("cpu"))
+
+        monkeypatch.setattr(AutogradService, "collect", collect_placed)
+        monkeypatch.setattr(autograd_service_module, "Placed", training.UnreadableGradient)
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        with dist_autograd.context() as context_id:
+            y = rpcx.rpc_sync(W1, training.scale, args=(x, 3.0))
+            with pytest.raises(rpcx.SerializationError,
+                               match=f"worker '{W1}' could not unpickle") as raised:
+                dist_autograd.backward(context_id, [y.sum()])
+        assert "plain data and tensors only" in str(raised.value)
+        monkeypatch.undo()
+        with dist_autograd.context() as context_id:  # and the world is fine afterwards
+            y = rpcx.rpc_sync(W1, training.scale, args=(x, 3.0))
+            dist_autograd.backward(context_id, [y.sum()])
+            assert _close(dist_autograd.get_gradients(context_id)[x], torch.full((2,), 3.0))
 
     def test_driver_hands_the_chain_on_before_its_own_pass_ends(self, rpc_world: World) -> None:
         # The driver's pass ends with a wait (queued by a node, as DDP queues its wait

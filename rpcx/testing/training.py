@@ -95,6 +95,18 @@ def scale(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x * factor
 
 
+class UnreadableGradient:
+    """Stands in for the codec's ``Placed`` in a test: it pickles by naming a function
+    that bookkeeping messages may not name, so the worker it is sent to cannot read it."""
+
+    def __init__(self, tensor: torch.Tensor, device: torch.device) -> None:
+        self.tensor = tensor
+        self.device = device
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (torch.clone, (self.tensor,))
+
+
 def square_then_call(x: torch.Tensor, path: list[str]) -> torch.Tensor:
     """``x**2`` here, then the same on each worker of ``path`` in turn (nested calls)."""
     y = x * x
