@@ -16,6 +16,12 @@ the time it lost is taken out of every peer's silence, since a frame that arrive
 meanwhile could not have been counted either. So CPU starvation of this worker never
 makes a peer look silent; a peer that is stopped or hung while this worker runs still
 is, after ``timeout`` seconds of this worker's running time.
+
+A starved *peer* is silent too. So before reporting a peer, the watch asks ``vouch`` (on
+one host, the kernel: :mod:`rpcx._process_watch`) whether its process is alive; while it
+is (running, sleeping), the peer is logged as starved and not reported, and calls to it
+still fail by their own timeouts. Once it is stopped or gone, or where nobody can say
+(another host), the silence is reported as before.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class Heartbeat:
         ping: sends a ping to a rank; must not block (the agent hands it to its pool).
         heard: the per-rank count of frames received that the receiving side bumps
             (one of ``world_size`` zeros if not given).
+        vouch: ``vouch(rank)``: why a silent peer is alive after all (its process runs),
+            or ``None``; a peer vouched for is not reported while that holds.
     """
 
     def __init__(
@@ -59,6 +67,7 @@ class Heartbeat:
         on_silent: Callable[[int, float], None],
         on_heard: Callable[[int, float], None],
         heard: list[int] | None = None,
+        vouch: Callable[[int], str | None] = lambda rank: None,
     ) -> None:
         # Frames received per rank, bumped by the receiving side (``heard``, if given).
         self.heard = heard if heard is not None else [0] * world_size
@@ -68,6 +77,8 @@ class Heartbeat:
         self._ping = ping
         self._on_silent = on_silent
         self._on_heard = on_heard
+        self._vouch = vouch
+        self._vouched: set[int] = set()  # silent peers whose processes run (logged once)
         self._stop = threading.Event()
         # Look often enough that a silent peer is reported within a quarter of the
         # timeout after it is due.
@@ -138,6 +149,10 @@ class Heartbeat:
             count = self.heard[rank]
             if count != counts[rank]:
                 counts[rank] = count
+                if rank in self._vouched:
+                    self._vouched.discard(rank)
+                    log.info("peer rank %d heard from again after %.1f s", rank,
+                             now - heard_at[rank])
                 if rank in silent:
                     silent.discard(rank)
                     self._report(self._on_heard, rank, now - heard_at[rank])
@@ -147,12 +162,31 @@ class Heartbeat:
                 last_ping[rank] = now
                 self._report(self._ping, rank)
             if quiet >= self._timeout and rank not in silent:
+                evidence = self._ask(rank)
+                if evidence is not None:
+                    if rank not in self._vouched:
+                        self._vouched.add(rank)
+                        log.info("peer rank %d silent for %.1f s, but %s: starved or busy, "
+                                 "not lost (calls to it still time out as usual)", rank,
+                                 quiet, evidence)
+                    continue
+                if rank in self._vouched:
+                    self._vouched.discard(rank)
+                    log.info("peer rank %d: its process no longer runs; silent for %.1f s",
+                             rank, quiet)
                 silent.add(rank)
                 if self.stalled:
                     log.info("peer rank %d silent for %.1f s of this worker's running "
                              "time (starved of CPU, this worker lost %.1f s since the "
                              "watch began; not counted)", rank, quiet, self.stalled)
                 self._report(self._on_silent, rank, quiet)
+
+    def _ask(self, rank: int) -> str | None:
+        try:
+            return self._vouch(rank)
+        except Exception:  # no evidence: the silence decides
+            log.exception("heartbeat: asking whether rank %d runs failed", rank)
+            return None
 
     @staticmethod
     def _report(callback: Callable[..., None], *args: object) -> None:

@@ -167,8 +167,10 @@ class PeerHealth:
 
     # ---------------------------------------------------------------- silent
 
-    def start_heartbeat(self, rank: int, interval: float, pool: WorkerPool) -> None:
-        """Ping quiet peers every ``interval`` s; report those silent past the timeout."""
+    def start_heartbeat(self, rank: int, interval: float, pool: WorkerPool,
+                        vouch: Callable[[int], str | None] = lambda rank: None) -> None:
+        """Ping quiet peers every ``interval`` s; report those silent past the timeout,
+        unless ``vouch(rank)`` says the peer's process still runs (see Heartbeat)."""
 
         def ping(peer: int) -> None:
             """Ping ``peer`` from the pool (a send may wait); one ping in flight each."""
@@ -194,7 +196,7 @@ class PeerHealth:
             self._name, [w.id for w in self._workers if w.id != rank and is_member(w)],
             len(self._workers),
             interval=interval, timeout=self._heartbeat_timeout, ping=ping, on_silent=self.on_silent,
-            on_heard=self.on_heard_again, heard=self.heard,
+            on_heard=self.on_heard_again, heard=self.heard, vouch=vouch,
         )
         self._heartbeat.start()
 

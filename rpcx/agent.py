@@ -32,13 +32,14 @@ from rpcx._intra_op import adopt_intra_op_threads
 from rpcx._membership import Roster
 from rpcx._peer_health import PeerHealth
 from rpcx._pending import PendingCalls, describe_callable
+from rpcx._process_watch import PeerProcesses, local_mark
 from rpcx._profiling import mark_profiler_node
 from rpcx._retransmit import NoRetransmission, Retransmission
 from rpcx._shutdown import Lifecycle, Shutdown, TeardownStep, bounded, each_hook, step_bound
 from rpcx._trace_ring import NoTrace
 from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
-from rpcx.errors import LostCause, PeerLostError, UnknownWorkerError
+from rpcx.errors import LostCause, PeerLostError, RpcError, UnknownWorkerError
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
 from rpcx.options import RpcBackendOptions
@@ -50,6 +51,8 @@ __all__ = ["Deferred", "DynamicMembership", "Handler", "MessageScope", "NoteSour
            "RpcAgent", "describe_callable"]
 
 log = logging.getLogger("rpcx.agent")
+
+_MARK_FETCH_TIMEOUT = 2.0  # seconds the heartbeat waits for a silent peer's process mark
 
 
 class DynamicMembership(Protocol):
@@ -135,7 +138,10 @@ class RpcAgent:
             back_pressure=self._back_pressure, retransmission=self._retransmission)
         self.roster.growers += [self._health.grow, self._calls.grow, self._back_pressure.grow,
                                 self._retransmission.grow]
-        self.roster.on_rejoin += [self._calls.rejoined, self._retransmission.forget]
+        # The kernel's word on silent peers of this host (published in start()).
+        self._peer_processes = PeerProcesses(self._process_mark)
+        self.roster.on_rejoin += [self._calls.rejoined, self._retransmission.forget,
+                                  self._peer_processes.forget]
         self._shutdown = Shutdown(
             name=self.name, rank=rank, world_size=len(workers), lifecycle=self._life,
             alone=dynamic is not None,
@@ -292,9 +298,36 @@ class RpcAgent:
             vacant=lambda rank: rank >= len(self.workers) or not is_member(self.workers[rank]),
         ))
         interval, timeout = self.options.heartbeat_interval, self.options.heartbeat_timeout
+        if not self._transport.capabilities.in_process:
+            self._store.set(f"process/{self.rank}", local_mark())  # (see learn_peer_processes)
         if interval > 0 and timeout > 0 and not self._transport.capabilities.in_process:
             # (threads of one process cannot hang apart)
-            self._health.start_heartbeat(self.rank, interval, self._executors.requests)
+            self._health.start_heartbeat(self.rank, interval, self._executors.requests,
+                                         vouch=self._peer_processes.vouch)
+
+    def learn_peer_processes(self, timeout: float | None) -> None:
+        """Read every peer's process mark, once the world is ready (each published its
+        own in ``start``): one store operation now, so that the heartbeat need not ask
+        the store when a peer goes quiet, which on a starved host answers late."""
+        store = self._store
+        if store is None or self._transport.capabilities.in_process:
+            return
+        ranks = [w.id for w in self.workers if w.id != self.rank and is_member(w)]
+        keys = [f"process/{rank}" for rank in ranks]
+        try:
+            # (check first: multi_get waits for missing keys, a lost worker's say)
+            if ranks and store.check(keys, timeout):
+                self._peer_processes.learn(dict(zip(ranks, store.multi_get(keys, timeout),
+                                                    strict=True)))
+        except RpcError as exc:
+            log.debug("%s: peers' process marks not read: %s", self.name, exc)
+
+    def _process_mark(self, rank: int) -> bytes | None:
+        """The process mark worker ``rank`` published, if any (for the heartbeat)."""
+        store, key = self._store, f"process/{rank}"
+        if store is None or not store.check([key], _MARK_FETCH_TIMEOUT):
+            return None  # (a get of a missing key would hold the store's caller)
+        return bytes(store.get(key, _MARK_FETCH_TIMEOUT))
 
     def barrier(self, tag: str, timeout: float | None) -> None:
         """Wait until every live worker reached the barrier ``tag``."""

@@ -5,7 +5,10 @@ Real time with short intervals; every wait is on an event the callbacks set, bou
 
 from __future__ import annotations
 
+import logging
 import threading
+
+import pytest
 
 from rpcx._heartbeat import Heartbeat
 
@@ -125,3 +128,44 @@ def test_a_late_tick_within_one_tick_is_ordinary_jitter() -> None:
     watch = _stepped(seen)
     watch._step(1.9 * TICK)  # 0.9 tick late: scheduling jitter, counted as silence
     assert watch.stalled == 0.0
+
+
+def test_a_peer_whose_process_runs_is_not_reported_until_it_stops(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The kernel vouches for the peer (its process runs, starved): not reported, logged
+    # once with the evidence; once the process is stopped it is, on the next tick.
+    seen = Recorder()
+    evidence: list[str | None] = ["its process 4242 on this host is running (kernel state R)"]
+    watch = Heartbeat("test", [1], 3, interval=INTERVAL, timeout=TIMEOUT,
+                      ping=seen.pinged.append, on_silent=seen._silent, on_heard=seen._heard,
+                      vouch=lambda rank: evidence[0])
+    watch._begin(0.0)
+    now = 0.0
+    with caplog.at_level(logging.INFO, logger="rpcx.heartbeat"):
+        while now < 10 * TIMEOUT:
+            now += TICK
+            watch._step(now)
+    assert seen.silent == []
+    vouched = [r.getMessage() for r in caplog.records if "not lost" in r.getMessage()]
+    assert len(vouched) == 1 and "process 4242" in vouched[0], vouched
+    evidence[0] = None  # stopped (SIGSTOP), or gone
+    watch._step(now + TICK)
+    assert seen.silent == [(1, now + TICK)]
+
+
+def test_a_vouch_that_fails_leaves_the_decision_to_the_silence() -> None:
+    seen = Recorder()
+
+    def broken(rank: int) -> str | None:
+        raise OSError("no /proc here")
+
+    watch = Heartbeat("test", [1], 3, interval=INTERVAL, timeout=TIMEOUT,
+                      ping=seen.pinged.append, on_silent=seen._silent, on_heard=seen._heard,
+                      vouch=broken)
+    watch._begin(0.0)
+    now = 0.0
+    while not seen.silent:
+        now += TICK
+        watch._step(now)
+        assert now < 2 * TIMEOUT, "never reported"
+    assert seen.silent == [(1, now)]
