@@ -172,11 +172,11 @@ class Shutdown:
                 sent += hook(remaining(deadline))
             self.wait_until_idle(deadline)
             tag = f"drained/{round_}"
-            self._store.set(f"{tag}/sent/{self._rank}", str(sent), remaining(deadline))
+            # One counter for the world, not a key per worker to read back: a worker
+            # lost after adding only costs another round.
+            self._store.add(f"{tag}/sent", sent, remaining(deadline))
             self._barrier(tag, remaining(deadline))
-            live = [r for r in range(self._world_size) if not self._is_lost(r)]
-            if all(int(self._store.get(f"{tag}/sent/{r}", remaining(deadline))) == 0
-                   for r in live):
+            if self._store.add(f"{tag}/sent", 0, remaining(deadline)) == 0:
                 return
         log.warning("%s: services still busy after %d drain rounds", self._name,
                     _DRAIN_ROUNDS)

@@ -37,8 +37,13 @@ __all__ = ["BoundedStore"]
 # store is wedged (a live store answers in milliseconds), and the wait fails saying so.
 OPERATION_BOUND = 30.0
 _IDLE_EXIT = 2.0  # the caller thread ends after this long with nothing to do
-# Polling for keys: the first look at once, then at growing intervals up to this.
+# Polling for keys: the first look at once, then at growing intervals up to _POLL_MAX,
+# and up to _POLL_MAX per _KEYS_PER_PAUSE keys waited for: every worker of a world polls
+# the one store, so a large world polls less often (64 workers at 20 ms each kept a
+# 2-core host's store busy enough to starve the workers themselves).
 _POLL_FIRST, _POLL_MAX = 0.0005, 0.02
+_KEYS_PER_PAUSE = 16
+_NARROW_EVERY = 1.0  # seconds between the looks key by key that say which are missing
 _LOOK_MIN = 0.02  # what a look for keys may take past the deadline (see wait_for)
 
 
@@ -148,6 +153,12 @@ class BoundedStore:
         return bytes(self._run(f"compare-and-set of {key!r}", self.raw.compare_set,
                                (key, expected, desired), timeout))
 
+    def multi_get(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys`` (which must all exist), in one store operation."""
+        values = self._run(f"reading {keys[0]!r} and {len(keys) - 1} more", self.raw.multi_get,
+                           (keys,), timeout)
+        return [bytes(value) for value in values]
+
     def check(self, keys: list[str], timeout: float | None = None) -> bool:
         """Whether every key of ``keys`` exists."""
         return bool(self._run(f"looking for {keys[0]!r}", self.raw.check, (keys,), timeout))
@@ -163,28 +174,34 @@ class BoundedStore:
         """Wait until every key exists, or ``skip(index)``; the indices of those missing
         at ``deadline`` (a ``time.monotonic()`` value; ``None``: no deadline), in order.
 
-        ``on_poll(missing)`` runs after each look (progress reports). Each look is one
-        store operation, bounded by what is left of the deadline (by
-        :data:`OPERATION_BOUND` without one): a store that does not answer raises.
+        Each look is one store operation for all the keys still missing, bounded by what
+        is left of the deadline (by :data:`OPERATION_BOUND` without one): a store that
+        does not answer raises. Every second, and at the deadline, a look key by key
+        finds which are missing, and ``on_poll(missing)`` runs (progress reports).
         """
         missing = list(range(len(keys)))
-        pause = _POLL_FIRST
+        pause, longest = _POLL_FIRST, _POLL_MAX * max(1.0, len(keys) / _KEYS_PER_PAUSE)
+        narrow_at = time.monotonic() + _NARROW_EVERY
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             # A look made just before the deadline still gets a moment to answer, so
             # that a slow answer is not taken for a store that does not answer at all.
             bound = None if left is None else max(left, _LOOK_MIN)
-            missing = [i for i in missing
-                       if not skip(i) and not self.check([keys[i]], timeout=bound)]
-            if not missing:
+            missing = [i for i in missing if not skip(i)]
+            if not missing or self.check([keys[i] for i in missing], timeout=bound):
                 return []
-            on_poll(missing)
+            now = time.monotonic()
+            expired = deadline is not None and now >= deadline
+            if expired or now >= narrow_at:
+                missing = [i for i in missing if not self.check([keys[i]], timeout=bound)]
+                narrow_at = now + _NARROW_EVERY
+                on_poll(missing)
+                if expired or not missing:
+                    return missing
             left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return missing
             # Polling: the store's own wait prints c10d warnings each time it times out.
-            time.sleep(pause if left is None else min(pause, left))
-            pause = min(pause * 2, _POLL_MAX)
+            time.sleep(pause if left is None else max(0.0, min(pause, left)))
+            pause = min(pause * 2, longest)
 
     def _run(self, what: str, call: Callable[..., Any], args: tuple[Any, ...],
              timeout: float | None) -> Any:

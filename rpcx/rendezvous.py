@@ -256,7 +256,7 @@ def all_gather(
         describe=lambda ranks: "ranks " + ", ".join(map(str, ranks)),
         publish=(f"{tag}/{rank}", value),
     )
-    values = [store.get(f"{tag}/{r}", remaining(deadline)) for r in range(world_size)]
+    values = store.multi_get([f"{tag}/{r}" for r in range(world_size)], remaining(deadline))
     return [_opened(seal, tag, rank, r, v) for r, v in enumerate(values)]
 
 

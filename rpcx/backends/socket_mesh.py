@@ -139,7 +139,8 @@ def _learn_routes(ctx: TransportContext, label: str, policy: Policy, host: str,
                   peers: list[int]) -> dict[int, Route]:
     """Publish this worker's host, read the ``peers``' hosts; their routes."""
     ctx.store.set(f"{label}/host/{ctx.rank}", host)
-    hosts = {rank: ctx.store.get(f"{label}/host/{rank}").decode() for rank in peers}
+    values = ctx.store.multi_get([f"{label}/host/{rank}" for rank in peers]) if peers else []
+    hosts = {rank: value.decode() for rank, value in zip(peers, values, strict=True)}
     if policy is Policy.SHM:
         _refuse_other_hosts(ctx, host, hosts)
     return {rank: route_between(policy, host, theirs) for rank, theirs in hosts.items()}

@@ -389,6 +389,15 @@ def hello(ctx: TransportContext, label: str, rank: int | None = None) -> bytes:
 # ------------------------------------------------------------------------------ mesh
 
 
+def _published(ctx: TransportContext, label: str, ranks: list[int]) -> dict[int, Any]:
+    """The addresses ``ranks`` published under ``label``, waiting for them: one store
+    operation (a large world's workers would otherwise each make one per peer)."""
+    if not ranks:
+        return {}
+    values = ctx.store.multi_get([f"{label}/{rank}" for rank in ranks])
+    return {rank: json.loads(value) for rank, value in zip(ranks, values, strict=True)}
+
+
 def connect_stream_mesh(
     ctx: TransportContext,
     listener: socket.socket | Sequence[socket.socket],
@@ -409,8 +418,7 @@ def connect_stream_mesh(
     """
     limit = connect_limit(ctx)
     ctx.store.set(f"{label}/{ctx.rank}", json.dumps(address))
-    addresses = {rank: json.loads(ctx.store.get(f"{label}/{rank}"))
-                 for rank in range(ctx.world_size) if rank != ctx.rank}
+    addresses = _published(ctx, label, [r for r in range(ctx.world_size) if r != ctx.rank])
     if check is not None:
         check(addresses)
     sockets: dict[int, socket.socket] = {}
@@ -485,7 +493,7 @@ def join_stream_mesh(
     ctx.store.set(f"{label}/{ctx.rank}", json.dumps(address))
     members = [rank for rank in range(len(ctx.names))
                if rank != ctx.rank and not ctx.vacant(rank)]
-    addresses = {rank: json.loads(ctx.store.get(f"{label}/{rank}")) for rank in members}
+    addresses = _published(ctx, label, members)
     if check is not None:
         check(addresses)
     sockets: dict[int, socket.socket] = {}
