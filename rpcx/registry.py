@@ -115,6 +115,7 @@ if TYPE_CHECKING:  # (checked by mypy: a BackendRegistry is what hooks are told 
 
 _lock = threading.Lock()
 _loaded: dict[str, BackendSpec] | None = None
+_builtins: dict[str, BackendSpec] | None = None  # (no plugin imported to find these)
 _errors: dict[str, str] = {}
 
 _BUILTINS = ("rpcx.backends.sockets", "rpcx.backends.loopback", "rpcx.backends.gloo",
@@ -136,6 +137,22 @@ def _load() -> dict[str, BackendSpec]:
             _call_register_hook(pm, name, registry)
         _loaded = registry.specs()
         return _loaded
+
+
+def _load_builtins() -> dict[str, BackendSpec]:
+    """The built-in backends alone. ``init_rpc`` on one of them imports no plugin: a
+    plugin cannot take a built-in's name, and importing every installed plugin in every
+    worker (pyzmq, say) costs each of a large world's processes CPU time at start."""
+    global _builtins
+    with _lock:
+        if _builtins is None:
+            pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+            pm.add_hookspecs(hookspecs)
+            registry = BackendRegistry()
+            for name in _register_builtins(pm):
+                _call_register_hook(pm, name, registry)
+            _builtins = registry.specs()
+        return _builtins
 
 
 def _register_builtins(pm: pluggy.PluginManager) -> list[str]:
@@ -236,9 +253,12 @@ def resolve_backend(backend: object = None, spawned: str | None = None) -> Backe
         backend = backend.value if isinstance(backend, str) else backend.name
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a name such as 'gloo', got {type(backend).__name__}")
-    specs = _load()
     if backend.lower().startswith(faulty.PREFIX):
         return _faulty(resolve_backend(backend[len(faulty.PREFIX):]))
+    spec = _load_builtins().get(backend.lower())
+    if spec is not None:
+        return spec
+    specs = _load()
     spec = specs.get(backend.lower())
     if spec is None:
         installed = ", ".join(sorted(specs)) or "none"

@@ -8,6 +8,7 @@ process: each test writes a plugin module and its ``*.dist-info`` (entry-point g
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -140,6 +141,9 @@ def test_torch_backend_type_of_a_backend_not_installed(monkeypatch: pytest.Monke
     # As where torch has no TensorPipe agent: the registry lacks "tensorpipe".
     without = {name: spec for name, spec in available_backends().items() if name != "tensorpipe"}
     monkeypatch.setattr(registry_module, "_loaded", without)
+    monkeypatch.setattr(registry_module, "_builtins", {
+        name: spec for name, spec in registry_module._load_builtins().items()
+        if name != "tensorpipe"})
     assert "tensorpipe" not in backend_names()
     with pytest.raises(BackendNotFoundError) as info:
         resolve_backend(torch_rpc.BackendType.TENSORPIPE)
@@ -533,3 +537,16 @@ def test_two_packages_declaring_one_entry_point_name_are_reported(tmp_path: Path
     assert "plugin 'fake (duplicate)' declared by 2 installed packages" in result.stderr
     assert "fake_rpcx_plugin" in result.stderr and "other_rpcx_plugin" in result.stderr
     assert any(line.startswith("fake") for line in result.stdout.splitlines())
+
+
+def test_a_builtin_backend_resolves_without_importing_plugins() -> None:
+    # A fresh interpreter: init_rpc on a built-in backend imports no plugin module.
+    code = ("import sys, rpcx.registry as r\n"
+            "assert r.resolve_backend('gloo').name == 'gloo'\n"
+            "print(sorted(m for m in sys.modules if m.startswith('rpcx_') or m == 'zmq'))\n"
+            "print('zmq' in r.backend_names())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split("\n")
+    assert out[0] == "[]", out
+    plugins = [ep.name for ep in importlib.metadata.entry_points(group="rpcx")]
+    assert out[1] == str("zmq" in plugins)  # the whole table still has every plugin
