@@ -43,7 +43,6 @@ _IDLE_EXIT = 2.0  # the caller thread ends after this long with nothing to do
 # 2-core host's store busy enough to starve the workers themselves).
 _POLL_FIRST, _POLL_MAX = 0.0005, 0.02
 _KEYS_PER_PAUSE = 16
-_NARROW_EVERY = 1.0  # seconds between the looks key by key that say which are missing
 _LOOK_MIN = 0.02  # what a look for keys may take past the deadline (see wait_for)
 
 
@@ -170,18 +169,21 @@ class BoundedStore:
         *,
         skip: Callable[[int], bool] = lambda index: False,
         on_poll: Callable[[list[int]], None] = lambda missing: None,
+        report_every: float = 1.0,
     ) -> list[int]:
         """Wait until every key exists, or ``skip(index)``; the indices of those missing
         at ``deadline`` (a ``time.monotonic()`` value; ``None``: no deadline), in order.
 
         Each look is one store operation for all the keys still missing, bounded by what
         is left of the deadline (by :data:`OPERATION_BOUND` without one): a store that
-        does not answer raises. Every second, and at the deadline, a look key by key
-        finds which are missing, and ``on_poll(missing)`` runs (progress reports).
+        does not answer raises. Every ``report_every`` seconds, and at the deadline, a
+        look key by key finds which are missing, and ``on_poll(missing)`` runs (progress
+        reports): as rarely as the caller reports, since each such look costs one store
+        operation per missing key.
         """
         missing = list(range(len(keys)))
         pause, longest = _POLL_FIRST, _POLL_MAX * max(1.0, len(keys) / _KEYS_PER_PAUSE)
-        narrow_at = time.monotonic() + _NARROW_EVERY
+        narrow_at = time.monotonic() + report_every
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             # A look made just before the deadline still gets a moment to answer, so
@@ -194,7 +196,7 @@ class BoundedStore:
             expired = deadline is not None and now >= deadline
             if expired or now >= narrow_at:
                 missing = [i for i in missing if not self.check([keys[i]], timeout=bound)]
-                narrow_at = now + _NARROW_EVERY
+                narrow_at = now + report_every
                 on_poll(missing)
                 if expired or not missing:
                     return missing

@@ -358,7 +358,8 @@ def _wait_for(
     try:
         if publish is not None:
             store.set(*publish, timeout=remaining(deadline))
-        missing = store.wait_for(keys, deadline, skip=is_gone, on_poll=report)
+        missing = store.wait_for(keys, deadline, skip=is_gone, on_poll=report,
+                                 report_every=_REPORT_EVERY)
     except RpcError as exc:  # the store itself failed or did not answer
         raise type(exc)(f"{what}: {exc}") from exc
     if missing:
