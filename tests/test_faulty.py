@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
 import threading
 import time
 import uuid
@@ -27,6 +25,7 @@ from rpcx.errors import BackendNotFoundError
 from rpcx.faulty import FAULTS_ENV, Faults
 from rpcx.registry import resolve_backend
 from rpcx.testing import remote, training
+from rpcx.testing.stopping import stopped
 from rpcx.testing.world import world
 
 BOUND = 30.0
@@ -263,15 +262,12 @@ def test_a_duplicated_call_to_a_stopped_worker_fails_within_its_timeout(
                 outcome.append(exc)
 
         caller = threading.Thread(target=call)
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with stopped(pid):
             started = time.monotonic()
             caller.start()
             caller.join(CALL_TIMEOUT + 2.0)
             took = time.monotonic() - started
-        finally:
-            os.kill(pid, signal.SIGCONT)
-            caller.join(BOUND)
+        caller.join(BOUND)
         assert took < CALL_TIMEOUT + 1.0, took
         assert len(outcome) == 1 and isinstance(outcome[0], rpcx.RpcTimeoutError), outcome
         assert _injected()[("duplicate", "CALL")] >= 2

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +24,7 @@ from torch.distributed import FileStore, TCPStore
 from rpcx import _store, rendezvous
 from rpcx._store import BoundedStore
 from rpcx.errors import RpcError, RpcTimeoutError
+from rpcx.testing.stopping import stopped
 
 TIMEOUT = 30.0  # bounds every wait of the tests themselves
 BOUND = 0.5  # the deadline the operations under test are given
@@ -225,15 +224,12 @@ def test_an_operation_on_a_stopped_store_host_fails_by_its_deadline() -> None:
         client = TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=TIMEOUT))
         store = BoundedStore(client, f"tcp://127.0.0.1:{port}")
         store.set("key", b"1", timeout=TIMEOUT)
-        os.kill(host.pid, signal.SIGSTOP)
-        try:
+        with stopped(host.pid):
             started = time.monotonic()
             with pytest.raises(RpcTimeoutError, match=f"tcp://127.0.0.1:{port} did not answer"):
                 store.get("key", timeout=BOUND)
             took = time.monotonic() - started
             assert took < BOUND + SLACK, took
-        finally:
-            os.kill(host.pid, signal.SIGCONT)
         assert store.get("key", timeout=TIMEOUT) == b"1"  # answers again once it runs
     finally:
         host.kill()

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
-import os
-import signal
 import threading
 import time
 import uuid
@@ -31,6 +29,7 @@ from rpcx.agent import RpcAgent
 from rpcx.futures import wait_done
 from rpcx.testing import remote, training
 from rpcx.testing.fixtures import WorldKeeper
+from rpcx.testing.stopping import stopped
 from rpcx.testing.world import World, world
 
 __all__ = ["TestBackPressure", "TestHungPeer", "TestPeerDeath"]
@@ -184,8 +183,7 @@ class TestHungPeer:
         agent = _context.current_agent()
         waiting = rpcx.rpc_async(W1, remote.wait_for_event, args=(uuid.uuid4().hex, BOUND),
                                  timeout=0)  # no timeout: only the heartbeat can end it
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with stopped(pid):
             started = time.monotonic()
             with pytest.raises(rpcx.PeerLostError, match="is unresponsive: silent for") as err:
                 waiting.wait()
@@ -198,8 +196,6 @@ class TestHungPeer:
                 rpcx.rpc_sync(W1, remote.add, args=(1, 1))  # fails at once meanwhile
             assert rpcx.rpc_sync(W2, remote.add, args=(2, 2)) == 4  # others unaffected
             assert rpcx.debug_info()["unresponsive_peers"] == [W1]
-        finally:
-            os.kill(pid, signal.SIGCONT)
         assert agent.wait_responsive(1, BOUND)
         assert rpcx.rpc_sync(W1, remote.add, args=(3, 3), timeout=BOUND) == 6
         assert rpcx.debug_info()["lost_peers"] == {}
@@ -253,8 +249,7 @@ class TestHungPeer:
                     errors.append(exc)
                 calls.extend(mine)
 
-            os.kill(pid, signal.SIGSTOP)
-            try:
+            with stopped(pid):
                 threads = [threading.Thread(target=flood) for _ in range(threads_count)]
                 for thread in threads:
                     thread.start()
@@ -278,8 +273,6 @@ class TestHungPeer:
                         f"a call still open {CALL_TIMEOUT + slack:g} s after it was made"
                     with pytest.raises(rpcx.RpcTimeoutError, match="timed out"):
                         future.value()
-            finally:
-                os.kill(pid, signal.SIGCONT)
             # The frames sent late arrive now; worker1 serves them (nobody listens for
             # the replies any more), then answers again.
             assert agent.wait_responsive(1, BOUND)
@@ -293,15 +286,12 @@ class TestHungPeer:
         # peer reads nothing. The call's timeout covers sending it.
         pid = rpcx.rpc_sync(W1, remote.process_id)
         big = torch.ones(8 << 20)
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with stopped(pid):
             started = time.monotonic()
             with pytest.raises(rpcx.RpcTimeoutError, match="timed out"):
                 rpcx.rpc_sync(W1, remote.tensor_sum, args=(big,), timeout=CALL_TIMEOUT)
             took = time.monotonic() - started
             assert took < CALL_TIMEOUT + 1.0, took
-        finally:
-            os.kill(pid, signal.SIGCONT)
         agent = _context.current_agent()
         assert agent.wait_responsive(1, BOUND)
         # The frame was still sent, late; calls after it work once worker1 runs again.
@@ -309,16 +299,13 @@ class TestHungPeer:
 
     def test_shutdown_is_bounded_with_a_stopped_worker(self, hang_world: World) -> None:
         pid = rpcx.rpc_sync(W1, remote.process_id)
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with stopped(pid):
             started = time.monotonic()
             rpcx.shutdown(graceful=True, timeout=SHUTDOWN_TIMEOUT)
             took = time.monotonic() - started
             # Every step, goodbyes included, comes out of the timeout: what may pass it
             # is the moment to tell the store "left" and a loaded host's scheduling.
             assert took < SHUTDOWN_TIMEOUT + SHUTDOWN_SLACK, took
-        finally:
-            os.kill(pid, signal.SIGCONT)
 
     def test_shutdown_is_bounded_while_a_stopped_worker_holds_the_store(
         self, hang_world: World
