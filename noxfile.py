@@ -237,17 +237,29 @@ def soak(session: nox.Session) -> None:
 
     Arguments after ``--`` go to it: ``nox -s soak -- --rounds 2000 --backend faulty:auto``
     (plugin backends are installed). Writes soak/results/soak-<time>.json.
+
+    ``nox -s soak -- --churn`` runs the churn instead (rpcx.testing.churn): a dynamic
+    world of 8 whose last 4 ranks leave (every 4th by ``kill -9``) and are joined again,
+    300 times in a row by default, while the others call, pass RRefs and run backward
+    passes; fails if a join fails, a call hangs or fails without naming the departed
+    worker, or anything is left. ``-- --churn --cycles 1000 --backend gloo``.
     """
     _install(session, "test")
     for directory in PLUGINS.values():
         session.install(*CONSTRAINTS, "-e", directory)
     args = list(session.posargs)
+    churn = "--churn" in args
+    if churn:
+        args.remove("--churn")
+    kind = "churn" if churn else "soak"
     if not any(a.startswith("--json") for a in args):
-        args += ["--json", f"soak/results/soak-{time.strftime('%Y%m%d-%H%M%S')}.json"]
-    if not any(a.startswith("--rounds") for a in args):
+        args += ["--json", f"soak/results/{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"]
+    if not churn and not any(a.startswith("--rounds") for a in args):
         args += ["--rounds", "400"]
+    if churn and not any(a.startswith("--cycles") for a in args):
+        args += ["--cycles", "300"]
     os.makedirs("soak/results", exist_ok=True)
-    session.run("python", "-m", "rpcx.testing.soak", *args)
+    session.run("python", "-m", f"rpcx.testing.{kind}", *args)
 
 
 @nox.session(python=PYTHON)

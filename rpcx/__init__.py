@@ -6,6 +6,7 @@ transport chosen by name (``init_rpc(backend="gloo")``, ``$RPCX_BACKEND``).
 """
 
 from rpcx import autograd, for_torch, functions, nn, optim
+from rpcx._membership_events import MembershipChange
 from rpcx.api import (
     UNSET_RPC_TIMEOUT,
     _set_rpc_timeout,
@@ -15,6 +16,7 @@ from rpcx.api import (
     get_worker_infos,
     init_rpc,
     is_available,
+    on_membership_change,
     remote,
     rpc_async,
     rpc_sync,
@@ -65,6 +67,7 @@ __all__ = [
     "InvalidWorkerNameError",
     "LaunchedWorker",
     "LostCause",
+    "MembershipChange",
     "PeerLostError",
     "ProtocolError",
     "RRef",
@@ -94,6 +97,7 @@ __all__ = [
     "is_available",
     "launch",
     "nn",
+    "on_membership_change",
     "optim",
     "remote",
     "rpc_async",

@@ -11,6 +11,7 @@ through ``growers``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from rpcx.worker import VacantRank, WorkerInfo, is_member
 __all__ = ["Roster"]
 
 log = logging.getLogger("rpcx.agent")
+
+_GONE_REMEMBERED = 256  # departed workers' names kept to explain a call to one of them
 
 
 class Roster:
@@ -40,6 +43,8 @@ class Roster:
         # Run with a rank a worker took again after one had left it.
         self.on_rejoin: list[Callable[[int], None]] = []
         self._departed: set[int] = set()
+        # name -> (rank, how it went), latest last: errors for calls to a departed name.
+        self._gone: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def holds(self, rank: int) -> bool:
@@ -72,6 +77,7 @@ class Roster:
                 self.workers.extend(VacantRank(r) for r in range(len(self.workers), size))
             rejoined = rank in self._departed
             self._departed.discard(rank)
+            self._gone.pop(worker.name, None)
             self.workers[rank] = worker
             self.by_name[worker.name] = worker
         if rejoined:
@@ -79,13 +85,25 @@ class Roster:
                 hook(rank)
         log.info("worker %r (rank %d) joined the world", worker.name, rank)
 
-    def depart(self, rank: int) -> None:
-        """Worker ``rank`` left a dynamic world: its name no longer resolves (its rank's
-        entry stays, so errors of calls that were pending to it still name it)."""
+    def depart(self, rank: int, how: str = "has shut down") -> None:
+        """Worker ``rank`` left a dynamic world (``how``: "has shut down", or why it was
+        lost): its name no longer resolves (its rank's entry stays, so errors of calls
+        that were pending to it still name it)."""
         if not self.dynamic or not 0 <= rank < len(self.workers):
             return
         with self._lock:
             worker = self.workers[rank]
             if self.by_name.get(worker.name) == worker:
                 del self.by_name[worker.name]
+                self._gone[worker.name] = (rank, how)
+                self._gone.move_to_end(worker.name)
+                if len(self._gone) > _GONE_REMEMBERED:
+                    self._gone.popitem(last=False)
             self._departed.add(rank)
+
+    def how_gone(self, name: str) -> str | None:
+        """Why worker ``name`` is no longer in the world ("worker 'w' (rank 3) has shut
+        down"), if it was in it lately."""
+        with self._lock:
+            found = self._gone.get(name)
+        return None if found is None else f"worker {name!r} (rank {found[0]}) {found[1]}"

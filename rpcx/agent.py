@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -30,6 +31,7 @@ from rpcx._call_path import CallPath, receiving
 from rpcx._executors import Executors
 from rpcx._intra_op import adopt_intra_op_threads
 from rpcx._membership import Roster
+from rpcx._membership_events import MembershipChange, MembershipWatchers
 from rpcx._peer_health import PeerHealth
 from rpcx._pending import PendingCalls, describe_callable
 from rpcx._process_watch import PeerProcesses, local_mark
@@ -39,7 +41,7 @@ from rpcx._shutdown import Lifecycle, Shutdown, TeardownStep, bounded, each_hook
 from rpcx._trace_ring import NoTrace
 from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
-from rpcx.errors import LostCause, PeerLostError, RpcError, UnknownWorkerError
+from rpcx.errors import LostCause, PeerLostError, RpcError, UnknownWorkerError, lost_reason
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
 from rpcx.options import RpcBackendOptions
@@ -53,10 +55,14 @@ __all__ = ["Deferred", "DynamicMembership", "Handler", "MessageScope", "NoteSour
 log = logging.getLogger("rpcx.agent")
 
 _MARK_FETCH_TIMEOUT = 2.0  # seconds the heartbeat waits for a silent peer's process mark
+_STRIKE_OFF_TIMEOUT = 30.0  # seconds to strike a lost worker off a dynamic world's roster
 
 
 class DynamicMembership(Protocol):
     """What the agent of a dynamic world asks the world's record in the store."""
+
+    incarnation: int
+    """How many workers held this worker's rank before it."""
 
     def member(self, rank: int) -> str:
         """The name of the worker that joined at ``rank``."""
@@ -65,6 +71,11 @@ class DynamicMembership(Protocol):
         """Held while this worker closes its transport: it is struck off the roster
         first, and no worker joins meanwhile. Waits at most ``timeout`` seconds for
         the world's token."""
+
+    def strike_off(self, rank: int, name: str, timeout: float) -> None:
+        """Worker ``name`` at ``rank`` was lost without leaving: take it off the
+        world's roster (if nobody did yet), so that its rank and name are free again
+        and joining workers do not try to connect to it."""
 
 
 class RpcAgent:
@@ -78,6 +89,9 @@ class RpcAgent:
         dynamic: DynamicMembership | None = None,
     ) -> None:
         self.info = workers[rank]
+        # Ids this worker makes (RRefs, autograd contexts) start past those of earlier
+        # holders of its rank in a dynamic world, which other workers may remember.
+        self.incarnation = 0 if dynamic is None else dynamic.incarnation
         # Hooks services add to. Graceful shutdown, once every worker has stopped
         # calling: each drain hook sends what it still owes its peers, waits for the
         # acknowledgements, returns how many messages that took; repeated, world-wide,
@@ -140,6 +154,11 @@ class RpcAgent:
                                 self._retransmission.grow]
         # The kernel's word on silent peers of this host (published in start()).
         self._peer_processes = PeerProcesses(self._process_mark)
+        # User code told of joins, departures and losses (rpcx.on_membership_change).
+        self.membership = MembershipWatchers(self.name, self._bind_thread)
+        self._announced_lost: set[int] = set()
+        self._announced_lock = threading.Lock()
+        self.roster.on_rejoin += [self._announced_lost.discard]
         self.roster.on_rejoin += [self._calls.rejoined, self._retransmission.forget,
                                   self._peer_processes.forget]
         self._shutdown = Shutdown(
@@ -153,6 +172,7 @@ class RpcAgent:
         # deletions); hooks run with a rank when that peer died or left.
         self.note_sources: list[NoteSource] = self._calls.note_sources
         self.on_peer_lost: list[Callable[[int], None]] = self._health.on_peer_lost
+        self.on_rank_reused: list[Callable[[int], None]] = self.roster.on_rejoin
         self.on_peer_silent: list[Callable[[int], None]] = self._health.on_peer_silent
         self.register_handler(MessageKind.HEARTBEAT, self._health.on_heartbeat, in_order=True)
         # rpcx.tracing's clock probes: read the clock as the request arrives
@@ -208,10 +228,18 @@ class RpcAgent:
             found = None
         if found is None or not self.roster.holds(found.id):
             known = ", ".join(w.name for w in self.roster.members())
-            left = " (it left the world)" if found is not None else ""
+            gone = self.roster.how_gone(to) if isinstance(to, str) else None
+            left = (f": {gone}, and is no longer in the world" if gone is not None
+                    else " (it left the world)" if found is not None else "")
             raise UnknownWorkerError(
                 f"unknown destination worker {to!r}{left}; the workers are: {known}")
         return found
+
+    def on_membership_change(self, callback: Callable[[MembershipChange], object]
+                             ) -> Callable[[], None]:
+        """Run ``callback`` on each join, departure and loss from now on (see
+        :func:`rpcx.on_membership_change`); the function that stops it."""
+        return self.membership.add(callback)
 
     def members(self) -> list[WorkerInfo]:
         """The workers of the world now, by rank (in a dynamic world, those that joined
@@ -298,8 +326,10 @@ class RpcAgent:
             vacant=lambda rank: rank >= len(self.workers) or not is_member(self.workers[rank]),
         ))
         interval, timeout = self.options.heartbeat_interval, self.options.heartbeat_timeout
-        if not self._transport.capabilities.in_process:
-            self._store.set(f"process/{self.rank}", local_mark())  # (see learn_peer_processes)
+        if not self._transport.capabilities.in_process and self._dynamic is None:
+            # (see learn_peer_processes; a dynamic worker published its mark as it
+            # entered the roster)
+            self._store.set(f"process/{self.rank}", local_mark())
         if interval > 0 and timeout > 0 and not self._transport.capabilities.in_process:
             # (threads of one process cannot hang apart)
             self._health.start_heartbeat(self.rank, interval, self._executors.requests,
@@ -417,6 +447,8 @@ class RpcAgent:
                 self._transport.close(step_bound(deadline))
 
         return [
+            # (first: peers that say goodbye as this worker leaves are no news to anyone)
+            ("membership callbacks", lambda deadline: self.membership.close()),
             ("transport", close_transport),
             *[(name, bounded(step)) for name, step in self._executors.teardown()],
             ("retransmission", bounded(self._retransmission.close)),
@@ -430,10 +462,30 @@ class RpcAgent:
         # Transports call this from their receiving threads, which must not send.
         with receiving():
             self._health.peer_lost(rank, cause, detail)
+        with self._announced_lock:
+            first = rank not in self._announced_lost
+            self._announced_lost.add(rank)
         if self._dynamic is not None:
             # A worker gone from a dynamic world, whichever way, leaves its rank to the
             # next (a static world's roster never changes).
-            self.roster.depart(rank)
+            self.roster.depart(rank, lost_reason(cause, detail))
+            if cause is not LostCause.DEPARTED and self._life.running:
+                # Killed, not left: its entry in the store's roster stays until a member
+                # strikes it off (on a thread of its own: this one must not block).
+                threading.Thread(target=self._strike_off, args=(rank, self.workers[rank].name),
+                                 name=f"rpcx-strike-off-{rank}", daemon=True).start()
+        if first:
+            self.membership.changed(MembershipChange(
+                "left" if cause is LostCause.DEPARTED else "lost", self.workers[rank],
+                lost_reason(cause, detail), tuple(self.roster.members())))
+
+    def _strike_off(self, rank: int, name: str) -> None:
+        assert self._dynamic is not None
+        try:
+            self._dynamic.strike_off(rank, name, _STRIKE_OFF_TIMEOUT)
+        except RpcError as exc:  # (the store's host may be the one that died)
+            log.info("%s: could not strike worker %r (rank %d) off the dynamic world's "
+                     "roster: %s", self.name, name, rank, exc)
 
     def _admit(self, rank: int) -> str:
         """A worker joined this dynamic world at ``rank`` (the transport calls this when it
@@ -445,6 +497,8 @@ class RpcAgent:
         names.extend(w.name for w in self.workers[len(names):])
         names[rank] = worker.name
         self._health.watch(rank)
+        self.membership.changed(
+            MembershipChange("joined", worker, "", tuple(self.roster.members())))
         return worker.name
 
     def _bind_thread(self) -> None:

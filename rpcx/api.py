@@ -9,9 +9,11 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from rpcx import _context, auth, calls, hosts, joining, rref, trace_session
+from rpcx._membership_events import MembershipChange
 from rpcx.agent import RpcAgent
 from rpcx.autograd import service as autograd_service
 from rpcx.calls import rpc_async, rpc_sync  # (the public API's, defined with the call service)
@@ -220,6 +222,20 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 def get_worker_infos() -> list[WorkerInfo]:
     """Every worker of the world, in rank order (in a dynamic world: those in it now)."""
     return _context.current_agent().members()
+
+
+def on_membership_change(callback: Callable[[MembershipChange], object]) -> Callable[[], None]:
+    """Call ``callback(change)`` whenever a worker joins this worker's world, leaves it,
+    or is lost; returns the function that stops the calls.
+
+    ``change`` is a :class:`MembershipChange` (``kind``: ``"joined"``, ``"left"`` or
+    ``"lost"``; the ``worker``; the ``reason``; the ``members`` after the change). The
+    callbacks run one at a time, in the order the changes happened, on a thread of
+    rpcx's with this worker bound: they may make calls. They stop when this worker
+    shuts down. Changes before the call are not replayed: read
+    :func:`get_worker_infos` after registering for the starting point.
+    """
+    return _context.current_agent().on_membership_change(callback)
 
 
 def debug_info() -> dict[str, Any]:

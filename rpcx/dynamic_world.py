@@ -10,9 +10,20 @@ The store also records which kind of world it serves: a worker that joins a stat
 
 Keys, under ``rpcx/dynamic/`` of the store:
 
-* ``token``: who holds the token (``name:purpose:rank:nonce``; empty: free);
+* ``token``: who holds the token, as JSON (its name, purpose, rank, a nonce, and its
+  process mark); empty: free;
 * ``member/<rank>``: the name of the worker holding ``rank`` (empty once it left);
+* ``process/<rank>``: that worker's process mark (:mod:`rpcx._process_watch`);
+* ``incarnation/<rank>``: how many workers have taken ``rank`` so far (the ids a worker
+  makes, of RRefs and autograd contexts, start past those its predecessors made, which
+  other workers may still remember);
 * ``roster``: every rank held now, as JSON (``{"rank": "name"}``).
+
+A worker killed outright (``kill -9``) never gives its place back. On one host the
+kernel says so: a worker waiting for the token takes it over from a holder whose
+process is gone, and a joining worker strikes members whose processes are gone off the
+roster before it connects to them. Across hosts, the members that see the dead worker's
+connection break strike it off (:meth:`DynamicWorld.strike_off`).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
+from rpcx._process_watch import local_mark, process_state
 from rpcx._store import BoundedStore
 from rpcx.errors import RpcError, RpcTimeoutError
 
@@ -36,6 +48,18 @@ MIXED_WORLDS = ("RPC group mixes statically and dynamically initialized members 
                 "not supported.")
 _POLL_FIRST, _POLL_MAX = 0.002, 0.1  # seconds between looks at a token held by another
 _REPORT_EVERY = 30.0
+_LOOK_MIN = 0.05  # seconds a look at the token may take past the deadline
+# proc(5) states of a process that will never run again ("gone": no such process).
+_DEAD = frozenset({"gone", "Z", "X"})
+
+
+def _is_dead(mark_hex: str) -> bool:
+    """Whether the process a (hex) mark names is gone, as far as this host can tell."""
+    try:
+        state = process_state(bytes.fromhex(mark_hex))
+    except ValueError:
+        return False
+    return state is not None and state[0] in _DEAD
 
 
 def claim_kind(store: BoundedStore, kind: str, who: str, timeout: float | None) -> None:
@@ -63,6 +87,7 @@ class DynamicWorld:
         self.rank = rank
         self.timeout = timeout
         self._held: HeldToken | None = None  # the token this worker holds now, if any
+        self.incarnation = 0  # workers that held this rank before this one (see enter)
 
     # ------------------------------------------------------------------ the token
 
@@ -71,30 +96,42 @@ class DynamicWorld:
         """Hold the membership token for ``purpose`` ("join", "leave"): no other worker
         joins or leaves meanwhile. ``RpcTimeoutError`` naming the holder if it is not
         free within ``timeout`` (default: the world's; its holder may be stopped)."""
-        # Unique to this attempt: two workers that give the same name cannot both
-        # believe they hold it.
-        me = f"{self.name}:{purpose}:{self.rank}:{uuid.uuid4().hex[:8]}"
+        # Unique to this attempt (the nonce): two workers that give the same name cannot
+        # both believe they hold it. The process mark lets a waiter see a dead holder.
+        me = json.dumps({"name": self.name, "purpose": purpose, "rank": self.rank,
+                         "nonce": uuid.uuid4().hex[:8], "process": local_mark().hex()})
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         started = report_at = time.monotonic()
         pause = _POLL_FIRST
         while True:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            # (a look at the deadline still gets a moment: a store that answers is not
+            # to be taken for one that does not, and the error below names the holder)
+            left = None if deadline is None else max(deadline - time.monotonic(), _LOOK_MIN)
             holder = self.store.compare_set("token", "", me, left).decode()
             if holder in ("", me):
                 break
+            held_by = _describe_holder(holder)
+            if _is_dead(held_by.get("process", "")):
+                # Killed while it held the token: nobody else will ever give it back.
+                if self.store.compare_set("token", holder, me, left).decode() == me:
+                    log.warning("%s: worker %r (rank %s) died holding the dynamic world's "
+                                "membership token (to %s); taken over", self.name,
+                                held_by["name"], held_by["rank"], held_by["purpose"])
+                    break
+                continue  # (someone else took it over first: look again at once)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                holder_name, holder_purpose = holder.split(":")[:2]
                 raise RpcTimeoutError(
                     f"worker {self.name!r} (rank {self.rank}) could not {purpose} the "
-                    f"dynamic world within {timeout:g} s: worker {holder_name!r} holds its "
-                    f"membership token (to {holder_purpose}) all that time; it may be "
-                    "stopped in the middle of joining or leaving, or still connecting")
+                    f"dynamic world within {timeout:g} s: worker {held_by['name']!r} holds "
+                    f"its membership token (to {held_by['purpose']}) all that time; it may "
+                    "be stopped in the middle of joining or leaving, or still connecting")
             if now >= report_at + _REPORT_EVERY:
                 report_at = now
-                log.info("%s: waiting %.0f s for the membership token (held by %s)",
-                         self.name, now - started, holder)
+                log.info("%s: waiting %.0f s for the membership token (held by worker %r, "
+                         "to %s)", self.name, now - started, held_by["name"],
+                         held_by["purpose"])
             time.sleep(pause)  # (a store has no wait for a value to change)
             pause = min(pause * 2, _POLL_MAX)
         try:
@@ -133,8 +170,44 @@ class DynamicWorld:
                 raise RpcError(
                     f"init_rpc: worker name {self.name!r} is taken in the dynamic world (by "
                     f"rank {rank}); names must be unique")
+        self.incarnation = self.store.add(f"incarnation/{self.rank}", 1, self.timeout) - 1
+        self.store.set(f"process/{self.rank}", local_mark(), self.timeout)
         self.store.set(f"member/{self.rank}", self.name, self.timeout)
         self.store.set("roster", json.dumps({**roster, self.rank: self.name}), self.timeout)
+
+    def strike_off_the_dead(self, roster: dict[int, str]) -> dict[int, str]:
+        """Strike off ``roster`` (read under the token) every member whose process this
+        host's kernel says is gone; the roster that is left. A joining worker does this
+        before it connects to the members: a connection to a dead one would fail it."""
+        ranks = list(roster)  # (this worker is not on it yet)
+        keys = [f"process/{rank}" for rank in ranks]
+        if not ranks or not self.store.check(keys, self.timeout):
+            return roster  # (a member without a mark is one from before marks: kept)
+        marks = self.store.multi_get(keys, self.timeout)
+        dead = [rank for rank, mark in zip(ranks, marks, strict=True) if _is_dead(mark.hex())]
+        if not dead:
+            return roster
+        kept = {rank: name for rank, name in roster.items() if rank not in dead}
+        for rank in dead:
+            log.warning("%s: worker %r (rank %d) died without leaving the dynamic world; "
+                        "struck off its roster", self.name, roster[rank], rank)
+            self.store.set(f"member/{rank}", "", self.timeout)
+        self.store.set("roster", json.dumps(kept), self.timeout)
+        return kept
+
+    def strike_off(self, rank: int, name: str, timeout: float) -> None:
+        """Worker ``name`` (``rank``) was lost without leaving: strike it off the roster
+        under the token, unless it left or another worker struck it off already (any
+        member that saw it go does this; once is enough). Bounded by ``timeout``."""
+        with self.token("strike off", timeout):
+            roster = self.roster()
+            if roster.get(rank) != name:
+                return
+            del roster[rank]
+            self.store.set(f"member/{rank}", "", self.timeout)
+            self.store.set("roster", json.dumps(roster), self.timeout)
+        log.info("%s: struck worker %r (rank %d) off the dynamic world's roster: it was lost "
+                 "without leaving", self.name, name, rank)
 
     def leave(self) -> None:
         """Strike this worker off the roster (under the token)."""
@@ -185,6 +258,17 @@ class DynamicWorld:
         if not name:
             raise RpcError(f"rank {rank} holds no place in the dynamic world's roster")
         return name
+
+
+def _describe_holder(holder: str) -> dict[str, str]:
+    """The token's holder as stored (a value not in our format: its text as the name)."""
+    try:
+        found = json.loads(holder)
+    except ValueError:
+        found = None
+    if not isinstance(found, dict):
+        return {"name": holder.split(":")[0], "purpose": "?", "rank": "?", "process": ""}
+    return {key: str(found.get(key, "")) for key in ("name", "purpose", "rank", "process")}
 
 
 class HeldToken:

@@ -188,7 +188,7 @@ def _join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank
     world = DynamicWorld(store, name, rank, join_timeout)
     token = world.hold_token("join")
     try:
-        roster = world.roster()
+        roster = world.strike_off_the_dead(world.roster())
         if (rank not in roster and not spec.capabilities.reuses_ranks
                 and world.was_held(rank)):
             raise RpcError(

@@ -115,7 +115,7 @@ class RRef(Generic[T]):
             svc = self._agent.services.get(_SERVICE)
             state = self._fork_state
             if svc is not None:
-                svc.schedule_delete(state.owner.id, state.rref_id, state.fork)
+                svc.schedule_delete(state.owner, state.rref_id, state.fork)
         except Exception:  # interpreter shutdown, half-built object: nothing to release
             pass
 
@@ -652,4 +652,5 @@ def install(agent: ServiceHost) -> None:
     agent.on_drain.append(svc.flush)
     agent.note_sources.append(svc)
     agent.on_peer_lost.append(svc.drop_rank)
+    agent.on_rank_reused.append(svc.rank_reused)
     agent.on_close.append(svc.close)

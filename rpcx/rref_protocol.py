@@ -59,7 +59,7 @@ from rpcx.errors import PeerLostError, RpcError, RpcShutdownError
 from rpcx.futures import add_internal_callback, wait_done
 from rpcx.messages import MessageKind
 from rpcx.rref_fork import ForkId, ForkState, RRefId
-from rpcx.service_host import ServiceHost
+from rpcx.service_host import ServiceHost, first_id
 from rpcx.worker import WorkerInfo
 
 __all__ = ["ForkId", "RRefId", "RRefService"]
@@ -118,7 +118,7 @@ class RRefService:
     def __init__(self, agent: ServiceHost) -> None:
         self.agent = agent
         self.rank = agent.rank
-        self._counter = itertools.count(1)
+        self._counter = itertools.count(first_id(agent.incarnation))
         self._lock = threading.Lock()
         self._freeing = 0  # batches of freed values handed to the completion lane
         self._all_freed = threading.Condition(self._lock)
@@ -236,6 +236,17 @@ class RRefService:
                     entry.cancelled.add(fork)
                 self._free_if_unused_locked(rref_id, entry, freed)
         self._release(freed)
+
+    def rank_reused(self, rank: int) -> None:
+        """A new worker took ``rank`` (a dynamic world): its calls are not a dead
+        creator's, and deletions still queued for the one before it are void."""
+        with self._lock:
+            self._lost_ranks.discard(rank)
+        with self._notes_lock:
+            self._sort_locked()
+            self._by_owner.pop(rank, None)
+            for rref_id, held in list(self._held.items()):
+                self._held[rref_id] = [d for d in held if d[0] != rank]
 
     def drop_rank(self, rank: int) -> None:
         """A worker is gone: drop its forks and the entries it was about to create."""
@@ -388,10 +399,12 @@ class RRefService:
         if held:
             self.schedule_wake()
 
-    def schedule_delete(self, owner: int, rref_id: RRefId, fork: ForkId) -> None:
+    def schedule_delete(self, owner: WorkerInfo, rref_id: RRefId, fork: ForkId) -> None:
         """Called from ``RRef.__del__``: reentrant, never blocks, never raises."""
-        if not self._closed:
-            self._deletions.append((owner, rref_id, fork))
+        if not self._closed and self.agent.workers[owner.id] == owner:
+            # (else the owner left, its values with it, and another worker holds its
+            # rank now: a deletion sent there would be taken for one of its own RRefs)
+            self._deletions.append((owner.id, rref_id, fork))
             if not self._deleter_due:
                 self._deleter_due = True
                 self._wake.put(True)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rpcx._membership_events import MembershipChange
 from rpcx._pending import describe_callable
 from rpcx._trace_ring import NoTrace
 from rpcx.devices import DeviceRoutes
@@ -29,12 +30,14 @@ from rpcx.messages import MessageKind
 from rpcx.worker import WorkerInfo
 
 __all__ = [
+    "ID_SPAN",
     "Deferred",
     "Handler",
     "MessageScope",
     "NoteSource",
     "ServiceHost",
     "describe_callable",
+    "first_id",
 ]
 
 
@@ -75,6 +78,15 @@ class Deferred:
     future: torch._C.Future[Any]
 
 
+ID_SPAN = 1 << 32  # ids (of RRefs, of autograd contexts) one holder of a rank may make
+
+
+def first_id(incarnation: int) -> int:
+    """The first id the ``incarnation``-th holder of a rank makes (see
+    :attr:`ServiceHost.incarnation`): past every id its predecessors could make."""
+    return incarnation * ID_SPAN + 1
+
+
 class ServiceHost(Protocol):
     """What the layers above the agent use of it: services, the public API, the kit."""
 
@@ -96,6 +108,9 @@ class ServiceHost(Protocol):
     """The backend's name."""
     rpc_timeout: float
     """The default call timeout in seconds (0: none)."""
+    incarnation: int
+    """How many workers held this worker's rank before it (a dynamic world; else 0).
+    Ids this worker makes must not repeat theirs: other workers may remember them."""
     trace: NoTrace
     """The trace policy (``rpcx.tracing``): services record point events with
     ``trace.instant``."""
@@ -129,6 +144,12 @@ class ServiceHost(Protocol):
         """Hooks run with a rank when that peer died or left."""
 
     @property
+    def on_rank_reused(self) -> list[Callable[[int], None]]:
+        """Hooks run with a rank a new worker took after the one before it left (a
+        dynamic world): what was remembered about the old one's loss must not apply
+        to it."""
+
+    @property
     def on_peer_silent(self) -> list[Callable[[int], None]]:
         """Hooks run with a rank when that peer went silent past ``heartbeat_timeout``."""
 
@@ -153,6 +174,11 @@ class ServiceHost(Protocol):
     def members(self) -> list[WorkerInfo]:
         """The workers of the world now, by rank (``workers`` less vacant ranks and, in a
         dynamic world, those that left)."""
+
+    def on_membership_change(self, callback: Callable[[MembershipChange], object]
+                             ) -> Callable[[], None]:
+        """Run ``callback`` on each join, departure and loss from now on (see
+        :func:`rpcx.on_membership_change`); the function that stops it."""
 
     def resolve(self, to: str | int | WorkerInfo) -> WorkerInfo:
         """The ``WorkerInfo`` for a name, a rank or a ``WorkerInfo``."""

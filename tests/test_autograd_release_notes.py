@@ -173,6 +173,22 @@ def test_a_release_owed_to_a_peer_already_lost_goes_to_everyone_else(
     assert notes.notes_for(3) == [(FORGET, [7])]
 
 
+def test_a_new_worker_at_a_lost_rank_is_owed_its_releases_like_any_peer(
+    stub: tuple[StubAgent, ReleaseNotes],
+) -> None:
+    # A dynamic world: worker 1 was lost, a new worker took rank 1 and took part in
+    # context 9. It must hear of the release itself (it alone holds the context), not
+    # have the release go to everyone else as if rank 1 were still the dead worker.
+    agent, notes = stub
+    agent.lost.add(1)
+    notes.on_peer_lost(1)
+    agent.lost.discard(1)
+    notes.rank_reused(1)
+    notes.owe([1], 9)
+    assert notes.notes_for(1) == [(FORGET, [9])]
+    assert notes.notes_for(2) == []
+
+
 def test_on_a_lossy_transport_a_release_is_an_acknowledged_request(
     stub: tuple[StubAgent, ReleaseNotes], monkeypatch: pytest.MonkeyPatch,
 ) -> None:

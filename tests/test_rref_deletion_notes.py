@@ -28,6 +28,7 @@ class StubAgent:
         self.sent: list[tuple[str, int, int, Any]] = []  # (how, dst, kind, payload)
         self.notified = threading.Event()
         self.lossy = False  # a reliable transport: deletions may go one way
+        self.incarnation = 0
 
     def send_one_way(self, dst: WorkerInfo, kind: int, payload: Any) -> None:
         self.sent.append(("notify", dst.id, kind, payload))
@@ -55,9 +56,9 @@ def test_a_frame_to_the_owner_carries_its_deletions_and_no_other() -> None:
     agent, svc = _service()
     try:
         with svc._send_lock:  # the deleter waits: the frame is first, whatever the load
-            svc.schedule_delete(1, (1, 1), (0, 1))
-            svc.schedule_delete(2, (2, 1), (0, 2))
-            svc.schedule_delete(1, (1, 2), (0, 3))
+            svc.schedule_delete(agent.workers[1], (1, 1), (0, 1))
+            svc.schedule_delete(agent.workers[2], (2, 1), (0, 2))
+            svc.schedule_delete(agent.workers[1], (1, 2), (0, 3))
             notes = svc.notes_for(1)
             assert svc.notes_for(1) == []  # taken once
         assert notes == [(MessageKind.RREF_DELETE, [((1, 1), (0, 1)), ((1, 2), (0, 3))])]
@@ -72,7 +73,7 @@ def test_notes_of_a_frame_never_sent_are_taken_back_and_sent() -> None:
     agent, svc = _service()
     try:
         with svc._send_lock:
-            svc.schedule_delete(1, (1, 1), (0, 1))
+            svc.schedule_delete(agent.workers[1], (1, 1), (0, 1))
             notes = svc.notes_for(1)
         assert notes
         svc.notes_not_sent(1, notes)  # the frame failed to encode
@@ -86,9 +87,9 @@ def test_flush_asks_every_owner_sent_deletions_one_way_for_an_acknowledgement() 
     agent, svc = _service()
     try:
         with svc._send_lock:
-            svc.schedule_delete(1, (1, 1), (0, 1))
+            svc.schedule_delete(agent.workers[1], (1, 1), (0, 1))
             assert svc.notes_for(1)  # rode in a frame: unacknowledged
-            svc.schedule_delete(2, (2, 1), (0, 2))  # still queued at flush
+            svc.schedule_delete(agent.workers[2], (2, 1), (0, 2))  # still queued at flush
             svc.flush(TIMEOUT)
         requests = sorted((dst, payload) for how, dst, kind, payload in agent.sent
                           if how == "request" and kind == MessageKind.RREF_DELETE)
@@ -111,7 +112,7 @@ def test_a_deletion_waits_for_the_announcements_of_its_forks() -> None:
     rref = SimpleNamespace(_owner=agent.workers[1], _id=(1, 1))
     try:
         svc.announce(rref, (0, 7), 2)  # type: ignore[arg-type]
-        svc.schedule_delete(1, (1, 1), (0, 1))
+        svc.schedule_delete(agent.workers[1], (1, 1), (0, 1))
         assert svc.notes_for(1) == []  # held, not handed to a frame either
         assert svc.stats()["pending_deletes"] == 1
         assert not agent.notified.wait(0.2)  # (the deleter had its chance: nothing sent)
@@ -121,5 +122,26 @@ def test_a_deletion_waits_for_the_announcements_of_its_forks() -> None:
             ("request", 1, MessageKind.RREF_FORKS, [((1, 1), (0, 7), 2)]),
             ("notify", 1, MessageKind.RREF_DELETE, [((1, 1), (0, 1))]),
         ]
+    finally:
+        svc.close()
+
+
+def test_deletions_for_an_owner_whose_rank_a_new_worker_took_are_void() -> None:
+    # A dynamic world: worker 1 left and "n1" took rank 1. A deletion meant for the old
+    # owner, sent to the new one, would be taken for a reference to one of its own RRefs
+    # (and leave an entry there that nothing ever frees).
+    agent, svc = _service()
+    old_owner = agent.workers[1]
+    try:
+        with svc._send_lock:
+            svc.schedule_delete(old_owner, (2, 1), (0, 1))  # queued while it was there
+            agent.workers[1] = WorkerInfo("n1", 1)
+            svc.rank_reused(1)
+            svc.schedule_delete(old_owner, (2, 2), (0, 2))  # an old RRef that dies later
+            svc.schedule_delete(agent.workers[1], (1, 1), (0, 3))  # the new owner's
+            assert svc.notes_for(1) == [(MessageKind.RREF_DELETE, [((1, 1), (0, 3))])]
+        svc.flush(TIMEOUT)
+        assert not any(payload and payload[0][0] in {(2, 1), (2, 2)}
+                       for _, _, _, payload in agent.sent), agent.sent
     finally:
         svc.close()

@@ -127,6 +127,7 @@ class _StubAgent:
         self.name = "w0"
         self.workers = [WorkerInfo(f"w{i}", i) for i in range(2)]
         self.lossy = False
+        self.incarnation = 0
         self.lane: list[Any] = []  # what call_soon was handed
 
     def call_soon(self, fn: Any, *args: Any) -> None:

@@ -267,6 +267,12 @@ class ReleaseNotes:
         if ids:
             self._broadcast(ids, rank)
 
+    def rank_reused(self, rank: int) -> None:
+        """A new worker took ``rank`` (a dynamic world): it is owed releases of the
+        contexts it takes part in, like any other peer."""
+        with self._lock:
+            self._lost.discard(rank)
+
     def _others(self, lost: set[int]) -> list[int]:
         agent = self._agent
         return [r for r in range(agent.world_size)

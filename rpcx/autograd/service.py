@@ -32,7 +32,7 @@ from rpcx.errors import PeerLostError, RemoteErrorInfo, RpcError, RpcTimeoutErro
 from rpcx.futures import RpcFuture, all_done, wait, wait_done
 from rpcx.messages import MessageKind
 from rpcx.serialization import DecodeContext, EncodeContext, Placed, set_scope_hooks
-from rpcx.service_host import Deferred, ServiceHost
+from rpcx.service_host import Deferred, ServiceHost, first_id
 from rpcx.worker import WorkerInfo
 
 __all__ = ["AutogradContext", "AutogradService", "current_context_id", "install", "service"]
@@ -115,7 +115,7 @@ class AutogradService:
         self._contexts: dict[int, AutogradContext] = {}
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(first_id(agent.incarnation))
         self._tags = itertools.count(1)
         # Releases owed to peers: they ride in frames sent anyway (see releases.py).
         self.releases = ReleaseNotes(agent, _describe_contexts)
@@ -662,6 +662,7 @@ def install(agent: ServiceHost) -> None:
     agent.on_close.append(lambda left: svc.releases.close())
     agent.on_drain.append(svc.drain)
     agent.on_peer_lost.append(svc.on_peer_lost)
+    agent.on_rank_reused.append(svc.releases.rank_reused)
 
 
 def _on_encode(ctx: EncodeContext, tensor: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ This process is rank 0 (it hosts the store); the others are processes it starts.
 
 from __future__ import annotations
 
+import queue
 import uuid
 from collections.abc import Iterator
 from typing import cast
@@ -97,6 +98,37 @@ class TestDynamicWorld:
         assert rpcx.rpc_sync("late3", remote.worker_name) == "late3"
         assert rpcx.rpc_sync("late2", remote.call_with,
                              args=(remote.chain, ["late3"], 0)) == (1, ["late2", "late3"])
+
+    def test_a_killed_worker_is_struck_off_and_every_change_is_told(
+            self, grown: DynamicWorld, rpcx_backend: str) -> None:
+        # kill -9 leaves no goodbye and no word in the store: the world must go on
+        # without it, newcomers must not try to reach it, and its rank must free up.
+        agent = cast(RpcAgent, _context.current_agent())
+        changes: queue.Queue[rpcx.MembershipChange] = queue.Queue()
+        stop_watching = rpcx.on_membership_change(changes.put)
+
+        def told() -> tuple[str, str, list[str]]:
+            change = changes.get(timeout=BOUND)
+            return change.kind, change.worker.name, [w.name for w in change.members]
+
+        grown.kill("late1")
+        assert agent.wait_lost(1, BOUND), "late1's death never reached lead"
+        assert told() == ("lost", "late1", ["lead", "late2"])
+        with pytest.raises(UnknownWorkerError,
+                           match=r"'late1': worker 'late1' \(rank 1\) is unreachable"):
+            rpcx.rpc_sync("late1", remote.add, args=(1, 1))
+        assert grown.join("late3", 3) == ("joined", "late3")
+        assert told() == ("joined", "late3", ["lead", "late2", "late3"])
+        if resolve_backend(rpcx_backend).capabilities.reuses_ranks:
+            assert grown.join("again1", 1) == ("joined", "again1")
+            assert told() == ("joined", "again1", ["lead", "again1", "late2", "late3"])
+            assert rpcx.rpc_sync("late2", remote.call_with,
+                                 args=(remote.chain, ["again1"], 0)) == (1, ["late2", "again1"])
+        grown.leave("late3")
+        assert told()[:2] == ("left", "late3")
+        stop_watching()
+        assert rpcx.rpc_sync("late2", remote.add, args=(2, 2)) == 4
+        assert changes.empty()
 
     def test_a_rank_left_is_taken_again_or_refused_as_declared(
             self, grown: DynamicWorld, rpcx_backend: str) -> None:

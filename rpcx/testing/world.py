@@ -218,6 +218,16 @@ class DynamicWorld:
         if process.is_alive():
             raise TimeoutError(f"worker {name!r} did not leave within {timeout:g} s")
 
+    def kill(self, name: str, timeout: float = _JOIN_TIMEOUT) -> None:
+        """Kill worker ``name``'s process outright (``SIGKILL``: it says goodbye to
+        nobody), and wait (bounded) until it is gone."""
+        process = self._processes.pop(name)
+        process.kill()
+        process.join(timeout)
+        if process.is_alive():
+            raise TimeoutError(f"worker {name!r} (pid {process.pid}) outlived SIGKILL "
+                               f"for {timeout:g} s")
+
     def close(self) -> None:
         """Every joiner leaves, then this worker; processes that do not end are killed."""
         try:
