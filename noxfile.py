@@ -309,6 +309,8 @@ def bench(session: nox.Session) -> None:
     Then bench/examples.py: the example programs on every system, torch included, with
     its own defaults (all examples, 3 rounds); of the arguments after ``--`` it gets
     only ``--quick``. Run it alone as ``python bench/examples.py ...`` for the rest.
+    Last bench/world_sizes.py: 8 to 64 worker processes start, call each other and shut
+    down, torch beside the default backend and gloo (``--quick``: one round).
     """
     _install(session, "bench")
     for directory in PLUGINS.values():  # their backends are measured too
@@ -316,3 +318,4 @@ def bench(session: nox.Session) -> None:
     session.run("python", "bench/run.py", *session.posargs)
     quick = ["--quick"] if "--quick" in session.posargs else []
     session.run("python", "bench/examples.py", *quick)
+    session.run("python", "bench/world_sizes.py", *quick)
