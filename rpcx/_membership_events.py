@@ -65,6 +65,7 @@ class MembershipWatchers:
         self._queue: collections.deque[MembershipChange] = collections.deque()
         self._running = False
         self._closed = False
+        self._gone: set[int] = set()  # ranks whose departure or loss was told
 
     def add(self, callback: Callback) -> Callable[[], None]:
         """Run ``callback`` on every change from now on; the function that stops it."""
@@ -78,7 +79,28 @@ class MembershipWatchers:
 
         return remove
 
-    def changed(self, change: MembershipChange) -> None:
+    def joined(self, worker: WorkerInfo, members: tuple[WorkerInfo, ...]) -> None:
+        """``worker`` joined; ``members``: the world now."""
+        self._queue_change(MembershipChange("joined", worker, "", members))
+
+    def gone(self, rank: int, worker: WorkerInfo, departed: bool, reason: str,
+             members: tuple[WorkerInfo, ...]) -> bool:
+        """Worker ``rank`` left (``departed``) or was lost, for ``reason``; whether this
+        is the first word of it (transports may report one loss several times)."""
+        with self._lock:
+            if rank in self._gone:
+                return False
+            self._gone.add(rank)
+        self._queue_change(MembershipChange("left" if departed else "lost", worker, reason,
+                                            members))
+        return True
+
+    def rank_reused(self, rank: int) -> None:
+        """A new worker took ``rank``: its own departure will be news."""
+        with self._lock:
+            self._gone.discard(rank)
+
+    def _queue_change(self, change: MembershipChange) -> None:
         """Queue ``change`` for the callbacks (returns at once; any thread)."""
         with self._lock:
             if self._closed or not self._callbacks:

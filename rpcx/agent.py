@@ -156,9 +156,7 @@ class RpcAgent:
         self._peer_processes = PeerProcesses(self._process_mark)
         # User code told of joins, departures and losses (rpcx.on_membership_change).
         self.membership = MembershipWatchers(self.name, self._bind_thread)
-        self._announced_lost: set[int] = set()
-        self._announced_lock = threading.Lock()
-        self.roster.on_rejoin += [self._announced_lost.discard]
+        self.roster.on_rejoin += [self.membership.rank_reused]
         self.roster.on_rejoin += [self._calls.rejoined, self._retransmission.forget,
                                   self._peer_processes.forget]
         self._shutdown = Shutdown(
@@ -462,22 +460,19 @@ class RpcAgent:
         # Transports call this from their receiving threads, which must not send.
         with receiving():
             self._health.peer_lost(rank, cause, detail)
-        with self._announced_lock:
-            first = rank not in self._announced_lost
-            self._announced_lost.add(rank)
+        reason = lost_reason(cause, detail)
         if self._dynamic is not None:
             # A worker gone from a dynamic world, whichever way, leaves its rank to the
             # next (a static world's roster never changes).
-            self.roster.depart(rank, lost_reason(cause, detail))
-            if cause is not LostCause.DEPARTED and self._life.running:
-                # Killed, not left: its entry in the store's roster stays until a member
-                # strikes it off (on a thread of its own: this one must not block).
-                threading.Thread(target=self._strike_off, args=(rank, self.workers[rank].name),
-                                 name=f"rpcx-strike-off-{rank}", daemon=True).start()
-        if first:
-            self.membership.changed(MembershipChange(
-                "left" if cause is LostCause.DEPARTED else "lost", self.workers[rank],
-                lost_reason(cause, detail), tuple(self.roster.members())))
+            self.roster.depart(rank, reason)
+        departed = cause is LostCause.DEPARTED
+        first = self.membership.gone(rank, self.workers[rank], departed, reason,
+                                     tuple(self.roster.members()))
+        if first and self._dynamic is not None and not departed and self._life.running:
+            # Killed, not left: its entry in the store's roster stays until a member
+            # strikes it off (on a thread of its own: this one must not block).
+            threading.Thread(target=self._strike_off, args=(rank, self.workers[rank].name),
+                             name=f"rpcx-strike-off-{rank}", daemon=True).start()
 
     def _strike_off(self, rank: int, name: str) -> None:
         assert self._dynamic is not None
@@ -497,8 +492,7 @@ class RpcAgent:
         names.extend(w.name for w in self.workers[len(names):])
         names[rank] = worker.name
         self._health.watch(rank)
-        self.membership.changed(
-            MembershipChange("joined", worker, "", tuple(self.roster.members())))
+        self.membership.joined(worker, tuple(self.roster.members()))
         return worker.name
 
     def _bind_thread(self) -> None:
