@@ -226,11 +226,12 @@ class RpcAgent:
             found = None
         if found is None or not self.roster.holds(found.id):
             known = ", ".join(w.name for w in self.roster.members())
-            gone = self.roster.how_gone(to) if isinstance(to, str) else None
+            name = to.name if isinstance(to, WorkerInfo) else to
+            gone = self.roster.how_gone(name) if isinstance(name, str) else None
             left = (f": {gone}, and is no longer in the world" if gone is not None
                     else " (it left the world)" if found is not None else "")
             raise UnknownWorkerError(
-                f"unknown destination worker {to!r}{left}; the workers are: {known}")
+                f"unknown destination worker {name!r}{left}; the workers are: {known}")
         return found
 
     def on_membership_change(self, callback: Callable[[MembershipChange], object]

@@ -32,6 +32,7 @@ import random
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -160,9 +161,14 @@ def _keep_busy(rng: random.Random, stop: threading.Event, counts: Counter[str],
                 counts["failed, naming the departed worker"] += 1
             else:
                 problems.append(f"{what} to {peer!r}: {type(exc).__name__} not naming it: "
-                                f"{exc}")
+                                f"{exc}\n{_where()}")
         except Exception as exc:
-            problems.append(f"{what} to {peer!r}: {type(exc).__name__}: {exc}")
+            problems.append(f"{what} to {peer!r}: {type(exc).__name__}: {exc}\n{_where()}")
+
+
+def _where() -> str:
+    """Where the exception being handled was raised (its last frames), for the report."""
+    return "".join(traceback.format_exc(limit=-6).splitlines(keepends=True)[:-1])
 
 
 def _once(what: str, peer: str) -> None:

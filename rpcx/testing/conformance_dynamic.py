@@ -117,6 +117,9 @@ class TestDynamicWorld:
         with pytest.raises(UnknownWorkerError,
                            match=r"'late1': worker 'late1' \(rank 1\) is unreachable"):
             rpcx.rpc_sync("late1", remote.add, args=(1, 1))
+        with pytest.raises(UnknownWorkerError,  # (an RRef's owner() is a WorkerInfo)
+                           match=r"'late1': worker 'late1' \(rank 1\) is unreachable"):
+            rpcx.rpc_sync(rpcx.WorkerInfo("late1", 1), remote.add, args=(1, 1))
         assert grown.join("late3", 3) == ("joined", "late3")
         assert told() == ("joined", "late3", ["lead", "late2", "late3"])
         if resolve_backend(rpcx_backend).capabilities.reuses_ranks:
