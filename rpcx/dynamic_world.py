@@ -187,13 +187,10 @@ class DynamicWorld:
         dead = [rank for rank, mark in zip(ranks, marks, strict=True) if _is_dead(mark.hex())]
         if not dead:
             return roster
-        kept = {rank: name for rank, name in roster.items() if rank not in dead}
         for rank in dead:
             log.warning("%s: worker %r (rank %d) died without leaving the dynamic world; "
                         "struck off its roster", self.name, roster[rank], rank)
-            self.store.set(f"member/{rank}", "", self.timeout)
-        self.store.set("roster", json.dumps(kept), self.timeout)
-        return kept
+        return self._strike(roster, dead)
 
     def strike_off(self, rank: int, name: str, timeout: float) -> None:
         """Worker ``name`` (``rank``) was lost without leaving: strike it off the roster
@@ -203,11 +200,18 @@ class DynamicWorld:
             roster = self.roster()
             if roster.get(rank) != name:
                 return
-            del roster[rank]
-            self.store.set(f"member/{rank}", "", self.timeout)
-            self.store.set("roster", json.dumps(roster), self.timeout)
+            self._strike(roster, [rank])
         log.info("%s: struck worker %r (rank %d) off the dynamic world's roster: it was lost "
                  "without leaving", self.name, name, rank)
+
+    def _strike(self, roster: dict[int, str], ranks: list[int]) -> dict[int, str]:
+        """Take ``ranks`` off ``roster`` (read under the token) and off the store; the
+        roster that is left."""
+        kept = {rank: name for rank, name in roster.items() if rank not in ranks}
+        for rank in ranks:
+            self.store.set(f"member/{rank}", "", self.timeout)
+        self.store.set("roster", json.dumps(kept), self.timeout)
+        return kept
 
     def leave(self) -> None:
         """Strike this worker off the roster (under the token)."""
@@ -267,7 +271,7 @@ def _describe_holder(holder: str) -> dict[str, str]:
     except ValueError:
         found = None
     if not isinstance(found, dict):
-        return {"name": holder.split(":")[0], "purpose": "?", "rank": "?", "process": ""}
+        return {"name": holder, "purpose": "?", "rank": "?", "process": ""}
     return {key: str(found.get(key, "")) for key in ("name", "purpose", "rank", "process")}
 
 

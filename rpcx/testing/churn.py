@@ -44,7 +44,7 @@ import rpcx
 import rpcx.autograd as dist_autograd
 from rpcx.errors import PeerLostError, RpcShutdownError, UnknownWorkerError
 from rpcx.testing import remote, training
-from rpcx.testing.soak import leftovers
+from rpcx.testing.soak import leftover_problems, settled_leftovers
 from rpcx.testing.world import _options, free_port
 
 __all__ = ["ChurnResult", "main", "run"]
@@ -53,8 +53,6 @@ log = logging.getLogger("rpcx.churn")
 
 ORDER_TIMEOUT = 120.0  # seconds a worker process has to carry out an order
 CALL_TIMEOUT = 30.0  # each call the stable workers make
-_LEFT_KEYS = ("pending_calls", "owned_rrefs", "user_rrefs", "references_to_owned",
-              "autograd_contexts")
 
 
 # ------------------------------------------------------------ a worker process
@@ -266,7 +264,8 @@ def run(backend: str = "auto", size: int = 8, slots: int = 4, cycles: int = 100,
                          f"{time.monotonic() - started:.0f} s")
         for rank in range(1, size):
             _stop_activity(names[rank], result)
-        _collect_leftovers(sorted(names.values()), result)
+        result.leftovers = settled_leftovers("lead", sorted(names.values()), CALL_TIMEOUT)
+        result.problems += leftover_problems(result.leftovers)
         for rank in range(size - 1, 0, -1):  # everyone leaves; the store's host last
             _expect(workers[rank].order("leave"), ("left",), names[rank], result)
     finally:
@@ -294,21 +293,6 @@ def _expect(answer: tuple[Any, ...], wanted: tuple[str], name: str,
     if answer != wanted:
         result.problems.append(f"{name}: {' '.join(map(str, answer))}")
         raise RuntimeError(f"the churn stopped: worker {name!r} answered {answer!r}")
-
-
-def _collect_leftovers(names: list[str], result: ChurnResult) -> None:
-    """What every worker holds once the RRef deletions and context releases in flight
-    have settled; every count must be zero."""
-    for _ in range(3):  # deletions that free values can release more: settle thrice
-        remote.rref_settle()
-        for name in names:
-            rpcx.rpc_sync(name, remote.rref_settle, timeout=CALL_TIMEOUT)
-    result.leftovers["lead"] = leftovers()
-    for name in names:
-        result.leftovers[name] = rpcx.rpc_sync(name, leftovers, timeout=CALL_TIMEOUT)
-    for name, left in result.leftovers.items():
-        result.problems += [f"{name}: {left[key]} {key.replace('_', ' ')} left"
-                            for key in _LEFT_KEYS if left[key]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,11 +31,13 @@ import torch
 import rpcx
 import rpcx.autograd as dist_autograd
 from rpcx._environ import environment_variable
+from rpcx.calls import UNSET_RPC_TIMEOUT
 from rpcx.faulty import FAULTS_ENV
 from rpcx.testing import remote, training
 from rpcx.testing.world import world
 
-__all__ = ["DEFAULT_FAULTS", "SoakResult", "drive", "main", "run"]
+__all__ = ["DEFAULT_FAULTS", "SoakResult", "drive", "leftover_problems", "main", "run",
+           "settled_leftovers"]
 
 log = logging.getLogger("rpcx.soak")
 
@@ -178,23 +180,39 @@ def run(backend: str = "faulty:gloo", rounds: int = 200, calls: int = 100, rrefs
                          f"RRefs, {result.backwards} backward passes, "
                          f"{time.monotonic() - started:.0f} s; RSS MiB " + ", ".join(
                              f"{n} {result.rss_mib[n][-1]:.0f}" for n in names))
-        for _ in range(3):  # deletions freeing values can release more: settle twice over
-            for name in names:
-                rpcx.rpc_sync(name, remote.rref_settle)
-        result.leftovers[names[0]] = leftovers()  # (a call to itself would be pending)
-        for name in names[1:]:
-            result.leftovers[name] = rpcx.rpc_sync(name, leftovers)
+        result.leftovers = settled_leftovers(names[0], names[1:])
     result.seconds = round(time.monotonic() - started, 1)
     _judge(result)
     return result
 
 
+def settled_leftovers(me: str, others: list[str], timeout: float = UNSET_RPC_TIMEOUT
+                      ) -> dict[str, dict[str, Any]]:
+    """What this worker (``me``) and ``others`` still hold, by name, once the RRef
+    deletions in flight have settled everywhere (three times over: a deletion that
+    frees a value can release more)."""
+    for _ in range(3):
+        remote.rref_settle()
+        for name in others:
+            rpcx.rpc_sync(name, remote.rref_settle, timeout=timeout)
+    found = {me: leftovers()}  # (a call to itself would count as pending)
+    for name in others:
+        found[name] = rpcx.rpc_sync(name, leftovers, timeout=timeout)
+    return found
+
+
+_MUST_BE_ZERO = ("pending_calls", "owned_rrefs", "user_rrefs", "references_to_owned",
+                 "autograd_contexts")
+
+
+def leftover_problems(found: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per count of :func:`leftovers` that is not zero, naming the worker."""
+    return [f"{name}: {left[key]} {key.replace('_', ' ')} left"
+            for name, left in found.items() for key in _MUST_BE_ZERO if left[key]]
+
+
 def _judge(result: SoakResult) -> None:
-    for name, left in result.leftovers.items():
-        for key in ("pending_calls", "owned_rrefs", "user_rrefs", "references_to_owned",
-                    "autograd_contexts"):
-            if left[key]:
-                result.problems.append(f"{name}: {left[key]} {key.replace('_', ' ')} left")
+    result.problems += leftover_problems(result.leftovers)
     start = max(1, int(result.rounds * WARM_UP)) - 1
     for name, curve in result.rss_mib.items():
         if len(curve) <= start:
