@@ -193,7 +193,8 @@ class PeerHealth:
                     self._pinging.discard(peer)
 
         self._heartbeat = Heartbeat(
-            self._name, [w.id for w in self._workers if w.id != rank and is_member(w)],
+            self._name, [w.id for w in self._workers
+                         if w.id != rank and is_member(w) and w.id not in self._lost_causes],
             len(self._workers),
             interval=interval, timeout=self._heartbeat_timeout, ping=ping, on_silent=self.on_silent,
             on_heard=self.on_heard_again, heard=self.heard, vouch=vouch,

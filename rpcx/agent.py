@@ -324,20 +324,33 @@ class RpcAgent:
             admit=self._admit if self._dynamic is not None else None,
             vacant=lambda rank: rank >= len(self.workers) or not is_member(self.workers[rank]),
         ))
-        interval, timeout = self.options.heartbeat_interval, self.options.heartbeat_timeout
         if not self._transport.capabilities.in_process and self._dynamic is None:
-            # (see learn_peer_processes; a dynamic worker published its mark as it
-            # entered the roster)
+            # (see watch_peers; a dynamic worker published its mark as it entered the
+            # roster)
             self._store.set(f"process/{self.rank}", local_mark())
+        if self._dynamic is not None:
+            self._start_heartbeat()  # (a dynamic worker is ready once connected)
+
+    def watch_peers(self, timeout: float | None) -> None:
+        """A static world is ready (every worker passed the ``ready`` barrier): read the
+        peers' process marks and start the heartbeat.
+
+        Not before: while a world starts, its workers are busy importing and connecting
+        (64 on 2 cores: a minute), and a peer's silence then says nothing. The marks are
+        read in one store operation now, so that the heartbeat need not ask the store
+        when a peer goes quiet, which on a starved host answers late.
+        """
+        self._learn_peer_processes(timeout)
+        self._start_heartbeat()
+
+    def _start_heartbeat(self) -> None:
+        interval, timeout = self.options.heartbeat_interval, self.options.heartbeat_timeout
         if interval > 0 and timeout > 0 and not self._transport.capabilities.in_process:
             # (threads of one process cannot hang apart)
             self._health.start_heartbeat(self.rank, interval, self._executors.requests,
                                          vouch=self._peer_processes.vouch)
 
-    def learn_peer_processes(self, timeout: float | None) -> None:
-        """Read every peer's process mark, once the world is ready (each published its
-        own in ``start``): one store operation now, so that the heartbeat need not ask
-        the store when a peer goes quiet, which on a starved host answers late."""
+    def _learn_peer_processes(self, timeout: float | None) -> None:
         store = self._store
         if store is None or self._transport.capabilities.in_process:
             return

@@ -121,7 +121,7 @@ def init_rpc(
                    if trace_dir else None)
         if world.dynamic is None:
             agent.barrier("ready", world.options.rpc_timeout or None)
-            agent.learn_peer_processes(world.options.rpc_timeout or None)
+            agent.watch_peers(world.options.rpc_timeout or None)
         # (a dynamic worker is ready once connected: every member admitted it)
     except BaseException:
         # Do not leave threads, connections, the roster or the in-process store behind.
