@@ -44,6 +44,7 @@ _IDLE_EXIT = 2.0  # the caller thread ends after this long with nothing to do
 _POLL_FIRST, _POLL_MAX = 0.0005, 0.02
 _KEYS_PER_PAUSE = 16
 _LOOK_MIN = 0.02  # what a look for keys may take past the deadline (see wait_for)
+_NARROW_MAX = 1.0  # what finding the missing keys one by one may take past the deadline
 
 
 class _Operation:
@@ -184,18 +185,46 @@ class BoundedStore:
         missing = list(range(len(keys)))
         pause, longest = _POLL_FIRST, _POLL_MAX * max(1.0, len(keys) / _KEYS_PER_PAUSE)
         narrow_at = time.monotonic() + report_every
+        answered = False  # whether the store answered a look of this wait yet
+
+        def look(indices: list[int], bound: float | None) -> bool | None:
+            """Whether every key of ``indices`` exists; ``None``: no answer at the deadline.
+            A busy store (64 workers polling it) may miss the short bound of a look at the
+            deadline: having answered before, it is slow, not gone, and the keys count
+            as missing."""
+            nonlocal answered
+            try:
+                found = self.check([keys[i] for i in indices], timeout=bound)
+            except RpcTimeoutError:
+                if answered and deadline is not None and time.monotonic() >= deadline:
+                    return None
+                raise
+            answered = True
+            return found
+
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             # A look made just before the deadline still gets a moment to answer, so
             # that a slow answer is not taken for a store that does not answer at all.
             bound = None if left is None else max(left, _LOOK_MIN)
             missing = [i for i in missing if not skip(i)]
-            if not missing or self.check([keys[i] for i in missing], timeout=bound):
+            if not missing or look(missing, bound):
                 return []
             now = time.monotonic()
             expired = deadline is not None and now >= deadline
             if expired or now >= narrow_at:
-                missing = [i for i in missing if not self.check([keys[i]], timeout=bound)]
+                found: list[int] = []
+                # One look per key, together at most _NARROW_MAX past the deadline on a
+                # busy store; none once it is late.
+                narrow_end = now + _NARROW_MAX
+                for i in missing:
+                    answer = look([i], bound if not expired else
+                                  max(narrow_end - time.monotonic(), _LOOK_MIN))
+                    if answer is None:
+                        break
+                    if answer:
+                        found.append(i)
+                missing = [i for i in missing if i not in found]
                 narrow_at = now + report_every
                 on_poll(missing)
                 if expired or not missing:
@@ -212,7 +241,7 @@ class BoundedStore:
         self._caller.submit(operation)
         if not operation.done.wait(bound) and self._caller.give_up(operation):
             raise RpcTimeoutError(
-                f"the rendezvous store at {self.where} did not answer within {bound:.1f} s "
+                f"the rendezvous store at {self.where} did not answer within {bound:.3g} s "
                 f"({what}{self._in_prefix()}): a worker may be stopped while it holds the "
                 "store's lock, or the store's host (rank 0) is stopped or gone"
             )

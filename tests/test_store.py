@@ -175,6 +175,51 @@ def test_wait_for_skips_gone_ranks_and_reports_the_missing_at_the_deadline(
     assert store.wait_for(["k/0"], time.monotonic() + TIMEOUT) == []
 
 
+class _BusyStore:
+    """A store that answers at once until ``busy_from`` (a ``time.monotonic()`` value),
+    then each look after ``delay`` seconds: a store that 64 polling workers keep busy."""
+
+    def __init__(self, keys: set[str], busy_from: float, delay: float) -> None:
+        self.keys, self.busy_from, self.delay = keys, busy_from, delay
+
+    def check(self, keys: list[str]) -> bool:
+        if time.monotonic() >= self.busy_from:
+            time.sleep(self.delay)  # (the store's own slowness, not a wait for state)
+        return all(key in self.keys for key in keys)
+
+
+def test_a_store_slow_at_the_deadline_makes_a_wait_report_the_missing_not_fail() -> None:
+    # The deadline's look gets a short bound; a store that answered earlier looks and is
+    # only slow now is busy, not gone: the wait names what is missing (as a barrier's
+    # error then does: "missing: w2"), instead of "the store did not answer within 0.0 s".
+    deadline = time.monotonic() + 0.3
+    raw = _BusyStore({"k/0", "k/2"}, busy_from=deadline - 0.05, delay=0.1)
+    store = BoundedStore(raw, "a busy store")
+    started = time.monotonic()
+    missing = store.wait_for(["k/0", "k/1", "k/2"], deadline)
+    assert missing == [1]  # (found one by one after the deadline, within _NARROW_MAX)
+    assert time.monotonic() - started < 0.3 + _store._NARROW_MAX + SLACK
+
+
+def test_a_barrier_on_a_store_slow_at_its_deadline_names_the_missing_worker() -> None:
+    deadline_s = 0.3
+    raw = _BusyStore({"ready/0", "ready/2"}, busy_from=time.monotonic() + deadline_s - 0.05,
+                     delay=0.1)
+
+    class Writable(_BusyStore):
+        def set(self, key: str, value: bytes) -> None:
+            self.keys.add(key)
+
+    writable = Writable(raw.keys, raw.busy_from, raw.delay)
+    store = BoundedStore(writable, "a busy store")
+    with pytest.raises(RpcTimeoutError) as err:
+        rendezvous.barrier(store, "ready", 0, 3, timeout=deadline_s, is_gone=lambda r: False,
+                           describe=lambda ranks: ", ".join(f"w{r}" for r in ranks),
+                           waiter="w0")
+    assert "gave up after" in str(err.value) and "w1" in str(err.value), err.value
+    assert "did not answer" not in str(err.value)
+
+
 def test_the_caller_thread_ends_when_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_store, "_IDLE_EXIT", 0.05)
     name = f"rpcx-store-test-{time.monotonic_ns()}"
