@@ -18,7 +18,8 @@ Reported per world (medians over rounds):
 * ``rss``: median resident memory of a worker after the all-to-all (MiB).
 
 A world that fails (a worker exits non-zero, a reply is wrong, or the world outlives
-its time limit) is recorded with the first error line; the plot marks it with an x.
+its time limit) is recorded with each failed worker's last error line, the rarest
+first (the cause, usually, before the echoes); the plot marks it with an x.
 
     python bench/world_sizes.py                         # torch, auto, gloo; 8-64; 3 rounds
     python bench/world_sizes.py --sizes 8,16 --rounds 1 --systems torch,auto
@@ -27,6 +28,8 @@ its time limit) is recorded with the first error line; the plot marks it with an
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -34,6 +37,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -93,28 +97,47 @@ def run_world(system: str, size: int) -> dict[str, Any]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(size), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    processes = [subprocess.Popen(
-        [sys.executable, __file__, "--worker", system], env={**env, "RANK": str(rank)},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(size)]
-    deadline = time.monotonic() + WORLD_LIMIT_S
-    outputs = []
-    for process in processes:
-        try:
-            out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            out, err = process.communicate()
-            err = f"the world outlived {WORLD_LIMIT_S:g} s\n" + err
-        outputs.append((process.returncode, out, err))
+    # Output goes to files, not pipes: a worker that fills a pipe nobody reads yet
+    # (64 of them, read one by one) would stall in a write and look starved or dead.
+    with tempfile.TemporaryDirectory(prefix="rpcx-world-") as logs, \
+            contextlib.ExitStack() as opened:
+        files = [(opened.enter_context(open(f"{logs}/{rank}.out", "w+")),
+                  opened.enter_context(open(f"{logs}/{rank}.err", "w+")))
+                 for rank in range(size)]
+        processes = [subprocess.Popen(
+            [sys.executable, __file__, "--worker", system], env={**env, "RANK": str(rank)},
+            stdout=out, stderr=err, text=True) for rank, (out, err) in enumerate(files)]
+        deadline = time.monotonic() + WORLD_LIMIT_S
+        outlived = False
+        for process in processes:
+            try:
+                process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                outlived = True
+                for other in processes:
+                    other.kill()
+                process.wait()
+        outputs = []
+        for process, (out, err) in zip(processes, files, strict=True):
+            out.seek(0)
+            err.seek(0)
+            text = err.read()
+            if outlived:
+                text = f"the world outlived {WORLD_LIMIT_S:g} s\n" + text
+            outputs.append((process.returncode, out.read(), text))
     results = [json.loads(line.split("RESULT ", 1)[1]) for _, out, _ in outputs
                for line in out.splitlines() if line.startswith("RESULT ")]
     failed = [(code, err) for code, _, err in outputs if code != 0]
     if failed or len(results) != size or not all(r["correct"] for r in results):
-        errors = [line for _, err in failed for line in err.splitlines()
-                  if "Error" in line or "outlived" in line]
+        # Each failed worker's last error line, the rarest first: one worker's own
+        # failure is the cause, the many "worker wN has shut down" that follow it are not.
+        last_errors = collections.Counter(
+            ([line for line in err.splitlines() if "Error" in line or "outlived" in line]
+             or [f"exit status {code}"])[-1][:300] for code, err in failed)
         return {"ok": False, "workers_failed": len(failed), "reported": len(results),
-                "error": (errors or ["a reply was wrong"])[-1][:300]}
+                "errors": [f"{count}x {line}" for line, count in
+                           sorted(last_errors.items(), key=lambda item: item[1])]
+                or ["a reply was wrong"]}
     last_import = max(r["imported"] for r in results)
     last_ready = max(r["ready"] for r in results)
     last_called = max(r["called"] for r in results)
@@ -161,7 +184,7 @@ def table(summary: dict[str, dict[str, Any]], systems: list[str], sizes: list[in
             if world is None:
                 cells.append("-")
             elif not world["ok"]:
-                cells.append(f"fails: {world['error'][:80]}")
+                cells.append(f"fails: {world['errors'][0][:80]}")
             else:
                 cells.append(f"{world['init']:.1f} / {world['ready']:.1f} / "
                              f"{world['all_to_all']:.2f} / {world['shutdown']:.1f}, "
