@@ -198,6 +198,16 @@ def test_a_fork_state_makes_no_event_until_a_thread_waits() -> None:
     assert _state(confirmed=True).wait(0)
 
 
+def _wait_blocked(state: ForkState, waiter: threading.Thread) -> None:
+    """Return once ``waiter`` blocks in ``state``'s event (bounded by TIMEOUT)."""
+    deadline = time.monotonic() + TIMEOUT
+    event = state._event
+    assert event is not None  # (made by the first wait_settled)
+    while not event._cond._waiters:  # type: ignore[attr-defined]  # (CPython's Event)
+        assert waiter.is_alive() and time.monotonic() < deadline, "the waiter never waited"
+        waiter.join(0.001)  # (a bounded pause on the waiter itself)
+
+
 def test_a_waiter_is_woken_by_a_later_confirmation_or_give_up() -> None:
     for settle, confirmed in ((ForkState.confirm, True), (ForkState.give_up, False)):
         state = _state(confirmed=False)
@@ -207,7 +217,7 @@ def test_a_waiter_is_woken_by_a_later_confirmation_or_give_up() -> None:
             target=lambda s=state, out=results: out.append(s.wait(TIMEOUT))
         )
         waiter.start()
-        time.sleep(0.05)
+        _wait_blocked(state, waiter)
         settle(state)
         waiter.join(TIMEOUT)
         assert results == [confirmed]

@@ -6,8 +6,9 @@ barrier bounds that wait. The heartbeat watches peers only once the world is rea
 before, on a 64-worker gloo world, it took starved workers for dead and the world fell
 apart ("unresponsive: silent for 10.4 s").
 
-Here worker 1 stops itself (``SIGSTOP``, as a starved worker looks to the kernel) at
-the ``ready`` barrier for several heartbeat timeouts, while worker 0 waits there.
+Here worker 1 stops itself (``SIGSTOP``) at the ``ready`` barrier for several heartbeat
+timeouts, while worker 0 waits there: stopped, the kernel cannot vouch for it either,
+so only the heartbeat's start decides.
 """
 
 from __future__ import annotations
@@ -34,16 +35,18 @@ from rpcx import agent
 from rpcx.testing import remote
 
 rank = int(os.environ["RANK"])
-if rank == 1:
-    barrier = agent.RpcAgent.barrier
+barrier = agent.RpcAgent.barrier
 
-    def stop_at_ready(self, tag, timeout):
-        if tag == "ready":
-            print("at-ready", flush=True)
+
+def at_ready(self, tag, timeout):
+    if tag == "ready":
+        print("at-ready", flush=True)
+        if rank == 1:
             os.kill(os.getpid(), signal.SIGSTOP)  # the test continues it
-        barrier(self, tag, timeout)
+    barrier(self, tag, timeout)
 
-    agent.RpcAgent.barrier = stop_at_ready
+
+agent.RpcAgent.barrier = at_ready
 rpcx.init_rpc(f"w{{rank}}", rank=rank, world_size=2, backend="{DEFAULT_BACKEND}",
               rpc_backend_options=rpcx.RpcBackendOptions(
                   init_method="env://", rpc_timeout={BOUND},
@@ -68,11 +71,12 @@ def test_a_worker_stopped_before_the_world_is_ready_is_not_reported_unresponsive
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for r in range(2)]
     try:
+        for worker in workers:  # both reached the barrier: worker 0 waits there
+            assert worker.stdout is not None
+            assert worker.stdout.readline().strip() == "at-ready"
         slow = workers[1]
-        assert slow.stdout is not None
-        assert slow.stdout.readline().strip() == "at-ready"
         os.waitpid(slow.pid, os.WUNTRACED)  # returns once it is stopped
-        time.sleep(STOPPED_FOR)
+        time.sleep(STOPPED_FOR)  # (the silence under test: nothing to wait on)
         os.kill(slow.pid, signal.SIGCONT)
         outputs = [w.communicate(timeout=BOUND) for w in workers]
     finally:
