@@ -213,18 +213,18 @@ class BoundedStore:
             now = time.monotonic()
             expired = deadline is not None and now >= deadline
             if expired or now >= narrow_at:
-                found: list[int] = []
                 # One look per key, together at most _NARROW_MAX past the deadline on a
-                # busy store; none once it is late.
-                narrow_end = now + _NARROW_MAX
-                for i in missing:
+                # busy store; the keys not looked at once it is late count as missing.
+                narrow_end, still = now + _NARROW_MAX, []
+                for position, i in enumerate(missing):
                     answer = look([i], bound if not expired else
                                   max(narrow_end - time.monotonic(), _LOOK_MIN))
                     if answer is None:
+                        still += missing[position:]
                         break
-                    if answer:
-                        found.append(i)
-                missing = [i for i in missing if i not in found]
+                    if not answer:
+                        still.append(i)
+                missing = still
                 narrow_at = now + report_every
                 on_poll(missing)
                 if expired or not missing:
