@@ -168,9 +168,11 @@ class PeerHealth:
     # ---------------------------------------------------------------- silent
 
     def start_heartbeat(self, rank: int, interval: float, pool: WorkerPool,
-                        vouch: Callable[[int], str | None] = lambda rank: None) -> None:
-        """Ping quiet peers every ``interval`` s; report those silent past the timeout,
-        unless ``vouch(rank)`` says the peer's process still runs (see Heartbeat)."""
+                        vouch: Callable[[int], str | None] = lambda rank: None,
+                        knows: Callable[[int], bool] = lambda rank: False) -> None:
+        """Ping quiet peers every ``interval`` s (or ask the kernel, where ``knows(rank)``);
+        report those silent past the timeout, unless ``vouch(rank)`` says the peer's
+        process still runs (see Heartbeat)."""
 
         def ping(peer: int) -> None:
             """Ping ``peer`` from the pool (a send may wait); one ping in flight each."""
@@ -197,7 +199,7 @@ class PeerHealth:
                          if w.id != rank and is_member(w) and w.id not in self._lost_causes],
             len(self._workers),
             interval=interval, timeout=self._heartbeat_timeout, ping=ping, on_silent=self.on_silent,
-            on_heard=self.on_heard_again, heard=self.heard, vouch=vouch,
+            on_heard=self.on_heard_again, heard=self.heard, vouch=vouch, knows=knows,
         )
         self._heartbeat.start()
 

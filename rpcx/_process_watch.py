@@ -54,8 +54,25 @@ def _stat(pid: int) -> tuple[str, str] | None:
     return fields[0], fields[19]  # proc(5): field 3 is the state, field 22 the start time
 
 
+_kernel_of: dict[int, list[str]] = {}  # by pid: a forked child reads its own
+
+
 def _kernel() -> list[str]:
-    return [_read("/proc/sys/kernel/random/boot_id"), _namespace("pid"), _namespace("net")]
+    """This process's boot id and pid and network namespaces (read once per process:
+    the heartbeat asks for every quiet peer every interval)."""
+    pid = os.getpid()
+    found = _kernel_of.get(pid)
+    if found is None:
+        found = [_read("/proc/sys/kernel/random/boot_id"), _namespace("pid"),
+                 _namespace("net")]
+        _kernel_of.clear()
+        _kernel_of[pid] = found
+    return found
+
+
+def _same_kernel(parts: list[str]) -> bool:
+    kernel = _kernel()
+    return len(parts) == 5 and all(kernel) and parts[:3] == kernel and parts[3].isdigit()
 
 
 def local_mark() -> bytes:
@@ -70,8 +87,7 @@ def process_state(mark: bytes) -> tuple[str, int] | None:
     (``R``, ``S``, ``T``, ...) or ``"gone"``; ``None`` when the kernel here cannot say (the
     mark is of another host or namespace, malformed, or this is not Linux)."""
     parts = mark.decode(errors="replace").split(_SEPARATOR)
-    kernel = _kernel()
-    if len(parts) != 5 or not all(kernel) or parts[:3] != kernel or not parts[3].isdigit():
+    if not _same_kernel(parts):
         return None
     pid = int(parts[3])
     found = _stat(pid)
@@ -106,6 +122,12 @@ class PeerProcesses:
         """Another process holds ``rank`` now (a dynamic world): fetch its mark again."""
         self._marks.pop(rank, None)
         self._failed_at.pop(rank, None)
+
+    def knows(self, rank: int) -> bool:
+        """Whether the kernel here can say if ``rank``'s process runs, without asking the
+        store (its mark is known and names a process of this host and namespace)."""
+        mark = self._marks.get(rank)
+        return mark is not None and _same_kernel(mark.decode(errors="replace").split(_SEPARATOR))
 
     def vouch(self, rank: int) -> str | None:
         """Why ``rank``'s process is alive, in words, or ``None`` if the kernel here does not

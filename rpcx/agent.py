@@ -348,7 +348,8 @@ class RpcAgent:
         if interval > 0 and timeout > 0 and not self._transport.capabilities.in_process:
             # (threads of one process cannot hang apart)
             self._health.start_heartbeat(self.rank, interval, self._executors.requests,
-                                         vouch=self._peer_processes.vouch)
+                                         vouch=self._peer_processes.vouch,
+                                         knows=self._peer_processes.knows)
 
     def _learn_peer_processes(self, timeout: float | None) -> None:
         store = self._store

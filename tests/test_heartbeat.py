@@ -169,3 +169,47 @@ def test_a_vouch_that_fails_leaves_the_decision_to_the_silence() -> None:
         watch._step(now)
         assert now < 2 * TIMEOUT, "never reported"
     assert seen.silent == [(1, now)]
+
+
+def test_a_peer_the_kernel_knows_is_asked_about_not_pinged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # On one host a quiet peer costs no frames: the kernel says whether its process runs,
+    # and one that runs counts as heard from (nothing logged: quiet is not news). Once it
+    # is stopped it is reported a timeout after the kernel last saw it run; then it is
+    # pinged, since only a frame from it shows that it is back.
+    seen = Recorder()
+    evidence: list[str | None] = ["its process 4242 on this host is sleeping (kernel state S)"]
+    asked: list[int] = []
+
+    def vouch(rank: int) -> str | None:  # (rank 2 is on another host)
+        asked.append(rank)
+        return evidence[0] if rank == 1 else None
+
+    watch = Heartbeat("test", [1, 2], 3, interval=INTERVAL, timeout=TIMEOUT,
+                      ping=seen.pinged.append, on_silent=seen._silent, on_heard=seen._heard,
+                      vouch=vouch, knows=lambda rank: rank == 1)
+    watch._begin(0.0)
+    now = 0.0
+    with caplog.at_level(logging.INFO, logger="rpcx.heartbeat"):
+        while now < 10 * TIMEOUT:
+            now += TICK
+            watch._step(now)
+    assert [r for r, _ in seen.silent] == [2]  # rank 2: pinged, never answered
+    assert 1 not in seen.pinged and 2 in seen.pinged
+    assert asked.count(1) >= 10 * TIMEOUT / INTERVAL / 2  # about once an interval
+    assert not [r for r in caplog.records if "rank 1" in r.getMessage()]
+    last_seen_running = now
+    evidence[0] = None  # stopped (SIGSTOP), or gone
+    while 1 not in [r for r, _ in seen.silent]:
+        now += TICK
+        watch._step(now)
+        assert now - last_seen_running <= TIMEOUT + INTERVAL + TICK, "never reported"
+    assert next(q for r, q in seen.silent if r == 1) >= TIMEOUT
+    assert 1 not in seen.pinged
+    for _ in range(3):
+        now += TICK
+        watch._step(now)
+    assert seen.pinged.count(1) >= 1  # reported: pinged until a frame says it is back
+    watch.heard[1] += 1
+    watch._step(now + TICK)
+    assert [r for r, _ in seen.heard] == [1]

@@ -122,3 +122,26 @@ def test_marks_learnt_at_start_need_no_store(
     processes = PeerProcesses(fetch)
     processes.learn({5: mark})
     assert f"its process {process.pid} on this host" in (processes.vouch(5) or "")
+
+
+def test_the_kernel_knows_peers_of_this_host_whose_marks_are_known() -> None:
+    # knows() never asks the store: the heartbeat calls it for every quiet peer.
+    boot, pid_ns, net_ns, pid, start = local_mark().decode().split("|")
+    fetched: list[int] = []
+
+    def fetch(rank: int) -> bytes:
+        fetched.append(rank)
+        return local_mark()
+
+    processes = PeerProcesses(fetch)
+    processes.learn({1: local_mark(),
+                     2: "|".join(["0" * len(boot), pid_ns, net_ns, pid, start]).encode(),
+                     3: "|".join([boot, pid_ns, "net:[1]", pid, start]).encode()})
+    assert processes.knows(1)
+    assert not processes.knows(2)  # another host's process
+    assert not processes.knows(3)  # another network namespace: a partition can cut it off
+    assert not processes.knows(4)  # no mark yet
+    assert fetched == []
+    processes.vouch(4)  # the mark fetched once the peer went silent ...
+    assert processes.knows(4)  # ... is known from then on
+    assert fetched == [4]
