@@ -35,9 +35,11 @@ class _Sent:
 
 
 class _Received:
-    def __init__(self, source: queue.Queue[torch.Tensor], into: torch.Tensor) -> None:
+    def __init__(self, source: queue.Queue[torch.Tensor], into: torch.Tensor,
+                 done: Any = lambda: None) -> None:
         self._source = source
         self._into = into
+        self._done = done
 
     def wait(self, timeout: Any = None) -> bool:
         try:
@@ -46,6 +48,7 @@ class _Received:
             raise RuntimeError("fake wire: nothing arrived") from None
         assert data.numel() <= self._into.numel(), "a message larger than its receive"
         self._into[: data.numel()].copy_(data)
+        self._done()
         return True
 
 
@@ -70,6 +73,8 @@ class FakeGroup:
     def __init__(self, wire: Wire, rank: int) -> None:
         self.wire = wire
         self.rank = rank
+        self.posted_slots = 0  # slot receives posted and not yet landed
+        self.most_posted_slots = 0
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Sent:
         (tensor,) = tensors
@@ -82,13 +87,22 @@ class FakeGroup:
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Received:
         (tensor,) = tensors
-        return _Received(self.wire.fifo((src, self.rank, tag)), tensor)
+        if tag != SLOT_TAG:
+            return _Received(self.wire.fifo((src, self.rank, tag)), tensor)
+        with self.wire._lock:
+            self.posted_slots += 1
+            self.most_posted_slots = max(self.most_posted_slots, self.posted_slots)
+        return _Received(self.wire.fifo((src, self.rank, tag)), tensor, self._slot_landed)
+
+    def _slot_landed(self) -> None:
+        with self.wire._lock:
+            self.posted_slots -= 1
 
 
 class End:
     """One side: a GlooTransport on the fake group, with what it delivered and lost."""
 
-    def __init__(self, wire: Wire, rank: int) -> None:
+    def __init__(self, wire: Wire, rank: int, depth: int = gloo.RECEIVE_DEPTH) -> None:
         self.delivered: queue.Queue[tuple[int, Frame]] = queue.Queue()
         self.lost: queue.Queue[tuple[int, str]] = queue.Queue()
         self.causes: list[LostCause] = []
@@ -101,8 +115,9 @@ class End:
                                                                                     detail)))),
         )
         peer = 1 - rank
+        self.group = FakeGroup(wire, rank)
         self.transport._begin(ctx, {  # type: ignore[arg-type]
-            peer: gloo._Link(peer, f"w{peer}", FakeGroup(wire, rank), peer)})
+            peer: gloo._Link(peer, f"w{peer}", self.group, peer, depth)})
         (self.receiver,) = [t for t in threading.enumerate()
                             if t.name == f"rpcx-w{rank}-recv-w{1 - rank}" and t.is_alive()]
 
@@ -112,9 +127,11 @@ class End:
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[Wire, End, End]]:
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Wire, End, End]]:
+    """Two ends over a fake wire; ``indirect`` parametrization sets their ring depth."""
     wire = Wire()
-    a, b = End(wire, 0), End(wire, 1)
+    depth = getattr(request, "param", gloo.RECEIVE_DEPTH)
+    a, b = End(wire, 0, depth), End(wire, 1, depth)
     yield wire, a, b
     a.transport.close(TIMEOUT)
     for end in (a, b):
@@ -216,8 +233,11 @@ def test_the_slot_boundary(pair: tuple[Wire, End, End]) -> None:
     assert modes == [INLINE, SPLIT]
 
 
+@pytest.mark.parametrize("pair", [gloo.RECEIVE_DEPTH, gloo.ring_depth(64)], indirect=True,
+                         ids=["full-ring", "ring-of-a-64-worker-world"])
 def test_frames_arrive_whole_and_in_order_both_ways(pair: tuple[Wire, End, End]) -> None:
     _, a, b = pair
+    depth = a.transport._peers[1].depth
     frames = []
     for i in range(3 * gloo.RECEIVE_DEPTH):  # more than the receives posted at once
         size = [0, 10, 5000][i % 3]
@@ -233,6 +253,19 @@ def test_frames_arrive_whole_and_in_order_both_ways(pair: tuple[Wire, End, End])
     for thread in senders:
         thread.join(TIMEOUT)
         assert not thread.is_alive()
+    for end in (a, b):  # the ring never grew past its depth
+        assert 0 < end.group.most_posted_slots <= depth
+
+
+def test_a_large_static_world_posts_fewer_receives_per_peer() -> None:
+    # 64 workers posting the full ring for 63 peers spent 8-17 s of start-up posting.
+    assert [gloo.ring_depth(n) for n in (2, 9, 16, 32, 64, 1000)] == [64, 64, 34, 16, 8, 8]
+    # A sender waits on its own thread only for bytes that fit in fewer slots than its
+    # peer keeps posted (half the ring), so a peer that stops reading cannot hold it.
+    for depth in range(8, gloo.RECEIVE_DEPTH + 1):
+        limit = gloo.inline_limit(depth)
+        assert 0 < limit // gloo.SLOT_BYTES < depth // 2, depth
+    assert gloo.inline_limit(gloo.RECEIVE_DEPTH) == 96 << 10  # two workers: as before
 
 
 def test_goodbye_ends_both_receivers_and_reports_the_peer_gone(

@@ -19,10 +19,12 @@ Wire format, per frame, on one ordered gloo pair per peer:
   a BYE it did not expect answers with its own.
 
 One receiving thread per peer keeps per-peer order and lets a large frame from one peer
-not hold up the others; it keeps ``RECEIVE_DEPTH`` slot receives posted so gloo can land
-frames while it is busy. Sends are posted under a per-peer lock (so the messages of one
-frame stay together) and waited for outside it: a gloo send Work only completes when
-waited on, and a sender whose peer has no receive posted waits for one (back-pressure).
+not hold up the others; it keeps a ring of slot receives posted so gloo can land frames
+while it is busy (``RECEIVE_DEPTH``; fewer per peer in a static world of more than 9
+workers, see :func:`ring_depth`). Sends are posted under a per-peer lock (so the
+messages of one frame stay together) and waited for outside it: a gloo send Work only
+completes when waited on, and a sender whose peer has no receive posted waits for one
+(back-pressure).
 A frame the peer may not take now is waited for by the peer's writer thread instead,
 the caller waiting only until the frame's deadline: one past what the kernel's socket
 buffers and the peer's posted slot receives take at once, a call's frame with messages
@@ -103,6 +105,27 @@ _WAIT_INLINE_BYTES = 96 << 10
 # of buffers per peer.
 RECEIVE_DEPTH = 64
 assert _WAIT_INLINE_BYTES // SLOT_BYTES < RECEIVE_DEPTH // 2  # (the ring keeps half posted)
+# A static world of more than 9 workers posts fewer per peer, about this many in all:
+# 64 workers posting 64 each for 63 peers (4,032 receives, 16 MiB of slots per worker)
+# spent 8-17 s of a 2-core host's start-up just posting them.
+_RING_BUDGET = 512
+_MIN_DEPTH = 8
+
+
+def ring_depth(world_size: int) -> int:
+    """Slot receives posted per peer in a static world of ``world_size`` workers.
+
+    Every worker computes the same depth for every peer, so a sender knows how far it
+    may run ahead of its peer's reading (see :func:`inline_limit`).
+    """
+    return max(_MIN_DEPTH, min(RECEIVE_DEPTH, _RING_BUDGET // max(1, world_size - 1)))
+
+
+def inline_limit(depth: int) -> int:
+    """Bytes a sender may have sent a peer that posts ``depth`` slot receives, since
+    that peer last sent anything, and still wait for a send on its own thread: fewer
+    slots than the peer keeps posted (half its ring), and what socket buffers take."""
+    return min(_WAIT_INLINE_BYTES, (depth // 2 - 1) * SLOT_BYTES)
 _HEAD = struct.Struct("<BxxxIQ")  # mode, number of buffers, body length
 _INLINE, _EXTENDED, _BYE, _SPLIT = 1, 2, 3, 4
 _TAG_SLOT, _TAG_DATA = 0, 1
@@ -144,21 +167,26 @@ class _Link(Link):
     posted. The first read posts the whole ring.
     """
 
-    __slots__ = ("bye", "group", "index", "owed", "posted", "ring_closed", "ring_lock",
-                 "unheard")
+    __slots__ = ("bye", "depth", "group", "index", "inline_limit", "owed", "posted",
+                 "ring_closed", "ring_lock", "unheard")
 
-    def __init__(self, rank: int, name: str, group: Any, index: int) -> None:
+    def __init__(self, rank: int, name: str, group: Any, index: int,
+                 depth: int = RECEIVE_DEPTH) -> None:
         super().__init__(rank, name)
         # The process group the peer is reached over, and its rank in it: the world's
         # group and its world rank; in a dynamic world, a group of the pair.
         self.group = group
         self.index = index
+        # Slot receives posted for the peer (the peer posts as many for us), and so how
+        # far a send may run ahead of the peer's reading on the sending thread.
+        self.depth = depth
+        self.inline_limit = inline_limit(depth)
         self.ring_lock = threading.Lock()
         self.posted: collections.deque[tuple[bytearray, torch.Tensor, Any]] = (
             collections.deque()
         )
         self.owed: list[tuple[bytearray, torch.Tensor]] = []
-        for _ in range(RECEIVE_DEPTH):
+        for _ in range(depth):
             slot = bytearray(SLOT_BYTES)
             self.owed.append((slot, torch.frombuffer(slot, dtype=torch.uint8)))
         self.ring_closed = False
@@ -223,7 +251,8 @@ class GlooTransport:
             return
         pg = _connect_mesh(ctx, opts)
         self._pg = pg
-        self._begin(ctx, {rank: _Link(rank, ctx.names[rank], pg, rank)
+        depth = ring_depth(ctx.world_size)
+        self._begin(ctx, {rank: _Link(rank, ctx.names[rank], pg, rank, depth)
                           for rank in range(ctx.world_size) if rank != ctx.rank})
 
     def _begin(self, ctx: TransportContext, links: dict[int, _Link]) -> None:
@@ -338,10 +367,10 @@ class GlooTransport:
             backlog = link.backlog
             assert backlog is not None
             # Waited for here unless the peer may not take it whole now (see
-            # _WAIT_INLINE_BYTES), or frames before it are still with the writer (waiting
+            # inline_limit), or frames before it are still with the writer (waiting
             # here would wait for those too). Closing: the writers are stopping.
             pending = None if peers.closing or not (
-                hand_off or backlog or link.unheard > _WAIT_INLINE_BYTES
+                hand_off or backlog or link.unheard > link.inline_limit
             ) else backlog.put((works, messages))
         if pending is None:
             _wait(works)
@@ -401,7 +430,7 @@ class GlooTransport:
             frame = self._receive_extended(link, n, body_len)
         with link.ring_lock:
             link.owed.append((slot, slot_tensor))
-            low = len(link.posted) < RECEIVE_DEPTH // 2
+            low = len(link.posted) < link.depth // 2
         if low:
             self._repost(link)
         return frame
