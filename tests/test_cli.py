@@ -54,6 +54,16 @@ def _launch(tmp_path: pathlib.Path, *args: str, **env: str) -> subprocess.Popen[
     )
 
 
+def test_help_reads_as_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    # (the module docstring it shows is reST for the API pages)
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "- doctor [--init-method URL]: what this machine has for rpcx" in out, out
+    assert "``" not in out, out
+
+
 def test_doctor_reports_this_machine_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["doctor"]) == 0
     out = capsys.readouterr().out

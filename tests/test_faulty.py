@@ -144,12 +144,16 @@ def test_drops_across_processes_are_reproducible(monkeypatch: pytest.MonkeyPatch
     assert None in outcomes[0] and any(r is not None for r in outcomes[0])
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_the_injector_refuses_sealed_frames(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RPCX_AUTH_KEY", "faulty-test-key-0123456789abcdef")
+    # worker1, a thread, fails the same way: the world keeps its error rather than
+    # leaving it to threading.excepthook (pytest would print it as a warning).
+    unhandled: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", unhandled.append)
     with pytest.raises(ValueError, match="without RPCX_AUTH_KEY"), world("faulty:loopback",
                                                                          size=2):
         pass
+    assert unhandled == []
 
 
 def test_lost_rref_bookkeeping_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:

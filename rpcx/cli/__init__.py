@@ -40,7 +40,9 @@ def _bench(args: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m rpcx`` and the ``rpcx`` script."""
-    parser = argparse.ArgumentParser(prog="rpcx", description=__doc__,
+    # (the docstring is reST for the API pages; a terminal shows it without the markup)
+    description = (__doc__ or "").replace("``", "")
+    parser = argparse.ArgumentParser(prog="rpcx", description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     backends = commands.add_parser("backends", help="list the installed backends")

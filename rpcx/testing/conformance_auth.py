@@ -229,8 +229,9 @@ class TestAuthentication:
 
     @pytest.mark.rpcx_requires(
         "multi_process", "refuses_strangers",
-        reason="an in-process world listens nowhere; a backend that declares it cannot "
-               "refuse strangers is not fuzzed (docs/security.md)")
+        reason="strangers are sent bytes at the ports a world of processes listens on, "
+               "and only a backend that declares refuses_strangers promises to refuse "
+               "them (docs/security.md)")
     def test_strangers_at_every_listening_port_run_nothing(
         self, rpcx_backend: str, own_worlds: str,
     ) -> None:

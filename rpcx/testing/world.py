@@ -14,6 +14,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ __all__ = ["DynamicWorld", "World", "dynamic_world", "start_world", "world"]
 log = logging.getLogger("rpcx.testing")
 
 _JOIN_TIMEOUT = 60.0
+_FAILED_START_JOIN = 10.0  # seconds a failed start waits for its worker threads, in all
 LOG_LEVEL_ENV = "RPCX_TEST_LOG_LEVEL"  # e.g. INFO: worker processes log at that level
 
 
@@ -72,6 +74,16 @@ class World:
     _threads: list[threading.Thread] = field(default_factory=list)
     _processes: list[Any] = field(default_factory=list)
     _tmpdir: tempfile.TemporaryDirectory[str] | None = None
+    thread_errors: list[tuple[str, BaseException]] = field(default_factory=list)
+    """What each worker thread (an in-process world's) raised, by worker name: a test
+    that expects a failure reads it here, and nothing reaches ``threading.excepthook``."""
+
+    def _serve_in_thread(self, rank: int, *args: Any) -> None:
+        try:
+            _serve(rank, *args)
+        except BaseException as exc:  # (kept for the test, not left to excepthook)
+            self.thread_errors.append((self.names[rank], exc))
+            log.debug("worker thread %s failed: %r", self.names[rank], exc)
 
     def close(self, graceful: bool = True) -> None:
         """Shut the driver down (the others follow) and reap every worker."""
@@ -118,9 +130,8 @@ def start_world(
             world._processes.append(process)
     else:
         for rank in range(1, size):
-            thread = threading.Thread(
-                target=_serve, args=(rank, *args), name=f"rpcx-test-worker{rank}", daemon=True
-            )
+            thread = threading.Thread(target=world._serve_in_thread, args=(rank, *args),
+                                      name=f"rpcx-test-worker{rank}", daemon=True)
             thread.start()
             world._threads.append(thread)
     try:
@@ -131,6 +142,9 @@ def start_world(
     except BaseException:
         for process in world._processes:
             process.kill()
+        deadline = time.monotonic() + _FAILED_START_JOIN
+        for thread in world._threads:  # (each fails too; a late one's error is kept all
+            thread.join(max(0.0, deadline - time.monotonic()))  # the same)
         tmpdir.cleanup()
         raise
     return world
