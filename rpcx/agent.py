@@ -34,7 +34,7 @@ from rpcx._membership import Roster
 from rpcx._membership_events import MembershipChange, MembershipWatchers
 from rpcx._peer_health import PeerHealth
 from rpcx._pending import PendingCalls, describe_callable
-from rpcx._process_watch import PeerProcesses
+from rpcx._process_watch import PeerProcesses, local_mark
 from rpcx._profiling import mark_profiler_node
 from rpcx._retransmit import NoRetransmission, Retransmission
 from rpcx._shutdown import Lifecycle, Shutdown, TeardownStep, bounded, each_hook, step_bound
@@ -87,7 +87,6 @@ class RpcAgent:
         routes: DeviceRoutes | None = None, guard: FrameGuard | None = None,
         connection_auth: ConnectionAuth | None = None,
         dynamic: DynamicMembership | None = None,
-        peer_marks: dict[int, bytes] | None = None,
     ) -> None:
         self.info = workers[rank]
         # Ids this worker makes (RRefs, autograd contexts) start past those of earlier
@@ -155,7 +154,6 @@ class RpcAgent:
                                 self._retransmission.grow]
         # The kernel's word on silent peers of this host (published in start()).
         self._peer_processes = PeerProcesses(self._process_mark)
-        self._peer_processes.learn(peer_marks or {})
         # User code told of joins, departures and losses (rpcx.on_membership_change).
         self.membership = MembershipWatchers(self.name, self._bind_thread)
         self.roster.on_rejoin += [self.membership.rank_reused]
@@ -326,18 +324,23 @@ class RpcAgent:
             admit=self._admit if self._dynamic is not None else None,
             vacant=lambda rank: rank >= len(self.workers) or not is_member(self.workers[rank]),
         ))
+        if not self._transport.capabilities.in_process and self._dynamic is None:
+            # (see watch_peers; a dynamic worker published its mark as it entered the
+            # roster)
+            self._store.set(f"process/{self.rank}", local_mark())
         if self._dynamic is not None:
             self._start_heartbeat()  # (a dynamic worker is ready once connected)
 
-    def watch_peers(self) -> None:
-        """A static world is ready (every worker passed the ``ready`` barrier): start the
-        heartbeat.
+    def watch_peers(self, timeout: float | None) -> None:
+        """A static world is ready (every worker passed the ``ready`` barrier): read the
+        peers' process marks and start the heartbeat.
 
         Not before: while a world starts, its workers are busy importing and connecting
-        (64 on 2 cores: a minute), and a peer's silence then says nothing. The peers'
-        process marks came with their names (``peer_marks``), so the heartbeat need not
-        ask the store when a peer goes quiet, which on a starved host answers late.
+        (64 on 2 cores: a minute), and a peer's silence then says nothing. The marks are
+        read in one store operation now, so that the heartbeat need not ask the store
+        when a peer goes quiet, which on a starved host answers late.
         """
+        self._learn_peer_processes(timeout)
         self._start_heartbeat()
 
     def _start_heartbeat(self) -> None:
@@ -348,9 +351,22 @@ class RpcAgent:
                                          vouch=self._peer_processes.vouch,
                                          knows=self._peer_processes.knows)
 
+    def _learn_peer_processes(self, timeout: float | None) -> None:
+        store = self._store
+        if store is None or self._transport.capabilities.in_process:
+            return
+        ranks = [w.id for w in self.workers if w.id != self.rank and is_member(w)]
+        keys = [f"process/{rank}" for rank in ranks]
+        try:
+            # (check first: multi_get waits for missing keys, a lost worker's say)
+            if ranks and store.check(keys, timeout):
+                self._peer_processes.learn(dict(zip(ranks, store.multi_get(keys, timeout),
+                                                    strict=True)))
+        except RpcError as exc:
+            log.debug("%s: peers' process marks not read: %s", self.name, exc)
+
     def _process_mark(self, rank: int) -> bytes | None:
-        """The process mark worker ``rank`` published, if any (for the heartbeat of a
-        dynamic world: a static world's came with the names)."""
+        """The process mark worker ``rank`` published, if any (for the heartbeat)."""
         store, key = self._store, f"process/{rank}"
         if store is None or not store.check([key], _MARK_FETCH_TIMEOUT):
             return None  # (a get of a missing key would hold the store's caller)

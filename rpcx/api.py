@@ -105,7 +105,6 @@ def init_rpc(
             guard=world.guard,
             connection_auth=world.connection_auth,
             dynamic=world.dynamic,
-            peer_marks=world.peer_marks,
         )
     except BaseException:
         world.leave()  # (the roster entry, the membership token, the in-process store)
@@ -122,7 +121,7 @@ def init_rpc(
                    if trace_dir else None)
         if world.dynamic is None:
             agent.barrier("ready", world.options.rpc_timeout or None)
-            agent.watch_peers()
+            agent.watch_peers(world.options.rpc_timeout or None)
         # (a dynamic worker is ready once connected: every member admitted it)
     except BaseException:
         # Do not leave threads, connections, the roster or the in-process store behind.

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rpcx import auth, rendezvous
-from rpcx._process_watch import local_mark
 from rpcx.devices import DeviceRoutes, WorkerDevices, plan_routes
 from rpcx.dynamic_world import DynamicWorld, HeldToken, claim_kind
 from rpcx.errors import RpcError
@@ -54,9 +53,6 @@ class Joined:
         world_key: the in-process store's key, for a backend whose workers are threads of
             one process (released once the worker leaves: :meth:`leave`); else ``None``.
         dynamic: a dynamic world's record in the store (``None`` for a static world).
-        peer_marks: the peers' process marks, by rank (:mod:`rpcx._process_watch`),
-            gathered with the names in a static world of processes; a dynamic worker's
-            heartbeat fetches a peer's when it needs it.
     """
 
     backend: BackendSpec
@@ -72,7 +68,6 @@ class Joined:
     world_key: str | None
     dynamic: DynamicWorld | None = None
     token: HeldToken | None = None
-    peer_marks: dict[int, bytes] = field(default_factory=dict)
 
     def settle(self) -> None:
         """The agent started: give the membership token back (a dynamic world; nothing
@@ -125,9 +120,8 @@ def join(
         store = rendezvous.open_store(options.init_method, rank, world_size, join_timeout)
     try:
         claim_kind(store, "static", repr(name), join_timeout)
-        session, names, marks = rendezvous.join_world(
-            store, name, rank, world_size, join_timeout, seal,
-            mark=b"" if in_process else local_mark())
+        session, names = rendezvous.join_world(
+            store, name, rank, world_size, join_timeout, seal)
     except Exception as exc:
         if world_key is not None:
             rendezvous.release_in_process_store(world_key)
@@ -151,7 +145,6 @@ def join(
         backend=spec, name=name, rank=rank, world_size=world_size, workers=workers,
         store=session, options=options, routes=routes, guard=guard,
         connection_auth=connections, world_key=world_key,
-        peer_marks={r: mark for r, mark in enumerate(marks) if mark and r != rank},
     )
 
 

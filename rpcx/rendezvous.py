@@ -49,7 +49,6 @@ LEAVE_TIMEOUT = 10.0
 # Saying "I left" gets this long even when shutdown's budget is spent: a live store
 # answers in milliseconds, and rank 0 waits for the word.
 _LEAVE_MOMENT = 0.1
-_MARK_SEPARATOR = b"\0"  # between a worker's name and its process mark (no name holds it)
 _NO_LIMIT = timedelta(days=7)  # torch stores need a finite timeout; rpcx bounds its own calls
 
 _hub_lock = threading.Lock()
@@ -198,29 +197,24 @@ def prefixed(store: BoundedStore, prefix: str) -> Any:
 
 def join_world(
     store: BoundedStore, name: str, rank: int, world_size: int, timeout: float | None,
-    seal: ValueSeal | None = None, mark: bytes = b"",
-) -> tuple[BoundedStore, list[str], list[bytes]]:
-    """Publish this worker's name, wait for every other; return the session store, the
-    names and the process marks, by rank.
+    seal: ValueSeal | None = None,
+) -> tuple[BoundedStore, list[str]]:
+    """Publish this worker's name, wait for every other, return (session store, names).
 
     Each ``init_rpc`` on a store starts a new *session* (its own key prefix), so a world
     can shut down and start again on the same rendezvous address. ``seal``: see
-    :func:`all_gather`. ``mark``: this worker's process mark (:mod:`rpcx._process_watch`;
-    empty for a worker that is a thread), published with its name: the heartbeat needs
-    every peer's, and one gather costs a starved store less than a second one.
+    :func:`all_gather`.
     """
     joined = store.add("rpcx/joined", 1, timeout)
     session = store.prefixed(f"rpcx/s{(joined - 1) // world_size}")
     if session.add(f"rank/{rank}", 1, timeout) != 1:
         raise RpcError(f"init_rpc: rank {rank} was claimed twice (worker {name!r} came second)")
     gathered = all_gather(
-        session, "name", rank, world_size, name.encode() + _MARK_SEPARATOR + mark, timeout,
+        session, "name", rank, world_size, name.encode(), timeout,
         what=f"init_rpc: worker {name!r} (rank {rank}) waiting for workers to join",
         seal=seal,
     )
-    split = [value.partition(_MARK_SEPARATOR) for value in gathered]
-    names = [published.decode() for published, _, _ in split]
-    marks = [published for _, _, published in split]
+    names = [value.decode() for value in gathered]
     seen: dict[str, int] = {}
     for r, other in enumerate(names):
         if other in seen:
@@ -229,7 +223,7 @@ def join_world(
                 "names must be unique"
             )
         seen[other] = r
-    return session, names, marks
+    return session, names
 
 
 def all_gather(

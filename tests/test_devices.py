@@ -171,7 +171,7 @@ def test_a_crafted_store_value_fails_init_rpc_and_runs_nothing(tmp_path: Any) ->
     def intruder() -> None:
         try:
             store = rendezvous.open_store(init_method, 1, 2, 30.0)
-            session, _, _ = rendezvous.join_world(store, "intruder", 1, 2, 30.0)
+            session, _ = rendezvous.join_world(store, "intruder", 1, 2, 30.0)
             session.set("devices/1", pickle.dumps(_RunsCode()))
         except BaseException as exc:
             posed.append(exc)

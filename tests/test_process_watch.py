@@ -11,15 +11,11 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 
 import pytest
 
-from rpcx import joining
 from rpcx._process_watch import PeerProcesses, local_mark, process_state
-from rpcx.registry import available_backends
-from rpcx.testing.world import free_port
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
 
@@ -149,38 +145,3 @@ def test_the_kernel_knows_peers_of_this_host_whose_marks_are_known() -> None:
     processes.vouch(4)  # the mark fetched once the peer went silent ...
     assert processes.knows(4)  # ... is known from then on
     assert fetched == [4]
-
-
-@pytest.mark.parametrize("backend", ["gloo", "loopback"])
-def test_a_static_world_learns_its_workers_marks_with_their_names(backend: str) -> None:
-    # One gather, no store read of their own: 64 workers reading each other's marks
-    # after the ready barrier once kept the slowest init_rpc 3.6 s past it. Workers that
-    # are threads of one process have no marks (nor a heartbeat).
-    spec = available_backends()[backend]
-    url = f"tcp://127.0.0.1:{free_port()}"
-    joined: dict[int, joining.Joined] = {}
-    failed: list[BaseException] = []
-
-    def join(rank: int) -> None:
-        options = spec.options_type(init_method=url, rpc_timeout=30)
-        try:
-            joined[rank] = joining.join(f"w{rank}", spec, options, rank, 2, None)
-        except BaseException as exc:
-            failed.append(exc)
-
-    threads = [threading.Thread(target=join, args=(rank,), daemon=True) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    try:
-        assert not failed and sorted(joined) == [0, 1], failed
-        assert [w.name for w in joined[0].workers] == ["w0", "w1"]
-        if spec.capabilities.in_process:
-            assert joined[0].peer_marks == {} and joined[1].peer_marks == {}
-        else:  # (both threads are one process: one mark)
-            assert joined[0].peer_marks == {1: local_mark()}
-            assert joined[1].peer_marks == {0: local_mark()}
-    finally:
-        for world in joined.values():
-            world.leave()

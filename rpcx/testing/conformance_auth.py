@@ -199,7 +199,7 @@ class TestAuthentication:
         def intruder() -> None:  # a plain store client posing as rank 1, without the key
             try:
                 store = rendezvous.open_store(own_worlds, 1, 2, BOUND)
-                session, _, _ = rendezvous.join_world(store, "intruder", 1, 2, BOUND)
+                session, _ = rendezvous.join_world(store, "intruder", 1, 2, BOUND)
                 session.set("devices/1", pickle.dumps(remote.SetsEnvironmentWhenUnpickled(
                     marker)))
             except AuthenticationError:
