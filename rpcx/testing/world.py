@@ -101,6 +101,8 @@ class World:
                     process.join(5)
             if self._tmpdir is not None:
                 self._tmpdir.cleanup()
+            for name, exc in self.thread_errors:  # (a test that expected it reads it)
+                log.warning("worker thread %s failed: %s: %s", name, type(exc).__name__, exc)
 
 
 def start_world(
