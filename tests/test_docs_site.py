@@ -524,3 +524,36 @@ def test_api_reference_renders_objects(page: Page, base_url: str) -> None:
         ".querySelector(':scope > .doc-contents')?.innerText ?? null", "rpcx.api.init_rpc")
     assert rendered is not None, "no docstring rendered under rpcx.api.init_rpc"
     assert summary in " ".join(str(rendered).split()), (summary, rendered)
+
+
+LAPTOP = {"width": 1366, "height": 768}  # a common laptop screen
+# The text of each element matched by the selector that is wider than its box (it
+# scrolls sideways, or is cut off).
+OVERFLOWING_JS = """selector => [...document.querySelectorAll(selector)]
+    .filter(e => e.scrollWidth > e.clientWidth + 1)
+    .map(e => e.textContent.trim().slice(0, 80))"""
+
+
+def test_signatures_fit_their_column(page: Page, base_url: str) -> None:
+    """Long signatures are laid out one parameter a line (mkdocstrings, with ruff), not
+    left to run off the column at a laptop's width."""
+    page.set_viewport_size(LAPTOP)
+    for path in ("reference/rpc/", "reference/options/", "reference/rref/",
+                 "reference/training/"):
+        page.goto(base_url + path, wait_until="load")
+        assert page.locator(".doc-signature").count() > 0, path
+        overflowing = page.evaluate(OVERFLOWING_JS, ".doc-signature pre, .doc-signature code")
+        assert overflowing == [], f"{path}: {overflowing}"
+
+
+def test_first_pages_are_kept_as_screenshots(page: Page, base_url: str) -> None:
+    """The home and getting-started pages at a laptop's width, kept under
+    ``build/screenshots/`` for a person to look at (CI keeps the build directory)."""
+    page.set_viewport_size(LAPTOP)
+    out = ROOT / "build" / "screenshots"
+    out.mkdir(parents=True, exist_ok=True)
+    for path, name in (("", "home"), ("getting-started/", "getting-started")):
+        page.goto(base_url + path, wait_until="load")
+        shot = out / f"{name}.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000, shot  # (a blank page is a few KiB)
