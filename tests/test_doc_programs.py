@@ -32,10 +32,10 @@ from rpcx.testing.world import free_port
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "examples" / "README.md",
          *sorted((ROOT / "docs").rglob("*.md"))]
+TEXTS = {page: page.read_text() for page in PAGES}
 BOUND = 120.0
 
 _PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-_CONSOLE_BLOCK = re.compile(r"^```console\n(.*?)^```", re.S | re.M)
 _PRINT = re.compile(r"\s*print\(.*?\)(?:\s+#\s*(.+))?$")
 _COMMENT = re.compile(r"\s*#\s?(.*)$")
 _TIMES = re.compile(r"(.*) \((\d+) times\)$")
@@ -76,8 +76,7 @@ def _stated(code: str) -> list[str]:
 
 def _programs() -> list[Program]:
     found = []
-    for page in PAGES:
-        text = page.read_text()
+    for page, text in TEXTS.items():
         for block in _PYTHON_BLOCK.finditer(text):
             code = block.group(1)
             stated = _stated(code)
@@ -88,17 +87,11 @@ def _programs() -> list[Program]:
 
 
 def _matches(printed: str, stated: str) -> bool:
-    """Whether ``printed`` is what the comment ``stated`` says it is (see the module)."""
-    pattern = ".*".join(re.escape(part) for part in stated.split("..."))
-    if re.fullmatch(pattern, printed):
-        return True
-    return any(re.fullmatch(".*".join(re.escape(part) for part in head.split("...")), printed)
-               for head in _heads(stated))
-
-
-def _heads(stated: str) -> list[str]:
-    """``stated`` cut before each ``": "``: the printed value, if the rest is a remark."""
-    return [stated[:m.start()] for m in re.finditer(": ", stated)]
+    """Whether ``printed`` is what the comment ``stated`` says it is: the whole comment,
+    or the comment cut before one of its ``": "`` (the rest a remark); ``...`` elides."""
+    candidates = [stated, *(stated[:m.start()] for m in re.finditer(": ", stated))]
+    return any(re.fullmatch(".*".join(map(re.escape, c.split("..."))), printed)
+               for c in candidates)
 
 
 PROGRAMS = _programs()
@@ -156,8 +149,7 @@ def _table(text: str) -> dict[str, list[str]]:
 
 def _backends_samples() -> list[tuple[str, str]]:
     samples = []
-    for page in PAGES:
-        text = page.read_text()
+    for page, text in TEXTS.items():
         for block in re.finditer(r"^```(?:console|bash)\n(.*?)^```", text, re.S | re.M):
             body = block.group(1)
             if "$ python -m rpcx backends\n" in body:

@@ -145,8 +145,10 @@ def start_world(
         for process in world._processes:
             process.kill()
         deadline = time.monotonic() + _FAILED_START_JOIN
-        for thread in world._threads:  # (each fails too; a late one's error is kept all
-            thread.join(max(0.0, deadline - time.monotonic()))  # the same)
+        # The worker threads fail too; wait for them a while (one that ends later still
+        # keeps its error in thread_errors, away from threading.excepthook).
+        for thread in world._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
         tmpdir.cleanup()
         raise
     return world
