@@ -31,8 +31,9 @@ class MembershipChange:
     """One change to the world's membership, as this worker saw it.
 
     Attributes:
-        kind: ``"joined"`` (a worker joined a dynamic world), ``"left"`` (it shut down)
-            or ``"lost"`` (it died, broke its connection, or stayed silent past
+        kind: ``"joined"`` (a worker joined a dynamic world), ``"left"`` (it shut down,
+            or its program ended without ``shutdown()``: the reason says which) or
+            ``"lost"`` (it died, broke its connection, or stayed silent past
             ``heartbeat_timeout``).
         worker: the worker that joined, left or was lost.
         reason: for ``"left"`` and ``"lost"``, the sentence errors use (``"is

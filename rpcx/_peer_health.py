@@ -19,12 +19,19 @@ from rpcx._pending import PendingCall, PendingCalls
 from rpcx._pool import WorkerPool
 from rpcx._shutdown import Lifecycle
 from rpcx.errors import LostCause, PeerLostError, RpcShutdownError, lost_reason
-from rpcx.messages import PING, PONG, MessageKind
+from rpcx.messages import LEAVING_AT_EXIT, LEAVING_THREAD_ENDED, PING, PONG, MessageKind
 from rpcx.worker import WorkerInfo, is_member
 
 __all__ = ["PeerHealth"]
 
 log = logging.getLogger("rpcx.agent")
+
+
+# What a LEAVING message's code says of its sender, as the end of "worker 'name' (rank N) ...".
+_FAREWELLS = {
+    LEAVING_AT_EXIT: "left without calling shutdown(): its program exited",
+    LEAVING_THREAD_ENDED: "left without calling shutdown(): its spawned thread ended",
+}
 
 
 class PeerHealth:
@@ -63,6 +70,7 @@ class PeerHealth:
         self._lock = threading.Lock()
         self._lost_handled: set[int] = set()  # lost peers whose hooks ran
         self._lost_causes: dict[int, LostCause] = {}  # why each lost peer is gone
+        self._farewells: dict[int, str] = {}  # peers leaving without shutdown(): how
         self._lost_cond = threading.Condition(self._lock)
         self._heard_again = threading.Condition(self._lock)
         self._heartbeat: Heartbeat | None = None
@@ -207,6 +215,18 @@ class PeerHealth:
         """Peers leave now: silence is no news."""
         if self._heartbeat is not None:
             self._heartbeat.close()
+
+    def on_leaving(self, caller: WorkerInfo, payload: Any) -> None:
+        """A ``LEAVING`` message: ``caller`` leaves without having called ``shutdown()``.
+        Its goodbye follows; it is reported with these words instead of "has shut down"."""
+        how = _FAREWELLS.get(payload, "left without calling shutdown()")
+        with self._lock:
+            self._farewells[caller.id] = how
+
+    def farewell(self, rank: int) -> str | None:
+        """How worker ``rank`` said it leaves, if it said so (``LEAVING``); once."""
+        with self._lock:
+            return self._farewells.pop(rank, None)
 
     def on_heartbeat(self, caller: WorkerInfo, payload: Any) -> None:
         """A heartbeat message: answer a ping (any frame counts as heard)."""

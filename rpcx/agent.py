@@ -173,6 +173,7 @@ class RpcAgent:
         self.on_rank_reused: list[Callable[[int], None]] = self.roster.on_rejoin
         self.on_peer_silent: list[Callable[[int], None]] = self._health.on_peer_silent
         self.register_handler(MessageKind.HEARTBEAT, self._health.on_heartbeat, in_order=True)
+        self.register_handler(MessageKind.LEAVING, self._health.on_leaving, in_order=True)
         # rpcx.tracing's clock probes: read the clock as the request arrives
         self.register_handler(MessageKind.CLOCK, lambda caller, payload: time.monotonic_ns(),
                               in_order=True)
@@ -442,6 +443,17 @@ class RpcAgent:
         """
         return self._shutdown.run(graceful, timeout)
 
+    def say_leaving(self, why: int) -> None:
+        """Tell every live peer that this worker is about to leave without ``shutdown()``
+        (``why``: a ``LEAVING_*`` code of :mod:`rpcx.messages`), so they report it as such,
+        not as "has shut down". The caller shuts down non-gracefully next: the goodbye
+        follows this message on each link."""
+        if not self._life.running:
+            return
+        for worker in self.roster.members():
+            if worker.id != self.rank and not self.is_lost(worker.id):
+                self._calls.send_one_way(worker, MessageKind.LEAVING, why)
+
     def _teardown(self, graceful: bool) -> Sequence[TeardownStep]:
         """What closes, in order, when the worker leaves."""
         def leave(deadline: float | None) -> None:
@@ -472,6 +484,9 @@ class RpcAgent:
     # ----------------------------------------------------------- callbacks
 
     def _on_peer_lost(self, rank: int, cause: LostCause, detail: str = "") -> None:
+        farewell = self._health.farewell(rank)  # (taken whatever the cause: ranks are reused)
+        if cause is LostCause.DEPARTED and farewell is not None:
+            detail = farewell
         # Transports call this from their receiving threads, which must not send.
         with receiving():
             self._health.peer_lost(rank, cause, detail)

@@ -18,6 +18,7 @@ from rpcx.agent import RpcAgent
 from rpcx.autograd import service as autograd_service
 from rpcx.calls import rpc_async, rpc_sync  # (the public API's, defined with the call service)
 from rpcx.errors import RpcError, RpcShutdownError
+from rpcx.messages import LEAVING_AT_EXIT
 from rpcx.options import RpcBackendOptions, as_backend_options, as_rpcx_options
 from rpcx.registry import BackendSpec, resolve_backend
 from rpcx.service_host import ServiceHost
@@ -338,6 +339,7 @@ def _shutdown_at_exit() -> None:
             "worker %r exits without rpcx.shutdown(); leaving without waiting for peers",
             agent.name,
         )
+        agent.say_leaving(LEAVING_AT_EXIT)  # (peers say so, not "has shut down")
         agent.shutdown(graceful=False)
         trace_session.end_session(agent, sample=False)  # (a trace is most wanted then)
 

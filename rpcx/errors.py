@@ -86,10 +86,11 @@ def lost_reason(cause: LostCause, detail: str = "") -> str:
 
     Transports report ``peer_lost(rank, cause, detail)``; this writes the one sentence
     every backend's errors share, e.g. ``"has shut down"`` or
-    ``"is unreachable: protocol error: <detail>"``.
+    ``"is unreachable: protocol error: <detail>"``. A departure's ``detail`` replaces
+    "has shut down" (the agent's words for a peer that left without calling shutdown).
     """
     if cause is LostCause.DEPARTED:
-        return "has shut down"
+        return detail or "has shut down"
     if cause is LostCause.UNRESPONSIVE:
         return f"is unresponsive: {detail}" if detail else "is unresponsive"
     if cause is LostCause.PROTOCOL_ERROR:

@@ -37,6 +37,8 @@ class MessageKind(enum.IntEnum):
     #   the caller runs torch's profiler; answered with (value, serve_ns, events)
     CLOCK = 18  # payload: None; answered with the callee's time.monotonic_ns() (rpcx.tracing
     #   aligns the workers' clocks with it)
+    LEAVING = 19  # one-way, payload: a LEAVING_* code; the sender leaves without having
+    #   called shutdown() (sent just before its transport's goodbye, which follows in order)
 
 
 
@@ -47,5 +49,9 @@ CONTROL_KINDS = frozenset({
     MessageKind.RREF_CONFIRM, MessageKind.AUTOGRAD_BACKWARD, MessageKind.AUTOGRAD_RELEASE,
     MessageKind.AUTOGRAD_RUN, MessageKind.AUTOGRAD_CHAIN, MessageKind.AUTOGRAD_CHAIN_END,
     MessageKind.HEARTBEAT, MessageKind.AUTOGRAD_FORGET, MessageKind.CLOCK,
+    MessageKind.LEAVING,
 })
 PING, PONG = 0, 1  # HEARTBEAT payloads
+# LEAVING payloads: why a worker leaves without shutdown()
+LEAVING_AT_EXIT = 0  # its program is exiting (rpcx's atexit handler)
+LEAVING_THREAD_ENDED = 1  # its rpcx.spawn thread ended

@@ -192,6 +192,10 @@ class ServiceHost(Protocol):
     def shutdown(self, graceful: bool = True, timeout: float | None = None) -> bool:
         """Leave the world (see ``RpcAgent.shutdown``)."""
 
+    def say_leaving(self, why: int) -> None:
+        """Tell the live peers this worker leaves without ``shutdown()`` (see
+        ``RpcAgent.say_leaving``)."""
+
     def is_unresponsive(self, rank: int) -> bool:
         """Whether worker ``rank`` is silent past ``heartbeat_timeout`` right now."""
 

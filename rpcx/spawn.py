@@ -25,6 +25,7 @@ from torch.multiprocessing.spawn import start_processes
 
 from rpcx import _context, api
 from rpcx.errors import RpcError
+from rpcx.messages import LEAVING_THREAD_ENDED
 from rpcx.registry import ENV_VAR, resolve_backend
 
 __all__ = ["SpawnContext", "WorkerFailedError", "spawn"]
@@ -125,6 +126,7 @@ def _leave_if_running(rank: int) -> None:
         "waiting for peers", agent.name, rank,
     )
     try:
+        agent.say_leaving(LEAVING_THREAD_ENDED)  # (peers say so, not "has shut down")
         api.shutdown(graceful=False)
     except Exception:
         log.exception("worker %r: shutdown after its thread ended failed", agent.name)

@@ -306,6 +306,57 @@ def test_peer_that_joins_then_vanishes_fails_init_within_rpc_timeout(rpcx_backen
     assert "'w0'" in message and "rpc_timeout" in message, message
 
 
+_EXITS_WITHOUT_SHUTDOWN = """
+import sys, threading
+import rpcx
+
+rank, url, backend = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+watching = threading.Event()
+
+def wait_until_watched():
+    return watching.wait(60)
+
+rpcx.init_rpc(f"w{rank}", backend=backend, rank=rank, world_size=2,
+              rpc_backend_options=rpcx.RpcBackendOptions(init_method=url, rpc_timeout=60))
+if rank == 1:
+    # Once w0 watches the membership, the program ends without rpcx.shutdown().
+    assert rpcx.rpc_sync("w0", wait_until_watched)
+    sys.exit(0)
+changes = []
+gone = threading.Event()
+rpcx.on_membership_change(lambda change: (changes.append(change), gone.set()))
+watching.set()
+assert gone.wait(60), "w1's departure was never reported"
+print(changes[0].kind, "|", changes[0].reason)
+print(rpcx.debug_info()["lost_causes"], "|", rpcx.debug_info()["lost_peers"])
+try:
+    rpcx.rpc_sync("w1", len, args=((),))
+except rpcx.PeerLostError as exc:
+    print(exc)
+rpcx.shutdown()
+"""
+
+
+def test_worker_that_exits_without_shutdown_is_not_said_to_have_shut_down(
+        rpcx_backend: str) -> None:
+    if not _multi_process(rpcx_backend):
+        pytest.skip("workers of an in-process backend are threads: no program exits")
+    url = f"tcp://127.0.0.1:{free_port()}"
+    runs = [subprocess.Popen([sys.executable, "-c", _EXITS_WITHOUT_SHUTDOWN, str(rank), url,
+                              rpcx_backend], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for rank in (0, 1)]
+    (out0, err0), (_, err1) = (run.communicate(timeout=120) for run in runs)
+    assert [run.returncode for run in runs] == [0, 0], err0[-2000:] + err1[-2000:]
+    said = "worker 'w1' (rank 1) left without calling shutdown(): its program exited"
+    assert out0.splitlines() == [
+        f"left | {said.split(' (rank 1) ')[1]}",
+        f"{{'w1': 'departed'}} | {{'w1': \"{said}\"}}",
+        f"rpc_sync(builtins.len) to worker 'w1' failed: {said}",
+    ], out0
+    assert "has shut down" not in out0 + err0
+    assert "w1' exits without rpcx.shutdown()" in err1  # (its own warning says so)
+
+
 def test_tcp_and_env_rendezvous(rpcx_backend: str, loopback_rendezvous: tuple[str, int]) -> None:
     if not _multi_process(rpcx_backend):
         pytest.skip("in-process backends ignore the rendezvous address")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,32 @@ def _raises_without_shutdown(rank: int, world_size: int) -> None:
     if rank == 0:
         raise ValueError("boom")
     rpcx.shutdown()
+
+
+_SEEN: dict[str, list[rpcx.MembershipChange]] = {}
+
+
+def _says_why_it_left(rank: int, world_size: int, key: str, watching: threading.Event) -> None:
+    rpcx.init_rpc(f"w{rank}", rank=rank, world_size=world_size)
+    if rank == 0:
+        assert watching.wait(JOIN)
+        return  # no shutdown(), once w1 watches
+    gone = threading.Event()
+    _SEEN[key] = []
+    rpcx.on_membership_change(lambda change: (_SEEN[key].append(change), gone.set()))
+    watching.set()
+    assert gone.wait(JOIN)
+    rpcx.shutdown()
+
+
+def test_peers_hear_that_a_thread_ended_without_shutdown() -> None:
+    key = uuid.uuid4().hex
+    context = rpcx.spawn(_says_why_it_left, args=(2, key, threading.Event()), nprocs=2,
+                         backend="loopback", join=False)
+    assert context.join(timeout=JOIN)
+    [change] = _SEEN.pop(key)
+    assert (change.kind, change.worker.name, change.reason) == (
+        "left", "w0", "left without calling shutdown(): its spawned thread ended")
 
 
 def test_thread_ending_without_shutdown_leaves_and_peers_finish() -> None:
