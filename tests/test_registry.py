@@ -255,8 +255,40 @@ def run_cli(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedP
     )
 
 
-def test_main_backends_table(capsys: pytest.CaptureFixture[str]) -> None:
+def _entry(out: str, name: str) -> str:
+    """The lines of ``name``'s entry in ``rpcx backends``'s default listing, joined: its
+    first line (name, plugin) and the indented ones below it (description, capabilities)."""
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(name))
+    end = next((i for i in range(first + 1, len(lines)) if not lines[i].startswith(" ")),
+               len(lines))
+    return "\n".join(lines[first:end])
+
+
+def test_main_backends_listing(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["backends"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert [line.split() for line in lines[:3]] == [["name", "plugin"], ["description"],
+                                                    ["capabilities"]]
+    assert max(map(len, lines)) <= 80, out  # an 80-column terminal, the docs' code column
+    auto = _entry(out, "auto")
+    assert auto.startswith("auto (default)")
+    assert auto.splitlines()[0].split()[-1] == "rpcx.backends.sockets"
+    assert "shared memory" in auto.splitlines()[1]
+    assert "multi_process, multi_host" in auto.splitlines()[2]
+    gloo = _entry(out, "gloo")
+    assert "(default)" not in gloo
+    assert gloo.splitlines()[0].split() == ["gloo", "rpcx.backends.gloo"]
+    assert "multi_process, multi_host" in gloo
+    loopback = _entry(out, "loopback")
+    assert "in_process" in loopback and "rpcx.backends.loopback" in loopback
+    assert "(default)" not in loopback
+    assert f"${ENV_VAR}" in out and "--wide" in out
+
+
+def test_main_backends_wide_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["backends", "--wide"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].split() == ["name", "capabilities", "plugin", "description"]
@@ -373,11 +405,16 @@ def test_third_party_plugin_is_discovered(fake_plugin_dir: Path) -> None:
 def test_third_party_plugin_in_table(fake_plugin_dir: Path) -> None:
     result = run_cli("backends", pythonpath=fake_plugin_dir)
     assert result.returncode == 0, result.stderr
-    fake = next(line for line in result.stdout.splitlines() if line.startswith("fake"))
-    assert "fake (fake_rpcx_plugin)" in fake
-    assert "in_process" in fake and "multi_process" not in fake
-    assert "a fake backend for tests" in fake
+    fake = _entry(result.stdout, "fake").splitlines()
+    assert fake[0].split(maxsplit=1) == ["fake", "fake (fake_rpcx_plugin)"]
+    assert fake[1:] == ["    a fake backend for tests", "    in_process, refuses_strangers"]
     assert "failed" not in result.stderr
+    wide = run_cli("backends", "--wide", pythonpath=fake_plugin_dir)
+    assert wide.returncode == 0, wide.stderr
+    fake_row = next(line for line in wide.stdout.splitlines() if line.startswith("fake"))
+    assert "fake (fake_rpcx_plugin)" in fake_row
+    assert "in_process" in fake_row and "multi_process" not in fake_row
+    assert "a fake backend for tests" in fake_row
 
 
 def test_third_party_plugin_resolves_in_process_code(fake_plugin_dir: Path) -> None:

@@ -1,6 +1,6 @@
 """rpcx's command line: ``python -m rpcx`` or ``rpcx``.
 
-- ``backends [--names]``: the installed backends and what they can do;
+- ``backends [--names | --wide]``: the installed backends and what they can do;
 - ``doctor [--init-method URL]``: what this machine has for rpcx, each problem with what
   to do about it (exit status 1 if there is one);
 - ``launch -n N [--backend B] script.py [args]``: N workers of a script on this host,
@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     backends = commands.add_parser("backends", help="list the installed backends")
-    backends.add_argument("--names", action="store_true", help="print one name per line")
+    backends_layout = backends.add_mutually_exclusive_group()
+    backends_layout.add_argument("--names", action="store_true",
+                                 help="print one name per line")
+    backends_layout.add_argument("--wide", action="store_true",
+                                 help="one line per backend (a table wider than 80 columns)")
     doctor = commands.add_parser("doctor", help="check this machine for rpcx")
     doctor.add_argument("--init-method", help="a rendezvous URL to check the path to "
                         "(default: env:// if MASTER_ADDR is set)")
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "backends":
         from rpcx.cli.backends import list_backends
 
-        return list_backends(args.names)
+        return list_backends(args.names, args.wide)
     if args.command == "doctor":
         from rpcx.cli.doctor import doctor as run_doctor
 
