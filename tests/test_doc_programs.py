@@ -3,18 +3,21 @@
 A ``python`` block that is a whole program (it has ``if __name__ == "__main__":``) and
 states its output is run as written, in a process of its own, with one change: a
 ``tcp://127.0.0.1:PORT`` address gets a free port. Its output must be the stated lines,
-in order. A ``print(...)`` states its line in a comment after it (``print(x)  # 42``),
-or, with none there, in the comment lines right below it (one per line printed; ``(3
-times)`` at the end repeats one). A stated line may elide with ``...``, and may add a
-word on the value after ``: `` (``# 0.5: no deadline`` stands for ``0.5``). A program on
-a backend that is not installed (a plugin's) is skipped. So the docs cannot drift from
-the code they show.
+in order. A ``print(...)`` states its line in a comment after it (``print(x)  # 42``;
+after its closing parenthesis where the call spans lines), or, with none there, in the
+comment lines right below it (one per line printed; ``(3 times)`` at the end repeats
+one). A stated line that ends in `` \\`` goes on in the next comment line (``# a \\``
+then ``#   b`` state ``a b``): the pages' code column is 80 characters wide. A stated
+line may elide with ``...``, and may add a word on the value after ``: `` (``# 0.5: no
+deadline`` stands for ``0.5``). A program on a backend that is not installed (a
+plugin's) is skipped. So the docs cannot drift from the code they show.
 
-``python -m rpcx backends`` samples are checked against the command's own table.
+``python -m rpcx backends`` samples are checked against the command's own listing.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import re
@@ -36,8 +39,9 @@ TEXTS = {page: page.read_text() for page in PAGES}
 BOUND = 120.0
 
 _PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-_PRINT = re.compile(r"\s*print\(.*?\)(?:\s+#\s*(.+))?$")
+_AFTER_CALL = re.compile(r"\s+#\s*(.+)$")  # a comment after a call's closing parenthesis
 _COMMENT = re.compile(r"\s*#\s?(.*)$")
+_GOES_ON = " \\"  # a stated line's end that continues it in the next comment line
 _TIMES = re.compile(r"(.*) \((\d+) times\)$")
 _BACKEND = re.compile(r"backend=\"(\w+)\"")
 _LOCAL_TCP = re.compile(r"tcp://127\.0\.0\.1:\d+")
@@ -54,20 +58,38 @@ class Program:
         return f"{self.page.relative_to(ROOT)}:{self.line}"
 
 
+def _print_ends(code: str) -> list[tuple[int, str]]:
+    """Each ``print(...)`` call of ``code``, in order: the index of the line its closing
+    parenthesis is on (a call may span lines), and what that line holds after it."""
+    lines = code.splitlines()
+    ends = []
+    for node in ast.walk(ast.parse(code)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "print" and node.end_lineno is not None
+                and node.end_col_offset is not None):
+            line = lines[node.end_lineno - 1].encode()  # (the offset counts UTF-8 bytes)
+            ends.append((node.end_lineno - 1, node.end_col_offset,
+                         line[node.end_col_offset:].decode()))
+    return [(i, after) for i, _, after in sorted(ends)]
+
+
 def _stated(code: str) -> list[str]:
     """The lines ``code`` says it prints, in order (see the module)."""
     lines = code.splitlines()
     stated: list[str] = []
-    for i, line in enumerate(lines):
-        printed = _PRINT.match(line)
-        if printed is None:
-            continue
-        said = [printed.group(1)] if printed.group(1) else []
-        for below in lines[i + 1:] if not said else []:
+    for i, after in _print_ends(code):
+        printed = _AFTER_CALL.match(after)
+        inline = printed.group(1) if printed else None
+        said = [inline] if inline else []
+        for below in lines[i + 1:]:
+            goes_on = bool(said) and said[-1].endswith(_GOES_ON)
             comment = _COMMENT.match(below)
-            if comment is None:
+            if (inline and not goes_on) or comment is None:
                 break
-            said.append(comment.group(1))
+            if goes_on:
+                said[-1] = said[-1].removesuffix(_GOES_ON) + " " + comment.group(1).strip()
+            else:
+                said.append(comment.group(1))
         for one in said:
             times = _TIMES.fullmatch(one)
             stated += [times.group(1)] * int(times.group(2)) if times else [one]
@@ -79,9 +101,14 @@ def _programs() -> list[Program]:
     for page, text in TEXTS.items():
         for block in _PYTHON_BLOCK.finditer(text):
             code = block.group(1)
-            stated = _stated(code)
-            if stated and 'if __name__ == "__main__":' in code:
-                line = text.count("\n", 0, block.start()) + 2
+            if 'if __name__ == "__main__":' not in code:
+                continue
+            line = text.count("\n", 0, block.start()) + 2
+            try:
+                stated = _stated(code)
+            except SyntaxError as e:
+                raise SyntaxError(f"{page.relative_to(ROOT)}:{line}: {e}") from e
+            if stated:
                 found.append(Program(page, line, code, stated))
     return found
 
@@ -108,9 +135,23 @@ def test_stated_lines_are_read_as_this_module_says() -> None:
             "# y\n"
             "z = 1  # not a print\n"
             "print(c)  # 0.5: no deadline\n"
-            "print(f(d))  # tensor([1.]) (2 times)\n")
+            "print(f(d))  # tensor([1.]) (2 times)\n"
+            "print(e)  # a long \\\n"
+            "#   line \\\n"
+            "#   (2 times)\n"
+            "# not stated: the line before does not go on\n"
+            "print(g)\n"
+            "# first \\\n"
+            "#     second\n"
+            "# third\n"
+            "print(h(1,\n"
+            "        2))  # 3\n"
+            "print(\n"
+            "    k)\n"
+            "# 4\n")
     assert _stated(code) == ["42", "x", "x", "y", "0.5: no deadline", "tensor([1.])",
-                             "tensor([1.])"]
+                             "tensor([1.])", "a long line", "a long line", "first second",
+                             "third", "3", "4"]
     assert _matches("0.5", "0.5: no deadline") and not _matches("0.6", "0.5: no deadline")
     assert _matches("timed out after 0.2 s (timeout 0.2 s)", "timed out after ...")
     assert not _matches("timed out", "timed out after ...")
