@@ -546,6 +546,63 @@ def test_signatures_fit_their_column(page: Page, base_url: str) -> None:
         assert overflowing == [], f"{path}: {overflowing}"
 
 
+# Each code block of the page that is wider than its box at this width (it scrolls
+# sideways): the first line that does not fit, its width and the room there is. A line
+# is measured in a span of the block's own font; room is the block's width less its
+# padding (Chromium counts the right padding in what scrolls).
+CODE_OVERFLOW_JS = """() => {
+    const blocks = new Set();
+    for (const e of document.querySelectorAll(
+            '.md-content pre, .md-content pre > code, .md-content div.highlight')) {
+        if (e.scrollWidth > e.clientWidth + 1) {
+            blocks.add(e.matches('code') ? e : (e.querySelector('pre > code') ?? e));
+        }
+    }
+    return [...blocks].map(block => {
+        const style = getComputedStyle(block);
+        const room = block.clientWidth - parseFloat(style.paddingLeft)
+            - parseFloat(style.paddingRight);
+        const lines = block.textContent.replace(/\\n$/, '').split('\\n');
+        const probe = document.createElement('span');
+        probe.style.whiteSpace = 'pre';
+        block.appendChild(probe);
+        let first = null;
+        let widest = {line: 0, width: -1, text: ''};
+        lines.forEach((text, i) => {
+            probe.textContent = text;
+            const width = probe.getBoundingClientRect().width;
+            const measured = {line: i + 1, width: width, text: text};
+            if (first === null && width > room + 1) first = measured;
+            if (width > widest.width) widest = measured;
+        });
+        probe.remove();
+        return {...(first ?? widest), room: room, lines: lines.length,
+                block: lines[0].slice(0, 40)};
+    });
+}"""
+
+
+def test_code_blocks_fit_their_column(page: Page, base_url: str, site_dir: Path) -> None:
+    """At a laptop's width no code block of any page scrolls sideways: every line of
+    code, output and sample fits the column (80 characters of the theme's monospace:
+    tests/test_doc_widths.py holds the Markdown to that)."""
+    page.set_viewport_size(LAPTOP)
+    pages = _site_pages(site_dir)
+    assert len(pages) > 1, pages
+    found = []
+    for path in pages:
+        page.goto(base_url + path, wait_until="load")
+        for block in page.evaluate(CODE_OVERFLOW_JS):
+            found.append(
+                f"  /{path}: line {block['line']} of {block['lines']} of the block "
+                f"starting {block['block']!r} is {block['width']:.0f} px wide, the column "
+                f"{block['room']:.0f} px:\n    {block['text']}")
+    if found:
+        pytest.fail(f"{len(found)} code blocks wider than the column at "
+                    f"{LAPTOP['width']} px (page: first line that does not fit):\n"
+                    + "\n".join(found), pytrace=False)
+
+
 def test_first_pages_are_kept_as_screenshots(page: Page, base_url: str) -> None:
     """The home and getting-started pages at a laptop's width, kept under
     ``build/screenshots/`` for a person to look at (CI keeps the build directory)."""
