@@ -5,6 +5,7 @@
 transport chosen by name (``init_rpc(backend="gloo")``, ``$RPCX_BACKEND``).
 """
 
+import rpcx._torch_import  # noqa: F401  (first: torch without its numpy warning)
 from rpcx import autograd, for_torch, functions, nn, optim
 from rpcx._membership_events import MembershipChange
 from rpcx.api import (

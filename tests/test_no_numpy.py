@@ -60,15 +60,39 @@ if __name__ == "__main__":
 
 
 
-def test_init_rpc_works_without_numpy(rpcx_backend: str, tmp_path: Path) -> None:
+def _without_numpy(tmp_path: Path) -> dict[str, str]:
+    """The environment of a process (and its children) where numpy cannot be imported."""
     blocker = tmp_path / "block"
-    blocker.mkdir()
+    blocker.mkdir(exist_ok=True)
     (blocker / "sitecustomize.py").write_text(BLOCKER)
-    program = tmp_path / "program.py"
-    program.write_text(PROGRAM)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(blocker), env.get("PYTHONPATH")) if p)
     env.pop("RPCX_BACKEND", None)
+    return env
+
+
+def test_importing_rpcx_first_prints_nothing_without_numpy(tmp_path: Path) -> None:
+    env = _without_numpy(tmp_path)
+    commands = {
+        "import rpcx": [sys.executable, "-c", "import rpcx, torch; print('imported')"],
+        "rpcx backends": [sys.executable, "-m", "rpcx", "backends"],
+    }
+    for what, command in commands.items():
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env,
+                              cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stderr == "", f"{what} printed: {done.stderr}"
+    # torch's own warning, when torch comes first (the blocker works: it is there)
+    torch_first = subprocess.run([sys.executable, "-c", "import torch, rpcx"],
+                                 capture_output=True, text=True, timeout=120, env=env,
+                                 cwd=tmp_path)
+    assert "Failed to initialize NumPy" in torch_first.stderr, torch_first.stderr
+
+
+def test_init_rpc_works_without_numpy(rpcx_backend: str, tmp_path: Path) -> None:
+    env = _without_numpy(tmp_path)
+    program = tmp_path / "program.py"
+    program.write_text(PROGRAM)
     init_method = f"tcp://127.0.0.1:{free_port()}"
     done = subprocess.run(
         [sys.executable, str(program), rpcx_backend, init_method],
