@@ -7,11 +7,12 @@ from rpcx outside ``rpcx.tracing``; OpenTelemetry is imported only when called.
 
 The directory becomes **one trace**, laid out as the merged Chrome trace reads::
 
-    rpcx trace                          INTERNAL  the whole directory
-    ├── rpcx worker trainer0            INTERNAL  that worker's first to last event;
-    │   │                                         its instants are this span's events
-    │   ├── rpc_sync#mod.fn             CLIENT    send -> complete, on trainer0
-    │   │   └── serve rpc_sync#mod.fn   SERVER    serve_start -> serve_end, on the callee
+    rpcx trace                         INTERNAL  the whole directory
+    ├── rpcx worker trainer0           INTERNAL  that worker's first to last event;
+    │   │                                        its instants are this span's events
+    │   ├── rpc_sync#mod.fn            CLIENT    send -> complete, on trainer0
+    │   │   └── serve rpc_sync#mod.fn  SERVER    serve_start -> serve_end, on the
+    │   │                                        callee
     │   └── ...
     └── rpcx worker ps1
         └── ...
