@@ -56,6 +56,9 @@ log = logging.getLogger("rpcx.agent")
 
 _MARK_FETCH_TIMEOUT = 2.0  # seconds the heartbeat waits for a silent peer's process mark
 _STRIKE_OFF_TIMEOUT = 30.0  # seconds to strike a lost worker off a dynamic world's roster
+# Seconds telling the peers this worker leaves without shutdown() may take: a send to a
+# stopped peer whose socket is full waits until written, and a program must still exit.
+_FAREWELL_BOUND = 2.0
 
 
 class DynamicMembership(Protocol):
@@ -447,12 +450,23 @@ class RpcAgent:
         """Tell every live peer that this worker is about to leave without ``shutdown()``
         (``why``: a ``LEAVING_*`` code of :mod:`rpcx.messages`), so they report it as such,
         not as "has shut down". The caller shuts down non-gracefully next: the goodbye
-        follows this message on each link."""
+        follows this message on each link. Peers silent now are skipped, and the whole
+        takes ``_FAREWELL_BOUND`` at most (the rest are not told)."""
         if not self._life.running:
             return
-        for worker in self.roster.members():
-            if worker.id != self.rank and not self.is_lost(worker.id):
+        peers = [w for w in self.roster.members() if w.id != self.rank
+                 and not self.is_lost(w.id) and not self.is_unresponsive(w.id)]
+
+        def tell() -> None:
+            for worker in peers:
                 self._calls.send_one_way(worker, MessageKind.LEAVING, why)
+
+        teller = threading.Thread(target=tell, name=f"rpcx-{self.name}-farewell", daemon=True)
+        teller.start()
+        teller.join(_FAREWELL_BOUND)
+        if teller.is_alive():
+            log.debug("%s: not every peer was told it leaves within %g s", self.name,
+                      _FAREWELL_BOUND)
 
     def _teardown(self, graceful: bool) -> Sequence[TeardownStep]:
         """What closes, in order, when the worker leaves."""
