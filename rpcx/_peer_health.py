@@ -170,6 +170,7 @@ class PeerHealth:
         with self._lock:
             self._lost_causes.pop(rank, None)
             self._lost_handled.discard(rank)
+            self._farewells.pop(rank, None)  # (the rank's last holder's, if it came late)
         if self._heartbeat is not None:
             self._heartbeat.watch(rank)
 
@@ -219,7 +220,10 @@ class PeerHealth:
     def on_leaving(self, caller: WorkerInfo, payload: Any) -> None:
         """A ``LEAVING`` message: ``caller`` leaves without having called ``shutdown()``.
         Its goodbye follows; it is reported with these words instead of "has shut down"."""
-        how = _FAREWELLS.get(payload, "left without calling shutdown()")
+        if self.is_lost(caller.id):
+            return  # (too late: its departure is told already)
+        how = _FAREWELLS.get(payload if isinstance(payload, int) else -1,
+                             "left without calling shutdown()")
         with self._lock:
             self._farewells[caller.id] = how
 

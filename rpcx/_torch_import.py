@@ -17,12 +17,14 @@ import sys
 import warnings
 from typing import Any
 
-_NUMPY_MISSING = "Failed to initialize NumPy"
+# (Only numpy missing: the same warning for a numpy torch cannot use, e.g. "_ARRAY_API not
+# found", is one a user needs to see.)
+_NUMPY_MISSING = "Failed to initialize NumPy: No module named"
 
 
 def import_torch() -> None:
-    """Import torch, dropping its "Failed to initialize NumPy" warning (once imported,
-    this does nothing)."""
+    """Import torch, dropping its "Failed to initialize NumPy: No module named ..."
+    warning (once imported, this does nothing)."""
     if "torch" in sys.modules:
         return
     shown = warnings.showwarning

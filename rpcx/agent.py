@@ -450,20 +450,29 @@ class RpcAgent:
         """Tell every live peer that this worker is about to leave without ``shutdown()``
         (``why``: a ``LEAVING_*`` code of :mod:`rpcx.messages`), so they report it as such,
         not as "has shut down". The caller shuts down non-gracefully next: the goodbye
-        follows this message on each link. Peers silent now are skipped, and the whole
-        takes ``_FAREWELL_BOUND`` at most (the rest are not told)."""
+        follows this message on each link. Peers silent now are skipped, and no message
+        starts after ``_FAREWELL_BOUND`` (the peers not told by then say "has shut down").
+        Never raises."""
         if not self._life.running:
             return
         peers = [w for w in self.roster.members() if w.id != self.rank
                  and not self.is_lost(w.id) and not self.is_unresponsive(w.id)]
+        late = threading.Event()
 
         def tell() -> None:
             for worker in peers:
+                if late.is_set():
+                    return
                 self._calls.send_one_way(worker, MessageKind.LEAVING, why)
 
         teller = threading.Thread(target=tell, name=f"rpcx-{self.name}-farewell", daemon=True)
-        teller.start()
+        try:
+            teller.start()
+        except RuntimeError as exc:  # (Python 3.12.0-3.12.1 start no thread at exit)
+            log.debug("%s: peers not told it leaves: %s", self.name, exc)
+            return
         teller.join(_FAREWELL_BOUND)
+        late.set()
         if teller.is_alive():
             log.debug("%s: not every peer was told it leaves within %g s", self.name,
                       _FAREWELL_BOUND)

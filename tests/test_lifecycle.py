@@ -357,6 +357,33 @@ def test_worker_that_exits_without_shutdown_is_not_said_to_have_shut_down(
     assert "w1' exits without rpcx.shutdown()" in err1  # (its own warning says so)
 
 
+def test_telling_peers_of_a_departure_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A send to a stopped peer whose socket is full waits until written: the farewell of
+    # a program that exits without shutdown() must not keep it from exiting.
+    from rpcx import agent as agent_module
+    from rpcx.messages import LEAVING_AT_EXIT
+
+    with world("loopback", size=3):
+        agent = _context.current_agent()
+        release, told = threading.Event(), []
+
+        def send_one_way(dst, kind, payload):  # type: ignore[no-untyped-def]
+            told.append(dst.name)
+            if dst.name == "worker1":
+                release.wait(60)  # (a peer that does not read)
+
+        monkeypatch.setattr(agent._calls, "send_one_way", send_one_way)  # type: ignore[attr-defined]
+        monkeypatch.setattr(agent_module, "_FAREWELL_BOUND", 0.2)
+        started = time.monotonic()
+        agent.say_leaving(LEAVING_AT_EXIT)
+        assert time.monotonic() - started < 30, "say_leaving waited for the stuck send"
+        release.set()
+        [teller] = [t for t in threading.enumerate() if t.name == "rpcx-worker0-farewell"]
+        teller.join(60)
+        assert not teller.is_alive()
+        assert told == ["worker1"], "a farewell started after the bound"
+
+
 def test_tcp_and_env_rendezvous(rpcx_backend: str, loopback_rendezvous: tuple[str, int]) -> None:
     if not _multi_process(rpcx_backend):
         pytest.skip("in-process backends ignore the rendezvous address")

@@ -3,9 +3,9 @@
 Every worker of a world of N publishes its own keys and reads everyone's with one
 ``multi_get`` per gather, so what it writes and reads is the same at 2 workers and at
 32; only its polls for keys not there yet (one ``check`` of all of them each, paced)
-depend on how long it waits for the others. Counted on every operation rpcx sends to
-the store (``BoundedStore._run``), over ``init_rpc`` and ``shutdown`` of an in-process
-world.
+depend on how long it waits for the others. Counted on every operation of the
+rendezvous (rpcx's ``BoundedStore``, over ``init_rpc`` and ``shutdown`` of an in-process
+world); a transport's own use of the store it is handed is not counted here.
 """
 
 from __future__ import annotations
