@@ -468,6 +468,14 @@ def rref_settle() -> dict[str, int]:
     return rref.service(agent).stats()
 
 
+def autograd_settle(timeout: float = 30.0) -> int:
+    """Wait (``timeout`` seconds at most) until the context releases this worker started
+    or passed on have reached every peer; how many peers were asked."""
+    import rpcx.autograd as dist_autograd
+
+    return dist_autograd._wait_released(timeout)
+
+
 def _context_agent() -> Any:
     from rpcx import _context
 

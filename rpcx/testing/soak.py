@@ -189,12 +189,16 @@ def run(backend: str = "faulty:gloo", rounds: int = 200, calls: int = 100, rrefs
 def settled_leftovers(me: str, others: list[str], timeout: float = UNSET_RPC_TIMEOUT
                       ) -> dict[str, dict[str, Any]]:
     """What this worker (``me``) and ``others`` still hold, by name, once the RRef
-    deletions in flight have settled everywhere (three times over: a deletion that
-    frees a value can release more)."""
+    deletions and the autograd context releases in flight have settled everywhere
+    (three times over: a deletion that frees a value can release more). A release
+    travels one way, or on a lossy transport as a request sent again until answered,
+    so the last round's contexts may still be on their way to a peer when it ends."""
     for _ in range(3):
         remote.rref_settle()
+        remote.autograd_settle()
         for name in others:
             rpcx.rpc_sync(name, remote.rref_settle, timeout=timeout)
+            rpcx.rpc_sync(name, remote.autograd_settle, timeout=timeout)
     found = {me: leftovers()}  # (a call to itself would count as pending)
     for name in others:
         found[name] = rpcx.rpc_sync(name, leftovers, timeout=timeout)
