@@ -23,6 +23,10 @@ first (the cause, usually, before the echoes); the plot marks it with an x.
 
     python bench/world_sizes.py                         # torch, auto, gloo; 8-64; 3 rounds
     python bench/world_sizes.py --sizes 8,16 --rounds 1 --systems torch,auto
+    python bench/world_sizes.py --sizes 64 --systems auto+eager,auto+on-demand
+                                # the socket backends' two ways to connect (see
+                                # SocketRpcBackendOptions.connect_on_demand)
+    python bench/world_sizes.py --sizes 64 --pattern ring   # each calls two neighbours
 """
 
 from __future__ import annotations
@@ -58,15 +62,24 @@ def _worker(system: str) -> None:
         backend: dict[str, Any] = {}
     else:
         import rpcx as rpc  # type: ignore[no-redef]
-        options = rpc.TensorPipeRpcBackendOptions(init_method="env://",
-                                                  rpc_timeout=RPC_TIMEOUT_S)
-        backend = {"backend": system}
+        name, _, connect = system.partition("+")  # e.g. "auto+on-demand", "tcp+eager"
+        if connect:
+            from rpcx.backends.socket_options import SocketRpcBackendOptions
+            options = SocketRpcBackendOptions(init_method="env://", rpc_timeout=RPC_TIMEOUT_S,
+                                              connect_on_demand=connect == "on-demand")
+        else:
+            options = rpc.TensorPipeRpcBackendOptions(init_method="env://",
+                                                      rpc_timeout=RPC_TIMEOUT_S)
+        backend = {"backend": name}
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     imported = time.monotonic()
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=size, rpc_backend_options=options,
                  **backend)
     ready = time.monotonic()
-    peers = [r for r in range(size) if r != rank]
+    if os.environ.get(_PATTERN_ENV) == "ring":  # two neighbours each, as a pipeline's
+        peers = sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
+    else:
+        peers = [r for r in range(size) if r != rank]
     futures = [rpc.rpc_async(f"w{r}", _plus_one, args=(r,)) for r in peers]
     correct = all(f.wait() == r + 1 for f, r in zip(futures, peers, strict=True))
     called = time.monotonic()
@@ -77,6 +90,9 @@ def _worker(system: str) -> None:
     print("RESULT " + json.dumps({
         "rank": rank, "correct": correct, "started": started, "imported": imported,
         "ready": ready, "called": called, "done": done, "rss": rss}), flush=True)
+
+
+_PATTERN_ENV = "RPCX_BENCH_PATTERN"  # (how main tells the workers --pattern)
 
 
 def _plus_one(x: int) -> int:
@@ -259,10 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one round")
     parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--pattern", choices=("all", "ring"), default="all",
+                        help="who calls whom after init: every other worker (all-to-all, "
+                        "the default) or its two neighbours (ring: a sparse pattern)")
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker)
         return 0
+    os.environ[_PATTERN_ENV] = args.pattern  # (inherited by the workers)
     systems, sizes = args.systems.split(","), [int(n) for n in args.sizes.split(",")]
     rounds: list[dict[str, dict[str, Any]]] = []
     for round_ in range(1 if args.quick else args.rounds):

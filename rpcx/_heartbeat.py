@@ -63,6 +63,9 @@ class Heartbeat:
             or ``None``; a peer vouched for is not reported while that holds.
         knows: ``knows(rank)``: whether ``vouch`` answers for ``rank`` from this host's
             kernel, at no cost to anyone else; such a peer is asked about, not pinged.
+        connected: ``connected(rank)``: whether this worker has a connection to
+            ``rank`` (a transport that connects pairs when they first talk): a peer
+            without one is not watched until it has one.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class Heartbeat:
         heard: list[int] | None = None,
         vouch: Callable[[int], str | None] = lambda rank: None,
         knows: Callable[[int], bool] = lambda rank: False,
+        connected: Callable[[int], bool] = lambda rank: True,
     ) -> None:
         # Frames received per rank, bumped by the receiving side (``heard``, if given).
         self.heard = heard if heard is not None else [0] * world_size
@@ -90,6 +94,7 @@ class Heartbeat:
         self._on_heard = on_heard
         self._vouch = vouch
         self._knows = knows
+        self._connected = connected
         self._vouched: set[int] = set()  # silent peers whose processes run (logged once)
         self._stop = threading.Event()
         # Look often enough that a silent peer is reported within a quarter of the
@@ -157,6 +162,9 @@ class Heartbeat:
             counts[rank], heard_at[rank], last_ping[rank] = self.heard[rank], now, now
         for rank in self._peers:
             if rank in self._forgotten:
+                continue
+            if not self._connected(rank):  # nothing to hear yet: its silence starts later
+                heard_at[rank] = last_ping[rank] = now
                 continue
             count = self.heard[rank]
             if count != counts[rank]:

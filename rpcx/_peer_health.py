@@ -178,10 +178,11 @@ class PeerHealth:
 
     def start_heartbeat(self, rank: int, interval: float, pool: WorkerPool,
                         vouch: Callable[[int], str | None] = lambda rank: None,
-                        knows: Callable[[int], bool] = lambda rank: False) -> None:
+                        knows: Callable[[int], bool] = lambda rank: False,
+                        connected: Callable[[int], bool] = lambda rank: True) -> None:
         """Ping quiet peers every ``interval`` s (or ask the kernel, where ``knows(rank)``);
         report those silent past the timeout, unless ``vouch(rank)`` says the peer's
-        process still runs (see Heartbeat)."""
+        process still runs; peers not ``connected`` are not watched (see Heartbeat)."""
 
         def ping(peer: int) -> None:
             """Ping ``peer`` from the pool (a send may wait); one ping in flight each."""
@@ -209,6 +210,7 @@ class PeerHealth:
             len(self._workers),
             interval=interval, timeout=self._heartbeat_timeout, ping=ping, on_silent=self.on_silent,
             on_heard=self.on_heard_again, heard=self.heard, vouch=vouch, knows=knows,
+            connected=connected,
         )
         self._heartbeat.start()
 

@@ -19,6 +19,7 @@ what a message means beyond its kind (services register handlers per kind).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -43,10 +44,16 @@ from rpcx.auth import ConnectionAuth, FrameGuard
 from rpcx.devices import DeviceRoutes
 from rpcx.errors import LostCause, PeerLostError, RpcError, UnknownWorkerError, lost_reason
 from rpcx.futures import RpcFuture
-from rpcx.messages import MessageKind
+from rpcx.messages import PING, MessageKind
 from rpcx.options import RpcBackendOptions
 from rpcx.service_host import Deferred, Handler, MessageScope, NoteSource
-from rpcx.transport import DescribesRoutes, Frame, Transport, TransportContext
+from rpcx.transport import (
+    DescribesRoutes,
+    Frame,
+    ReportsConnections,
+    Transport,
+    TransportContext,
+)
 from rpcx.worker import WorkerInfo, find_worker, is_member
 
 __all__ = ["Deferred", "DynamicMembership", "Handler", "MessageScope", "NoteSource",
@@ -165,7 +172,8 @@ class RpcAgent:
         self._shutdown = Shutdown(
             name=self.name, rank=rank, world_size=len(workers), lifecycle=self._life,
             alone=dynamic is not None,
-            pending=self._pending, store=store, barrier=self.barrier,
+            pending=self._pending, store=store,
+            barrier=self.leaving_barrier,
             is_lost=self.is_lost, on_drain=self.on_drain,
             before_waits=self._health.stop_heartbeat, cancel_pending=self._calls.cancel_all,
             teardown=self._teardown)
@@ -269,8 +277,9 @@ class RpcAgent:
         """This worker's call traffic, for ``debug_info``: ``pending_calls``,
         ``request_threads``, ``lost_peers``, ``lost_causes``, ``unresponsive_peers``,
         ``authenticated``, ``refused_frames``, ``resent_frames``, ``bytes_in_flight``,
-        ``calls_held_back`` and ``routes`` (peer name: how the transport reaches it, for
-        transports that choose per peer)."""
+        ``calls_held_back``, ``routes`` (peer name: how the transport reaches it, for
+        transports that choose per peer) and ``connected_peers`` (how many peers this
+        worker has a connection to; every one, unless the transport connects on demand)."""
         transport = self._transport
         routes = transport.routes() if isinstance(transport, DescribesRoutes) else {}
         return {
@@ -282,6 +291,8 @@ class RpcAgent:
             "resent_frames": self._retransmission.resent,
             **self._back_pressure.report(self.names),
             "routes": {self.names[rank]: how for rank, how in sorted(routes.items())},
+            "connected_peers": sum(1 for w in self.roster.members()
+                                   if w.id != self.rank and self._connected(w.id)),
         }
 
     # ------------------------------------------------------- handlers, start
@@ -353,7 +364,13 @@ class RpcAgent:
             # (threads of one process cannot hang apart)
             self._health.start_heartbeat(self.rank, interval, self._executors.requests,
                                          vouch=self._peer_processes.vouch,
-                                         knows=self._peer_processes.knows)
+                                         knows=self._peer_processes.knows,
+                                         connected=self._connected)
+
+    def _connected(self, rank: int) -> bool:
+        """Whether the transport has a connection to ``rank`` (one that connects pairs
+        when they first talk may have none yet)."""
+        return not self._on_demand or self._transport.connected(rank)  # type: ignore[attr-defined]
 
     def _learn_peer_processes(self, timeout: float | None) -> None:
         store = self._store
@@ -378,11 +395,37 @@ class RpcAgent:
 
     def barrier(self, tag: str, timeout: float | None) -> None:
         """Wait until every live worker reached the barrier ``tag``."""
+        self._wait_at(tag, timeout, probe=False)
+
+    def leaving_barrier(self, tag: str, timeout: float | None) -> None:
+        """One of shutdown's barriers: as :meth:`barrier`, and a worker that may be gone
+        without a word to this one is probed (see :meth:`_probe`)."""
+        self._wait_at(tag, timeout, probe=self._on_demand)
+
+    def _wait_at(self, tag: str, timeout: float | None, probe: bool) -> None:
         rendezvous.barrier(
             self._store, tag, self.rank, self.world_size, timeout=timeout,
             is_gone=self.is_lost, waiter=self.name,
             describe=lambda ranks: ", ".join(self.workers[r].name for r in ranks),
+            probe=self._probe if probe else None,
         )
+
+    @functools.cached_property
+    def _on_demand(self) -> bool:
+        """Whether the transport connects pairs when they first talk (asked once it
+        started: it decides at start)."""
+        transport = self._transport
+        return isinstance(transport, ReportsConnections) and transport.connects_on_demand()
+
+    def _probe(self, missing: list[int]) -> None:
+        """Ping the workers a shutdown barrier still waits for that this worker has no
+        connection to (a transport that connects on demand): connecting to one that is
+        gone fails, and it is reported lost, so the barrier stops waiting for it (a
+        connection would have told of its end at once). Not at ``init_rpc``'s barrier:
+        there a late worker is starting, not gone."""
+        for rank in missing:
+            if rank != self.rank and not self._connected(rank) and not self.is_lost(rank):
+                self._calls.send_one_way(self.workers[rank], MessageKind.HEARTBEAT, PING)
 
     # -------------------------------------------------- what services call
 
@@ -455,7 +498,7 @@ class RpcAgent:
         Never raises."""
         if not self._life.running:
             return
-        peers = [w for w in self.roster.members() if w.id != self.rank
+        peers = [w for w in self.roster.members() if w.id != self.rank and self._connected(w.id)
                  and not self.is_lost(w.id) and not self.is_unresponsive(w.id)]
         late = threading.Event()
 

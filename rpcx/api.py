@@ -258,7 +258,9 @@ def debug_info() -> dict[str, Any]:
     dropped because they failed authentication); ``resent_frames`` (copies of bookkeeping
     requests sent again because no answer came, on a transport that may lose frames);
     ``bytes_in_flight`` (peer name: bytes of calls to it not answered yet, where any) and
-    ``calls_held_back`` (calls that had to wait for ``max_bytes_in_flight``).
+    ``calls_held_back`` (calls that had to wait for ``max_bytes_in_flight``);
+    ``connected_peers`` (peers this worker has a connection to: all of them, unless the
+    backend connects pairs on demand).
     Call it on another worker with ``rpcx.rpc_sync(name, rpcx.debug_info)``.
     """
     agent = _context.current_agent()

@@ -45,6 +45,7 @@ __all__ = [
 log = logging.getLogger("rpcx.rendezvous")
 
 _REPORT_EVERY = 30.0
+PROBE_EVERY = 5.0  # seconds between probes of the workers a barrier still waits for
 LEAVE_TIMEOUT = 10.0
 # Saying "I left" gets this long even when shutdown's budget is spent: a live store
 # answers in milliseconds, and rank 0 waits for the word.
@@ -292,8 +293,13 @@ def barrier(
     is_gone: Callable[[int], bool],
     describe: Callable[[list[int]], str],
     waiter: str,
+    probe: Callable[[list[int]], None] | None = None,
 ) -> None:
-    """Wait until every rank not known to be gone has called ``barrier`` with ``tag``."""
+    """Wait until every rank not known to be gone has called ``barrier`` with ``tag``.
+
+    ``probe(missing)``, if given, runs every :data:`PROBE_EVERY` seconds with the ranks
+    not there yet: a chance to find out that one of them is gone (``is_gone``), which a
+    worker not connected to it would not otherwise learn."""
     _wait_for(
         store,
         [f"{tag}/{r}" for r in range(world_size)],
@@ -302,6 +308,7 @@ def barrier(
         what=f"worker {waiter!r} waiting at {tag!r} for",
         describe=describe,
         publish=(f"{tag}/{rank}", b"1"),
+        probe=probe,
     )
 
 
@@ -341,6 +348,7 @@ def _wait_for(
     what: str,
     describe: Callable[[list[int]], str],
     publish: tuple[str, bytes] | None = None,
+    probe: Callable[[list[int]], None] | None = None,
 ) -> None:
     """Set ``publish`` (a key and its value) if given, then wait until every
     ``keys[rank]`` exists or its rank is gone; keys are per rank. ``deadline``: a
@@ -350,6 +358,8 @@ def _wait_for(
 
     def report(missing: list[int]) -> None:
         nonlocal next_report
+        if probe is not None and missing:
+            probe(missing)
         now = time.monotonic()
         if now >= next_report:
             log.info("%s: still missing %s after %.0f s", what, describe(missing), now - started)
@@ -359,7 +369,7 @@ def _wait_for(
         if publish is not None:
             store.set(*publish, timeout=remaining(deadline))
         missing = store.wait_for(keys, deadline, skip=is_gone, on_poll=report,
-                                 report_every=_REPORT_EVERY)
+                                 report_every=_REPORT_EVERY if probe is None else PROBE_EVERY)
     except RpcError as exc:  # the store itself failed or did not answer
         raise type(exc)(f"{what}: {exc}") from exc
     if missing:

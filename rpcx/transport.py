@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Capabilities", "ConnectionAuth", "DescribesRoutes", "DeviceRoutes", "Frame", "LostCause",
     "PeerLost",
-    "ReceiveLane", "Transport", "TransportContext",
+    "ReceiveLane", "ReportsConnections", "Transport", "TransportContext",
 ]
 
 
@@ -265,6 +265,24 @@ class DescribesRoutes(Protocol):
 
     def routes(self) -> Mapping[int, str]:
         """How this worker reaches each peer, by rank, e.g. ``"shm (same host)"``."""
+        ...
+
+
+@runtime_checkable
+class ReportsConnections(Protocol):
+    """What a transport that may connect a pair of workers when they first talk adds.
+
+    When it does, the agent watches (heartbeats) and says goodbye to connected peers
+    only (a peer this worker never talked to has no connection to lose), and a
+    shutdown barrier pings the workers it still waits for that it has no connection
+    to (connecting to one that is gone fails: it is then reported lost)."""
+
+    def connects_on_demand(self) -> bool:
+        """Whether pairs connect when they first talk (else all are connected at start)."""
+        ...
+
+    def connected(self, rank: int) -> bool:
+        """Whether this worker has a connection to ``rank`` now."""
         ...
 
 

@@ -21,9 +21,14 @@ from typing import Any
 from rpcx.backends.socket_options import SocketRpcBackendOptions
 from rpcx.hosts import address_towards, default_address, host_identity, resolve
 from rpcx.transport import TransportContext
-from rpcx.transport_kit import connect_stream_mesh, join_stream_mesh
+from rpcx.transport_kit import (
+    connect_stream_mesh,
+    dial_pair,
+    join_stream_mesh,
+    publish_stream_address,
+)
 
-__all__ = ["Policy", "Route", "connect_mesh", "join_mesh", "route_between",
+__all__ = ["Policy", "Route", "connect_mesh", "join_mesh", "listen_mesh", "route_between",
            "route_to_newcomer", "tune"]
 
 _SOCKET_BUFFER = 4 << 20  # SO_SNDBUF/SO_RCVBUF: room for a burst of small frames
@@ -83,10 +88,41 @@ def connect_mesh(ctx: TransportContext, label: str, policy: Policy,
                            remote=not all(route.local for route in routes.values()))
     try:
         sockets = connect_stream_mesh(ctx, listeners.sockets, listeners.address,
-                                      listeners.dial(policy), label)
+                                      listeners.dial(policy), label,
+                                      check=lambda addresses: _same_way(ctx, addresses, False))
     finally:
         listeners.close()
     return _tuned(sockets, routes), routes
+
+
+DialPeer = Callable[[int, float], "socket.socket | None"]  # (rank, timeout) -> socket
+
+
+def listen_mesh(ctx: TransportContext, label: str, policy: Policy,
+                options: SocketRpcBackendOptions, host: str | None = None
+                ) -> tuple[dict[int, Route], _Listeners, DialPeer]:
+    """An on-demand mesh's :func:`connect_mesh`: learn every peer's route and address
+    and open the listeners, connecting to nobody. Returns the routes, the listeners
+    (the caller opens a doorway on them and closes them at the end) and how to connect
+    to a peer when the pair first talks (see :func:`~rpcx.transport_kit.dial_pair`)."""
+    host = host if host is not None else host_identity()
+    routes = _learn_routes(ctx, label, policy, host,
+                           [rank for rank in range(ctx.world_size) if rank != ctx.rank])
+    listeners = _Listeners(ctx, options, host,
+                           local=any(route.local for route in routes.values()),
+                           remote=not all(route.local for route in routes.values()))
+    try:
+        addresses = publish_stream_address(ctx, {**listeners.address, "on_demand": True},
+                                           label)
+        _same_way(ctx, addresses, True)
+    except BaseException:
+        listeners.close()
+        raise
+    dial = listeners.dial(policy)
+
+    def dial_peer(rank: int, timeout: float) -> socket.socket | None:
+        return dial_pair(ctx, rank, addresses[rank], dial, label, timeout)
+    return routes, listeners, dial_peer
 
 
 def join_mesh(ctx: TransportContext, label: str, policy: Policy,
@@ -223,6 +259,22 @@ def _dial(family: int, where: Any, timeout: float | None) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _same_way(ctx: TransportContext, addresses: dict[int, Any], on_demand: bool) -> None:
+    """Refuse a world whose workers do not all connect the same way (on demand or up
+    front: ``connect_on_demand``, ``$RPCX_CONNECT_ON_DEMAND``), naming the others."""
+    others = sorted(rank for rank, theirs in addresses.items()
+                    if bool(theirs.get("on_demand")) != on_demand)
+    if not others:
+        return
+    names = ", ".join(repr(ctx.names[rank]) for rank in others[:8])
+    more = f" and {len(others) - 8} more" if len(others) > 8 else ""
+    mine, theirs = ("on demand", "up front") if on_demand else ("up front", "on demand")
+    raise RuntimeError(
+        f"init_rpc: worker {ctx.names[ctx.rank]!r} (rank {ctx.rank}) connects its peers "
+        f"{mine}, but {names}{more} connect {theirs}: give every worker the same "
+        "connect_on_demand (or $RPCX_CONNECT_ON_DEMAND)")
 
 
 def _refuse_other_hosts(ctx: TransportContext, host: str, hosts: dict[int, str]) -> None:

@@ -62,6 +62,7 @@ from rpcx.backends.socket_mesh import (
     Route,
     connect_mesh,
     join_mesh,
+    listen_mesh,
     route_to_newcomer,
     tune,
 )
@@ -117,7 +118,7 @@ class _Peer(SocketLink):
 
     __slots__ = ("freed", "pool", "received", "route", "shm_min")
 
-    def __init__(self, rank: int, name: str, sock: socket.socket, writer_name: str,
+    def __init__(self, rank: int, name: str, sock: socket.socket | None, writer_name: str,
                  route: Route, shm_min: int, pool: SendPool,
                  freed: Callable[[_Peer, int], None]) -> None:
         super().__init__(rank, name, sock, writer_name)
@@ -170,6 +171,12 @@ class SocketTransport(StreamTransport):
     def connect(self, ctx: TransportContext) -> dict[int, socket.socket]:
         """One connected socket per peer: Unix on this host, TCP to other hosts. In a
         dynamic world, one per member, and a doorway for the workers that join later."""
+        if ctx.admit is None and self._options.connect_on_demand:
+            self._routes, listeners, self.dial_peer = listen_mesh(
+                ctx, self.label, self.policy, self._options)
+            self.doorway = Doorway(ctx, listeners.sockets, self.label, self.may_pair,
+                                   self.pair, listeners.close)
+            return {}
         if ctx.admit is None:
             sockets, self._routes = connect_mesh(ctx, self.label, self.policy,
                                                  self._options)
@@ -188,7 +195,11 @@ class SocketTransport(StreamTransport):
         self._routes = {**self._routes, rank: route}
         super().welcome(rank, tune(sock, route))
 
-    def make_link(self, rank: int, sock: socket.socket) -> _Peer:
+    def tune_socket(self, rank: int, sock: socket.socket) -> socket.socket:
+        """Socket options for ``rank``'s route (a connection made on demand)."""
+        return tune(sock, self._routes[rank])
+
+    def make_link(self, rank: int, sock: socket.socket | None) -> _Peer:
         ctx = self._ctx
         assert ctx is not None
         return _Peer(rank, ctx.names[rank], sock,

@@ -418,6 +418,39 @@ def rref_local_value(rref: rpcx.RRef[Any]) -> Any:
 # --------------------------------------------------------------------------- failures
 
 
+def call_error(to: str, fn: Any, *args: Any) -> tuple[str, str] | None:
+    """Call ``fn(*args)`` on ``to`` from this worker: ``None`` if it succeeds, else the
+    error's type name and message."""
+    try:
+        rpcx.rpc_sync(to, fn, args=args)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def call_all(names: list[str], gate: str | None = None, timeout: float = 30.0) -> int:
+    """Call every worker of ``names`` but this one at once (after :func:`set_event` of
+    ``gate``, if given); how many answered correctly."""
+    if gate is not None and not _event(gate).wait(timeout):
+        raise TimeoutError(f"gate {gate!r} not opened within {timeout:g} s")
+    me = rpcx.get_worker_info().name
+    others = [name for name in names if name != me]
+    futures = [rpcx.rpc_async(name, add, args=(i, 1), timeout=timeout)
+               for i, name in enumerate(others)]
+    return sum(future.wait() == i + 1 for i, future in enumerate(futures))
+
+
+def connected_peers() -> int:
+    """How many peers this worker has a connection to (``debug_info``)."""
+    return int(rpcx.debug_info()["connected_peers"])
+
+
+def pairings() -> dict[str, int]:
+    """An on-demand socket mesh's counts: connections this worker ``dialed`` and
+    ``admitted``, and dials it ``refused`` because its own won."""
+    return dict(_context_agent()._transport.pairings)
+
+
 def crash_process(code: int = 3) -> None:
     """End this worker's process at once, as a crash would (no shutdown, no cleanup)."""
     import os

@@ -201,13 +201,20 @@ class Peers(Generic[L]):
         for link in list(self.links.values()):
             self._receive_from(link)
 
-    def add(self, link: L) -> None:
-        """A peer that joined a dynamic world (or took a rank again): from now on it is
-        one of the links, and its receive loop runs. It replaces an ended link."""
+    def add(self, link: L, receive: bool = True) -> None:
+        """A peer that joined a dynamic world (or took a rank again, or that this worker
+        connects to on demand): from now on it is one of the links, and its receive
+        loop runs (``receive`` False: once :meth:`receive` is called, when the link is
+        connected). It replaces an ended link."""
         old = self.links.get(link.rank)
         if old is not None and not old.ended.is_set():
             raise ValueError(f"rank {link.rank} ({old.name}) is connected already")
         self.links = {**self.links, link.rank: link}  # (readers iterate a stable dict)
+        if receive:
+            self._receive_from(link)
+
+    def receive(self, link: L) -> None:
+        """Start the receive loop of a link added with ``receive=False``."""
         self._receive_from(link)
 
     def _receive_from(self, link: L) -> None:

@@ -25,17 +25,18 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from rpcx import auth as _auth
-from rpcx.errors import AuthenticationError, RpcError, RpcTimeoutError
+from rpcx.errors import AuthenticationError, LostCause, PeerLostError, RpcError, RpcTimeoutError
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES
 from rpcx.transport import Capabilities, Frame, TransportContext
-from rpcx.transport_kit.basics import connect_limit, lost_error
+from rpcx.transport_kit.basics import connect_limit, describe, lost_error, unreachable
 from rpcx.transport_kit.links import Arrivals, Link, Peers
 from rpcx.transport_kit.writer import Backlog, Pending
 
 __all__ = [
     "ADMITTED", "HANDSHAKE_TIMEOUT", "Doorway", "SocketLink", "SocketReader",
-    "StreamTransport", "admit", "connect_stream_mesh", "dial_tcp", "hello", "introduce",
-    "join_stream_mesh", "receive_exactly", "send_all", "send_now",
+    "StreamTransport", "admit", "connect_stream_mesh", "dial_pair", "dial_tcp", "hello",
+    "introduce", "join_stream_mesh", "publish_stream_address", "receive_exactly", "send_all",
+    "send_now",
 ]
 
 log = logging.getLogger("rpcx.transport_kit")
@@ -216,14 +217,31 @@ class SocketLink(Link):
     burst of small calls is then answered in a few writes instead of one each.
     """
 
-    __slots__ = ("corked", "reader", "sock")
+    __slots__ = ("attached", "corked", "reader", "sock")
 
-    def __init__(self, rank: int, name: str, sock: socket.socket, writer_name: str) -> None:
+    def __init__(self, rank: int, name: str, sock: socket.socket | None,
+                 writer_name: str) -> None:
         super().__init__(rank, name)
+        # ``sock`` None: a link of an on-demand mesh being connected. Until
+        # :meth:`attach` gives it its socket, what is sent queues on the backlog, behind
+        # the job that connects it (:class:`Connecting`), and senders do not wait.
+        self.attached = threading.Event()
+        if sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # (a placeholder)
+        else:
+            self.attached.set()
         self.sock = sock
         self.reader = SocketReader(sock, self.flush_corked)
         self.corked = bytearray()  # one byte string: a write takes at most 1,024 pieces
         self.backlog = Backlog(self.lock, self._write_all, writer_name, on_error=self._break)
+
+    def attach(self, sock: socket.socket) -> None:
+        """Give a link being connected its socket (call under ``lock``, before its
+        receive loop starts); the frames queued meanwhile are written next."""
+        placeholder, self.sock = self.sock, sock
+        self.reader = SocketReader(sock, self.flush_corked)
+        self.attached.set()
+        placeholder.close()
 
     def send(self, parts: Sequence[Buffer], fds: Sequence[int] = (), deadline: float = 0.0,
              cork: int = 0) -> None:
@@ -246,7 +264,11 @@ class SocketLink(Link):
             self.wait(pending, deadline)
 
     def wait(self, pending: Pending, deadline: float) -> None:
-        """Wait for a queued frame until ``deadline`` (0: until written or failed)."""
+        """Wait for a queued frame until ``deadline`` (0: until written or failed); not
+        at all while the link is being connected (the frame is copied and queued)."""
+        if not self.attached.is_set():
+            pending.wait(-1.0)  # (a deadline already past: the job is detached now)
+            return
         if not pending.wait(deadline):
             # A peer that reads nothing: the agent fails the call on time; the writer
             # finishes the frame if the peer ever reads again.
@@ -294,9 +316,12 @@ class SocketLink(Link):
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
 
-    def _write_all(self, job: _Unwritten) -> None:
+    def _write_all(self, job: _Unwritten | Connecting) -> None:
         # Non-blocking writes under the job's lock, waiting for room without it (see
         # _Unwritten); shutdown() wakes the wait, and the next write then fails.
+        if isinstance(job, Connecting):
+            job.connect(self)
+            return
         fds: Sequence[int] = job.fds
         poller: select.poll | None = None
         while True:
@@ -313,6 +338,17 @@ class SocketLink(Link):
         """A write failed (under ``lock``): mark the peer gone, end the connection."""
         self.gone = True
         self.shutdown()
+
+
+class Connecting:
+    """The first job on the backlog of a link being connected: the writer thread
+    connects it (``connect(link)`` returns once the link is attached, or raises, which
+    fails what was queued behind it)."""
+
+    __slots__ = ("connect",)
+
+    def __init__(self, connect: Callable[[SocketLink], None]) -> None:
+        self.connect = connect
 
 
 # ------------------------------------------------------------------------- handshake
@@ -457,6 +493,10 @@ def connect_stream_mesh(
 
 # A member's answer to a newcomer of a dynamic world, once its hello is checked.
 ADMITTED, _REFUSED = b"\x01", b"\x00"
+# An on-demand mesh's answers besides ADMITTED: the pair's connection is the one the
+# answering worker dials (wait for it), or that worker is closing or has given this one
+# up (do not wait).
+_THEIRS_WINS, _GONE = b"\x02", b"\x03"
 
 
 def dial_tcp(address: dict[str, Any], timeout: float | None) -> socket.socket:
@@ -524,6 +564,64 @@ def join_stream_mesh(
             sock.close()
         raise
     return sockets
+
+
+def publish_stream_address(ctx: TransportContext, address: Any, label: str
+                           ) -> dict[int, Any]:
+    """An on-demand mesh's start: publish ``address`` as :func:`connect_stream_mesh`
+    does and read every peer's, connecting to none (:func:`dial_pair` does, when a pair
+    first talks). Two store operations, whatever the world's size."""
+    ctx.store.set(f"{label}/{ctx.rank}", json.dumps(address))
+    return _published(ctx, label, [r for r in range(ctx.world_size) if r != ctx.rank])
+
+
+_DIAL_RETRY_FIRST, _DIAL_RETRY_LAST = 0.005, 0.2  # pauses between tries on a full backlog
+
+
+def dial_pair(ctx: TransportContext, rank: int, address: Any,
+              dial: Callable[[Any, float | None], socket.socket], label: str,
+              timeout: float) -> socket.socket | None:
+    """Connect to ``rank`` of an on-demand mesh, within ``timeout`` seconds: dial its
+    published ``address``, introduce this worker, read its answer.
+
+    The connected socket (blocking) when ``rank`` admitted it; ``None`` when it refused
+    it because its own connection to this worker wins (see
+    :meth:`StreamTransport.pair`). A listener whose backlog is full (many workers
+    dialing one at once) is tried again until ``timeout``. ``OSError`` (``TimeoutError``,
+    ``ConnectionError``: it is closing, gave this worker up, or ended the connection)
+    or ``EOFError`` when ``rank`` cannot be reached; ``AuthenticationError`` when it is
+    not who it should be.
+    """
+    deadline = time.monotonic() + timeout
+    pause = _DIAL_RETRY_FIRST
+    while True:
+        try:
+            sock = dial(address, max(0.001, deadline - time.monotonic()))
+            break
+        except (BlockingIOError, InterruptedError):  # EAGAIN: the backlog is full
+            if time.monotonic() + pause > deadline:
+                raise TimeoutError(f"rank {rank}'s listener stayed full for "
+                                   f"{timeout:g} s") from None
+            time.sleep(pause)  # (nothing to wait on: the listener is another process's)
+            pause = min(2 * pause, _DIAL_RETRY_LAST)
+    try:
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        introduce(sock, ctx, rank, label)
+        try:
+            answer = receive_exactly(sock, 1)
+        except EOFError:
+            raise ConnectionError("it closed the connection during the handshake (a "
+                                  "different world key, or it ended)") from None
+        if answer == _THEIRS_WINS:
+            sock.close()
+            return None
+        if answer != ADMITTED:
+            raise ConnectionError("it is shutting down, or gave this worker up")
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
 
 
 class Doorway:
@@ -682,6 +780,15 @@ class StreamTransport:
         # ranks being admitted now (set once their link is in ``peers``).
         self.doorway: Doorway | None = None
         self.arrivals: Arrivals[SocketLink] = Arrivals()
+        # In an on-demand mesh (a static world whose pairs connect when they first
+        # talk), how to reach a peer (``connect`` sets it, and a doorway that calls
+        # :meth:`pair`), and the peers that cannot be reached.
+        self.dial_peer: Callable[[int, float], socket.socket | None] | None = None
+        self._pairing = threading.Condition()
+        self._unreachable: dict[int, str] = {}
+        self._pairs_closed = False  # close() began: no pair connects any more
+        # Connections this worker dialed, admitted and refused (tie-breaks), for tests.
+        self.pairings: collections.Counter[str] = collections.Counter()
 
     # ----------------------------------------------------------- what a backend writes
 
@@ -696,8 +803,9 @@ class StreamTransport:
 
     # ----------------------------------------------------------- hooks, if it needs
 
-    def make_link(self, rank: int, sock: socket.socket) -> SocketLink:
-        """The link for ``rank`` over ``sock`` (override to add state of its own)."""
+    def make_link(self, rank: int, sock: socket.socket | None) -> SocketLink:
+        """The link for ``rank`` over ``sock`` (``None``: a link of an on-demand mesh, to be
+        connected; override to add state of its own)."""
         ctx = self._ctx
         assert ctx is not None
         me = ctx.names[ctx.rank]
@@ -709,6 +817,10 @@ class StreamTransport:
 
     def released(self, timeout: float) -> None:
         """After ``close`` closed the sockets: release anything else (bounded)."""
+
+    def tune_socket(self, rank: int, sock: socket.socket) -> socket.socket:
+        """Socket options for a connection to ``rank`` made on demand (see :meth:`pair`)."""
+        return sock
 
     def retire(self, link: SocketLink) -> None:
         """A new worker takes the rank of ``link``'s peer, which left (a dynamic world;
@@ -765,15 +877,185 @@ class StreamTransport:
                 peers.add(link)
 
     def link(self, dst: int) -> SocketLink:
-        """The link to ``dst``. One for a worker being admitted right now (a dynamic
-        world) is waited for, at most ``HANDSHAKE_TIMEOUT``; ``KeyError`` for a rank
-        with none."""
+        """The link to ``dst``. In an on-demand mesh, one not made yet is made now (it
+        connects in the background; what is sent meanwhile queues). One for a worker
+        being admitted right now (a dynamic world) is waited for, at most
+        ``HANDSHAKE_TIMEOUT``. ``PeerLostError`` for a rank with none."""
         peers = self.peers
         assert peers is not None
         try:
             return peers.links[dst]  # (the hot path: one dict look-up)
         except KeyError:
+            if self.dial_peer is not None:
+                return self._link_on_demand(dst)
             return self.arrivals.link(peers, dst, HANDSHAKE_TIMEOUT)
+
+    # ------------------------------------------------------------- on-demand pairs
+    #
+    # Each pair of an on-demand mesh shares one connection, made by whichever worker
+    # first sends to the other. The link exists at once (senders queue on it and go
+    # on); its writer thread connects it. When both workers dial at once, the
+    # connection dialed by the lower rank wins: each worker's doorway refuses a dial
+    # from a higher rank while it dials that rank itself, and attaches one from a
+    # lower rank to its own link; the dial refused waits for that. Every decision is
+    # taken under ``_pairing``, so a link is attached once.
+
+    def _link_on_demand(self, dst: int) -> SocketLink:
+        ctx, peers = self._ctx, self.peers
+        assert ctx is not None and peers is not None
+        if not 0 <= dst < ctx.world_size or dst == ctx.rank:
+            raise PeerLostError(unreachable(f"no peer has rank {dst}"),
+                                cause=LostCause.CONNECTION_LOST)
+        with self._pairing:
+            link = peers.links.get(dst)
+            if link is not None:
+                return link
+            if dst in self._unreachable:
+                raise PeerLostError(unreachable(self._unreachable[dst]),
+                                    cause=LostCause.CONNECTION_LOST)
+            if peers.closing or self._pairs_closed:
+                raise PeerLostError(unreachable("this worker is shutting down"),
+                                    cause=LostCause.CONNECTION_LOST)
+            link = self.make_link(dst, None)
+            assert link.backlog is not None
+            with link.lock:
+                link.backlog.put(Connecting(self._connect))
+            peers.add(link, receive=False)
+            return link
+
+    def _connect(self, link: SocketLink) -> None:
+        """Connect ``link`` (its writer thread, first job): dial the peer, or, when the
+        peer's own connection wins, wait for it to be attached; raise if neither comes
+        within ``rpc_timeout``: the peer is then reported lost, and what was queued
+        fails with it."""
+        ctx, peers, dial = self._ctx, self.peers, self.dial_peer
+        assert ctx is not None and peers is not None and dial is not None
+        bound = connect_limit(ctx) or HANDSHAKE_TIMEOUT
+        deadline = time.monotonic() + bound
+        failure = None
+        sock = None
+        try:
+            if not link.attached.is_set():
+                sock = dial(link.rank, bound)
+        except (OSError, EOFError, AuthenticationError) as exc:
+            failure = f"could not connect: {describe(exc)}"
+        with self._pairing:
+            if link.attached.is_set():  # its own connection won (or came meanwhile)
+                if sock is not None:
+                    sock.close()
+                return
+            if failure is None and sock is not None and not self._pairs_closed:
+                failure = self._attach(link, sock, "dialed")
+                if failure is None:
+                    return
+            elif failure is None:  # its connection wins, or this worker is closing
+                if sock is not None:
+                    sock.close()
+                self._pairing.wait_for(lambda: link.attached.is_set() or self._pairs_closed,
+                                       max(0.0, deadline - time.monotonic()))
+                if link.attached.is_set():
+                    return
+                failure = ("this worker is shutting down" if self._pairs_closed else
+                           f"its connection to this worker did not come within {bound:g} s")
+            self._unreachable[link.rank] = failure  # (decided with the look above)
+            self._pairing.notify_all()
+        link.ended.set()
+        peers.lost(link, LostCause.CONNECTION_LOST, failure)
+        raise ConnectionError(failure)
+
+    def _attach(self, link: SocketLink, sock: socket.socket, how: str) -> str | None:
+        """(Under ``_pairing``.) ``sock`` is ``link``'s connection: start receiving.
+        What went wrong, if it could not (the socket is then closed)."""
+        assert self.peers is not None
+        try:
+            with link.lock:
+                link.attach(self.tune_socket(link.rank, sock))
+            self.peers.receive(link)
+        except Exception as exc:  # (a thread that cannot start, on a crowded host)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+            return f"could not start receiving: {describe(exc)}"
+        self.pairings[how] += 1
+        self._pairing.notify_all()
+        return None
+
+    def may_pair(self, rank: int) -> bool:
+        """Whether a connection from ``rank`` may be an on-demand mesh's peer (its
+        doorway asks before the handshake's proof)."""
+        ctx = self._ctx
+        assert ctx is not None
+        return 0 <= rank < ctx.world_size and rank != ctx.rank
+
+    def pair(self, rank: int, sock: socket.socket) -> None:
+        """A peer of an on-demand mesh connected (the doorway calls this, once the
+        handshake passed): admit the connection as the pair's, unless this worker dials
+        ``rank`` itself and is the lower rank (its own connection wins: the dialer is
+        told to wait for it), or the pair has a connection already, or this worker is
+        closing or gave ``rank`` up (the dialer is told not to wait)."""
+        ctx, peers = self._ctx, self.peers
+        assert ctx is not None and peers is not None
+        with self._pairing:
+            link = peers.links.get(rank)
+            if (self._pairs_closed or rank in self._unreachable
+                    or (link is not None and (link.attached.is_set() or link.ended.is_set()))):
+                answer = _GONE
+            elif link is not None and ctx.rank < rank:
+                answer = _THEIRS_WINS
+                self.pairings["refused"] += 1
+            else:
+                answer = ADMITTED
+            if answer != ADMITTED:
+                log.debug("%s: %s's connection refused (%s)", ctx.names[ctx.rank],
+                          ctx.names[rank], "this worker's wins" if answer == _THEIRS_WINS
+                          else "the pair has one, or this worker closes or gave it up")
+                with contextlib.suppress(OSError):
+                    sock.sendall(answer)
+                sock.close()
+                return
+            try:
+                sock.settimeout(None)
+                send_all(sock, [memoryview(ADMITTED)], ())
+            except OSError as exc:  # (it gave up meanwhile)
+                log.debug("%s: admitting %s failed: %s", ctx.names[ctx.rank],
+                          ctx.names[rank], exc)
+                sock.close()
+                return
+            if link is None:
+                link = self.make_link(rank, None)
+                peers.add(link, receive=False)
+            failure = self._attach(link, sock, "admitted")
+        if failure is not None:  # (the dialer sees the connection end)
+            log.warning("%s: the connection %s made could not be used: %s",
+                        ctx.names[ctx.rank], ctx.names[rank], failure)
+
+    def close_pairs(self) -> None:
+        """An on-demand mesh's part of :meth:`close`: connect no pair any more, and let
+        go of the links still connecting (they have no goodbye to wait for)."""
+        peers = self.peers
+        if self.dial_peer is None or peers is None:
+            return
+        with self._pairing:
+            self._pairs_closed = True
+            self._pairing.notify_all()
+            waiting = [link for link in peers if not link.attached.is_set()]
+        for link in waiting:
+            with link.lock:
+                link.reported = True  # (closing: not a loss to report)
+            link.ended.set()
+
+    def connects_on_demand(self) -> bool:
+        """Whether this is an on-demand mesh (pairs connect when they first talk)."""
+        return self.dial_peer is not None
+
+    def connected(self, rank: int) -> bool:
+        """Whether this worker has a connection to ``rank`` now: in an on-demand mesh,
+        once the pair first talked; otherwise always."""
+        if self.dial_peer is None:
+            return True
+        peers = self.peers
+        link = peers.links.get(rank) if peers is not None else None
+        return link is not None and link.attached.is_set()
 
     def send(self, dst: int, frame: Frame) -> None:
         """Write ``frame`` to ``dst``; returns once written, or at ``frame.deadline``
@@ -791,6 +1073,7 @@ class StreamTransport:
         dynamic world the doorway closes first: nobody is admitted any more)."""
         if self.doorway is not None:
             self.doorway.close(min(timeout, HANDSHAKE_TIMEOUT))
+        self.close_pairs()
         peers = self.peers
         if peers is None:
             return
