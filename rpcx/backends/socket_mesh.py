@@ -80,12 +80,7 @@ def connect_mesh(ctx: TransportContext, label: str, policy: Policy,
                  ) -> tuple[dict[int, socket.socket], dict[int, Route]]:
     """One connected, introduced socket per peer, and each peer's route. ``host``: this
     worker's host identity (default :func:`~rpcx.hosts.host_identity`)."""
-    host = host if host is not None else host_identity()
-    routes = _learn_routes(ctx, label, policy, host,
-                           [rank for rank in range(ctx.world_size) if rank != ctx.rank])
-    listeners = _Listeners(ctx, options, host,
-                           local=any(route.local for route in routes.values()),
-                           remote=not all(route.local for route in routes.values()))
+    routes, listeners = _routes_and_listeners(ctx, label, policy, options, host)
     try:
         sockets = connect_stream_mesh(ctx, listeners.sockets, listeners.address,
                                       listeners.dial(policy), label,
@@ -105,12 +100,7 @@ def listen_mesh(ctx: TransportContext, label: str, policy: Policy,
     and open the listeners, connecting to nobody. Returns the routes, the listeners
     (the caller opens a doorway on them and closes them at the end) and how to connect
     to a peer when the pair first talks (see :func:`~rpcx.transport_kit.dial_pair`)."""
-    host = host if host is not None else host_identity()
-    routes = _learn_routes(ctx, label, policy, host,
-                           [rank for rank in range(ctx.world_size) if rank != ctx.rank])
-    listeners = _Listeners(ctx, options, host,
-                           local=any(route.local for route in routes.values()),
-                           remote=not all(route.local for route in routes.values()))
+    routes, listeners = _routes_and_listeners(ctx, label, policy, options, host)
     try:
         addresses = publish_stream_address(ctx, {**listeners.address, "on_demand": True},
                                            label)
@@ -169,6 +159,20 @@ def tune(sock: socket.socket, route: Route) -> socket.socket:
 def _tuned(sockets: dict[int, socket.socket], routes: dict[int, Route]
            ) -> dict[int, socket.socket]:
     return {rank: tune(sock, routes[rank]) for rank, sock in sockets.items()}
+
+
+def _routes_and_listeners(ctx: TransportContext, label: str, policy: Policy,
+                          options: SocketRpcBackendOptions, host: str | None
+                          ) -> tuple[dict[int, Route], _Listeners]:
+    """A static world's routes to every peer, and the listeners those routes need (a
+    worker with no peer on another host listens on no network address)."""
+    host = host if host is not None else host_identity()
+    routes = _learn_routes(ctx, label, policy, host,
+                           [rank for rank in range(ctx.world_size) if rank != ctx.rank])
+    listeners = _Listeners(ctx, options, host,
+                           local=any(route.local for route in routes.values()),
+                           remote=not all(route.local for route in routes.values()))
+    return routes, listeners
 
 
 def _learn_routes(ctx: TransportContext, label: str, policy: Policy, host: str,
