@@ -27,6 +27,7 @@ from rpcx.backends.socket_options import CONNECT_ON_DEMAND_ENV, SocketRpcBackend
 from rpcx.testing import remote
 from rpcx.testing import world as world_module
 from rpcx.testing.world import world
+from rpcx.transport_kit.sockets import CONNECTING_THREADS
 
 BACKENDS = ["auto", "tcp"]
 BOUND = 30.0
@@ -81,6 +82,13 @@ def test_a_pair_that_dials_each_other_at_once_ends_with_one_connection(backend: 
             lost = (rpcx.debug_info() if name == "worker0"
                     else rpcx.rpc_sync(name, rpcx.debug_info, timeout=BOUND))["lost_peers"]
             assert lost == {}, (name, lost)
+        # A few connector threads dialed for all of a worker's pairs, and what queued
+        # meanwhile (small frames) was written at once: no writer thread per peer.
+        for name in w.names[1:]:
+            threads = rpcx.rpc_sync(name, remote.thread_names, timeout=BOUND)
+            connecting = [t for t in threads if t.endswith("-connect")]
+            assert len(connecting) <= CONNECTING_THREADS, threads
+            assert not [t for t in threads if f"rpcx-{name}-send-" in t], threads
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -26,6 +26,7 @@ from rpcx.transport_kit import (
     lost_error,
     options_as,
 )
+from rpcx.transport_kit.connector import Connector
 from rpcx.transport_kit.sockets import SocketLink
 
 BOUND = 10.0  # seconds: every wait here ends long before; a hang fails, it never stalls
@@ -122,6 +123,87 @@ def test_released_jobs_are_released_once_written_or_failed() -> None:
         pending = backlog.put(Job("x"))
     assert pending.wait(time.monotonic() + BOUND)
     assert released == ["x"]
+
+
+def test_a_held_backlog_queues_until_released_then_writes_in_order() -> None:
+    wire = Wire()
+    wire.gate.set()
+    backlog = _backlog(wire)
+    backlog.hold()  # (a link being connected)
+    assert backlog  # later frames must queue, though none is queued yet
+    with backlog.lock:
+        queued = [backlog.put(n) for n in range(4)]
+    assert backlog.writer is None and wire.written == []  # held: no writer, nothing written
+    inline: list[int] = []
+
+    def takes_two(job: int) -> bool:  # the socket takes the first two at once
+        if len(inline) < 2:
+            inline.append(job)
+            return True
+        return False
+
+    with backlog.lock:
+        backlog.release(takes_two)
+    for pending in queued:
+        assert pending.wait(time.monotonic() + BOUND)
+    assert inline == [0, 1] and wire.written == [2, 3]  # the writer thread took the rest
+    with backlog.lock:
+        later = backlog.put(4)
+    assert later.wait(time.monotonic() + BOUND) and wire.written == [2, 3, 4]
+    backlog.stop()
+    backlog.join(BOUND)
+
+
+def test_a_held_backlog_whose_connection_never_comes_fails_its_frames() -> None:
+    backlog = _backlog(Wire())
+    backlog.hold()
+    with backlog.lock:
+        queued = backlog.put("a")
+        backlog.fail(ConnectionError("could not connect: Connection refused"))
+        late = backlog.put("b")
+    for pending in (queued, late):
+        with pytest.raises(PeerLostError, match="could not connect: Connection refused"):
+            pending.wait(time.monotonic() + BOUND)
+    assert backlog.writer is None and not backlog
+
+
+def test_the_connector_runs_jobs_on_a_few_threads_and_later_ones_when_due() -> None:
+    connector = Connector("rpcx-test-connect", limit=2)
+    gate = threading.Event()
+    done: list[str] = []
+    running, finished = threading.Semaphore(0), threading.Semaphore(0)
+
+    def blocked(name: str) -> None:
+        running.release()
+        if not gate.wait(BOUND):
+            raise AssertionError("the test never opened the gate")
+        done.append(name)
+        finished.release()
+
+    for n in range(5):  # more jobs than threads: at most two run at once
+        connector.submit(lambda n=n: blocked(f"job{n}"))
+    assert running.acquire(timeout=BOUND) and running.acquire(timeout=BOUND)
+    assert connector.threads == 2 and not running.acquire(timeout=0.05)
+    later = threading.Event()
+    due = time.monotonic() + 0.2
+    connector.submit(lambda: later.set() if time.monotonic() >= due else None, at=due)
+    gate.set()
+    assert later.wait(BOUND)  # ran, and not before it was due
+    for _ in range(3):
+        assert running.acquire(timeout=BOUND)
+    for _ in range(5):
+        assert finished.acquire(timeout=BOUND)
+    connector.close()
+    assert sorted(done) == [f"job{n}" for n in range(5)]
+
+
+def test_the_connector_drops_what_is_left_at_close() -> None:
+    connector = Connector("rpcx-test-connect", limit=1)
+    ran = threading.Event()
+    connector.submit(ran.set, at=time.monotonic() + BOUND)  # (due long after the test)
+    connector.close()
+    assert connector.submit(ran.set) is False  # (after close: dropped)
+    assert not ran.wait(0.1)
 
 
 @pytest.mark.parametrize(("exc", "cause", "sentence"), [

@@ -451,6 +451,13 @@ def pairings() -> dict[str, int]:
     return dict(_context_agent()._transport.pairings)
 
 
+def thread_names() -> list[str]:
+    """The names of this process's live threads."""
+    import threading
+
+    return [thread.name for thread in threading.enumerate()]
+
+
 def crash_process(code: int = 3) -> None:
     """End this worker's process at once, as a crash would (no shutdown, no cleanup)."""
     import os

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from rpcx.errors import AuthenticationError, LostCause, PeerLostError, RpcError,
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES
 from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx.transport_kit.basics import connect_limit, describe, lost_error, unreachable
+from rpcx.transport_kit.connector import Connector
 from rpcx.transport_kit.links import Arrivals, Link, Peers
 from rpcx.transport_kit.writer import Backlog, Pending
 
@@ -42,6 +44,10 @@ __all__ = [
 log = logging.getLogger("rpcx.transport_kit")
 
 HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection may take to introduce itself
+# An on-demand mesh: threads that connect pairs (per worker; see connector.py), and how
+# long a worker whose dial lost a crossing waits before it looks (and dials) again.
+CONNECTING_THREADS = 4
+LOOK_AGAIN_S = 1.0
 READ_CHUNK = 256 << 10  # bytes asked for per read: many small frames per system call
 MAX_FDS = 64  # descriptors one read may carry
 # Plain ints: testing a flag against the enum member costs ~3 us a read (enum.__and__).
@@ -67,9 +73,11 @@ class SocketReader:
     __slots__ = ("before_wait", "buffer", "end", "fds", "recent", "sock", "start")
 
     def __init__(self, sock: socket.socket,
-                 before_wait: Callable[[], None] | None = None) -> None:
+                 before_wait: Callable[[], None] | None = None, lazy: bool = False) -> None:
         self.sock = sock
-        self.buffer = bytearray(READ_CHUNK)
+        # ``lazy``: allocated by the first read (256 KiB zeroed costs page faults, and
+        # the placeholder of a link connecting on demand never reads).
+        self.buffer = bytearray() if lazy else bytearray(READ_CHUNK)
         self.start = 0  # first unread byte
         self.end = 0  # one past the last received byte
         self.fds: collections.deque[int] = collections.deque()
@@ -86,6 +94,8 @@ class SocketReader:
         while self.end - self.start < needed:
             if self.before_wait is not None:
                 self.before_wait()
+            if not self.buffer:
+                self.buffer = bytearray(max(READ_CHUNK, needed))
             if len(self.buffer) - self.start < max(needed, READ_CHUNK // 2) and self.start:
                 unread = self.end - self.start  # move what is unread to the front
                 self.buffer[:unread] = self.buffer[self.start : self.end]
@@ -223,25 +233,29 @@ class SocketLink(Link):
                  writer_name: str) -> None:
         super().__init__(rank, name)
         # ``sock`` None: a link of an on-demand mesh being connected. Until
-        # :meth:`attach` gives it its socket, what is sent queues on the backlog, behind
-        # the job that connects it (:class:`Connecting`), and senders do not wait.
+        # :meth:`attach` gives it its socket, what is sent queues on the held backlog
+        # (a connector thread connects it), and senders do not wait.
         self.attached = threading.Event()
+        self.backlog = Backlog(self.lock, self._write_all, writer_name, on_error=self._break)
         if sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # (a placeholder)
+            self.backlog.hold()
         else:
             self.attached.set()
         self.sock = sock
-        self.reader = SocketReader(sock, self.flush_corked)
+        self.reader = SocketReader(sock, self.flush_corked, lazy=not self.attached.is_set())
         self.corked = bytearray()  # one byte string: a write takes at most 1,024 pieces
-        self.backlog = Backlog(self.lock, self._write_all, writer_name, on_error=self._break)
 
     def attach(self, sock: socket.socket) -> None:
         """Give a link being connected its socket (call under ``lock``, before its
-        receive loop starts); the frames queued meanwhile are written next."""
+        receive loop starts) and write what was queued meanwhile: on this thread what
+        the socket takes at once, the rest on the writer thread."""
         placeholder, self.sock = self.sock, sock
         self.reader = SocketReader(sock, self.flush_corked)
         self.attached.set()
         placeholder.close()
+        assert self.backlog is not None
+        self.backlog.release(self._write_now)
 
     def send(self, parts: Sequence[Buffer], fds: Sequence[int] = (), deadline: float = 0.0,
              cork: int = 0) -> None:
@@ -316,12 +330,18 @@ class SocketLink(Link):
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
 
-    def _write_all(self, job: _Unwritten | Connecting) -> None:
+    def _write_now(self, job: _Unwritten) -> bool:
+        # Whether the socket took all of ``job`` at once (a backlog's release). One
+        # with descriptors is the writer's: they travel once, with the first byte.
+        if job.fds:
+            return False
+        with job.lock:
+            send_now(self.sock, job.data, ())
+            return not job.data
+
+    def _write_all(self, job: _Unwritten) -> None:
         # Non-blocking writes under the job's lock, waiting for room without it (see
         # _Unwritten); shutdown() wakes the wait, and the next write then fails.
-        if isinstance(job, Connecting):
-            job.connect(self)
-            return
         fds: Sequence[int] = job.fds
         poller: select.poll | None = None
         while True:
@@ -338,17 +358,6 @@ class SocketLink(Link):
         """A write failed (under ``lock``): mark the peer gone, end the connection."""
         self.gone = True
         self.shutdown()
-
-
-class Connecting:
-    """The first job on the backlog of a link being connected: the writer thread
-    connects it (``connect(link)`` returns once the link is attached, or raises, which
-    fails what was queued behind it)."""
-
-    __slots__ = ("connect",)
-
-    def __init__(self, connect: Callable[[SocketLink], None]) -> None:
-        self.connect = connect
 
 
 # ------------------------------------------------------------------------- handshake
@@ -785,6 +794,7 @@ class StreamTransport:
         # :meth:`pair`), and the peers that cannot be reached.
         self.dial_peer: Callable[[int, float], socket.socket | None] | None = None
         self._pairing = threading.Condition()
+        self._connector: Connector | None = None  # (made with the first pair to connect)
         self._unreachable: dict[int, str] = {}
         self._pairs_closed = False  # close() began: no pair connects any more
         # Connections this worker dialed, admitted and refused (tie-breaks), for tests.
@@ -893,12 +903,13 @@ class StreamTransport:
     # ------------------------------------------------------------- on-demand pairs
     #
     # Each pair of an on-demand mesh shares one connection, made by whichever worker
-    # first sends to the other. The link exists at once (senders queue on it and go
-    # on); its writer thread connects it. When both workers dial at once, the
-    # connection dialed by the lower rank wins: each worker's doorway refuses a dial
-    # from a higher rank while it dials that rank itself, and attaches one from a
-    # lower rank to its own link; the dial refused waits for that. Every decision is
-    # taken under ``_pairing``, so a link is attached once.
+    # first sends to the other. The link exists at once (senders queue on its held
+    # backlog and go on); a connector thread (one of a few per worker) connects it.
+    # When both workers dial at once, the connection dialed by the lower rank wins:
+    # each worker's doorway refuses a dial from a higher rank while it dials that rank
+    # itself, and attaches one from a lower rank to its own link; the dial refused
+    # looks again a while later. Every decision is taken under ``_pairing``, so a link
+    # is attached once; no thread is started under it (a start waits for the thread).
 
     def _link_on_demand(self, dst: int) -> SocketLink:
         ctx, peers = self._ctx, self.peers
@@ -916,69 +927,116 @@ class StreamTransport:
             if peers.closing or self._pairs_closed:
                 raise PeerLostError(unreachable("this worker is shutting down"),
                                     cause=LostCause.CONNECTION_LOST)
-            link = self.make_link(dst, None)
-            assert link.backlog is not None
-            with link.lock:
-                link.backlog.put(Connecting(self._connect))
+            link = self.make_link(dst, None)  # (its backlog holds what is sent)
             peers.add(link, receive=False)
-            return link
+            connector = self._connecting()
+        bound = connect_limit(ctx) or HANDSHAKE_TIMEOUT
+        try:
+            connector.submit(functools.partial(self._connect, link, bound,
+                                               time.monotonic() + bound))
+        except RuntimeError as exc:  # (a crowded host: no thread to connect with)
+            failure = f"could not connect: {describe(exc)}"
+            self._lose(link, failure)
+            raise PeerLostError(unreachable(failure),
+                                cause=LostCause.CONNECTION_LOST) from None
+        return link
 
-    def _connect(self, link: SocketLink) -> None:
-        """Connect ``link`` (its writer thread, first job): dial the peer, or, when the
-        peer's own connection wins, wait for it to be attached; raise if neither comes
-        within ``rpc_timeout``: the peer is then reported lost, and what was queued
-        fails with it."""
+    def _connecting(self) -> Connector:
+        """(Under ``_pairing``.) The connector, made the first time a pair connects."""
+        if self._connector is None:
+            ctx = self._ctx
+            assert ctx is not None
+            self._connector = Connector(f"rpcx-{ctx.names[ctx.rank]}-{self.label}-connect",
+                                        CONNECTING_THREADS)
+        return self._connector
+
+    def _connect(self, link: SocketLink, bound: float, deadline: float) -> None:
+        """Connect ``link`` (a connector job): dial the peer. When the peer's own
+        connection wins (it comes through the doorway: :meth:`pair`), look again in a
+        while, dialing again if it has not come (a peer that died meanwhile then fails
+        the dial). The peer is reported lost, and what was queued fails, if no
+        connection comes by ``deadline`` (``bound`` seconds after the first send)."""
         ctx, peers, dial = self._ctx, self.peers, self.dial_peer
         assert ctx is not None and peers is not None and dial is not None
-        bound = connect_limit(ctx) or HANDSHAKE_TIMEOUT
-        deadline = time.monotonic() + bound
+        if link.attached.is_set() or link.ended.is_set():
+            return
         failure = None
         sock = None
         try:
-            if not link.attached.is_set():
-                sock = dial(link.rank, bound)
+            sock = dial(link.rank, max(0.001, deadline - time.monotonic()))
         except (OSError, EOFError, AuthenticationError) as exc:
             failure = f"could not connect: {describe(exc)}"
         with self._pairing:
-            if link.attached.is_set():  # its own connection won (or came meanwhile)
+            if link.attached.is_set() or link.ended.is_set():  # its connection came
                 if sock is not None:
                     sock.close()
                 return
-            if failure is None and sock is not None and not self._pairs_closed:
-                failure = self._attach(link, sock, "dialed")
-                if failure is None:
+            if self._pairs_closed:
+                failure = "this worker is shutting down"
+            elif failure is None and sock is not None:
+                self._attach(link, sock, "dialed")
+            elif failure is None:  # its connection wins: it comes through the doorway
+                now = time.monotonic()
+                if now < deadline:
+                    assert self._connector is not None
+                    self._connector.submit(functools.partial(self._connect, link, bound,
+                                                             deadline),
+                                           at=min(deadline, now + LOOK_AGAIN_S))
                     return
-            elif failure is None:  # its connection wins, or this worker is closing
+                failure = (f"its connection to this worker did not come within "
+                           f"{bound:g} s")
+            if failure is not None:
                 if sock is not None:
                     sock.close()
-                self._pairing.wait_for(lambda: link.attached.is_set() or self._pairs_closed,
-                                       max(0.0, deadline - time.monotonic()))
-                if link.attached.is_set():
-                    return
-                failure = ("this worker is shutting down" if self._pairs_closed else
-                           f"its connection to this worker did not come within {bound:g} s")
-            self._unreachable[link.rank] = failure  # (decided with the look above)
-            self._pairing.notify_all()
-        link.ended.set()
-        peers.lost(link, LostCause.CONNECTION_LOST, failure)
-        raise ConnectionError(failure)
+                self._give_up(link, failure)
+        if failure is None:
+            self._receive_attached(link)
+        else:
+            self._fail_queued(link, failure)
+            peers.lost(link, LostCause.CONNECTION_LOST, failure)
 
-    def _attach(self, link: SocketLink, sock: socket.socket, how: str) -> str | None:
-        """(Under ``_pairing``.) ``sock`` is ``link``'s connection: start receiving.
-        What went wrong, if it could not (the socket is then closed)."""
-        assert self.peers is not None
-        try:
-            with link.lock:
-                link.attach(self.tune_socket(link.rank, sock))
-            self.peers.receive(link)
-        except Exception as exc:  # (a thread that cannot start, on a crowded host)
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-            return f"could not start receiving: {describe(exc)}"
+    def _attach(self, link: SocketLink, sock: socket.socket, how: str) -> None:
+        """(Under ``_pairing``.) ``sock`` is ``link``'s connection from now on (what
+        was queued is written next); :meth:`_receive_attached` follows, after the lock."""
+        with link.lock:
+            link.attach(self.tune_socket(link.rank, sock))
         self.pairings[how] += 1
         self._pairing.notify_all()
-        return None
+
+    def _give_up(self, link: SocketLink, failure: str) -> None:
+        """(Under ``_pairing``.) ``link``'s peer cannot be reached, for good."""
+        self._unreachable[link.rank] = failure
+        link.ended.set()
+        self._pairing.notify_all()
+
+    def _fail_queued(self, link: SocketLink, failure: str) -> None:
+        """What was sent to a link that will never connect fails (and so does what is
+        sent to it later)."""
+        assert link.backlog is not None
+        with link.lock:
+            link.backlog.fail(ConnectionError(failure))
+
+    def _lose(self, link: SocketLink, failure: str) -> None:
+        """``link`` will never connect: give its peer up and report it lost."""
+        assert self.peers is not None
+        with self._pairing:
+            self._give_up(link, failure)
+        self._fail_queued(link, failure)
+        self.peers.lost(link, LostCause.CONNECTION_LOST, failure)
+
+    def _receive_attached(self, link: SocketLink) -> None:
+        """Start receiving on a link just attached (not under ``_pairing``: the thread
+        start waits for the new thread). One that cannot start (a crowded host) ends
+        the connection and reports the peer lost."""
+        peers = self.peers
+        assert peers is not None
+        try:
+            peers.receive(link)
+        except Exception as exc:
+            with link.lock:
+                link.gone = True
+                link.shutdown()  # (the peer sees the connection end)
+            self._lose(link, f"could not start receiving: {describe(exc)}")
 
     def may_pair(self, rank: int) -> bool:
         """Whether a connection from ``rank`` may be an on-demand mesh's peer (its
@@ -1024,10 +1082,16 @@ class StreamTransport:
             if link is None:
                 link = self.make_link(rank, None)
                 peers.add(link, receive=False)
-            failure = self._attach(link, sock, "admitted")
-        if failure is not None:  # (the dialer sees the connection end)
-            log.warning("%s: the connection %s made could not be used: %s",
-                        ctx.names[ctx.rank], ctx.names[rank], failure)
+            self._attach(link, sock, "admitted")
+            connector = self._connecting()
+        # Its receive loop is started on a connector thread: the doorway answers the
+        # next worker meanwhile (a thread start waits for the new thread to run).
+        try:
+            handed = connector.submit(functools.partial(self._receive_attached, link))
+        except RuntimeError:
+            handed = False
+        if not handed:  # (no connector thread, or this worker began closing)
+            self._receive_attached(link)
 
     def close_pairs(self) -> None:
         """An on-demand mesh's part of :meth:`close`: connect no pair any more, and let
@@ -1039,9 +1103,13 @@ class StreamTransport:
             self._pairs_closed = True
             self._pairing.notify_all()
             waiting = [link for link in peers if not link.attached.is_set()]
+            connector = self._connector
+        if connector is not None:
+            connector.close()
         for link in waiting:
             with link.lock:
                 link.reported = True  # (closing: not a loss to report)
+            self._fail_queued(link, "this worker is shutting down")
             link.ended.set()
 
     def connects_on_demand(self) -> bool:

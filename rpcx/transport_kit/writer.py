@@ -99,8 +99,8 @@ class Backlog:
         after: called on the writer thread after each job written (optional).
     """
 
-    __slots__ = ("_after", "_failed", "_jobs", "_on_error", "_running", "_stopping", "_thread",
-                 "_wakeup", "_write", "lock", "name")
+    __slots__ = ("_after", "_failed", "_held", "_jobs", "_on_error", "_running", "_stopping",
+                 "_thread", "_wakeup", "_write", "lock", "name")
 
     def __init__(self, lock: threading.Lock, write: Callable[[Any], None], name: str,
                  on_error: Callable[[BaseException], None] | None = None,
@@ -116,10 +116,11 @@ class Backlog:
         self._stopping = False
         self._failed: BaseException | None = None  # why a write failed: the end
         self._running = False  # a writer thread serves the queue (set under lock)
+        self._held = False  # queue, write nothing (a connection being made): hold()
 
     def __bool__(self) -> bool:
-        """Whether jobs are queued (later frames must queue behind them)."""
-        return bool(self._jobs)
+        """Whether later frames must queue: jobs are queued, or the queue is held."""
+        return self._held or bool(self._jobs)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -138,12 +139,53 @@ class Backlog:
             pending.finish(self._failed)
             return pending
         self._jobs.append(pending)
-        if not self._running:
-            self._running = True
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
+        if not self._running and not self._held:
+            self._start_writer()
         self._wakeup.notify()
         return pending
+
+    def hold(self) -> None:
+        """Queue what is put from now on and write none of it (the peer's connection is
+        being made) until :meth:`release` (call under ``lock``)."""
+        self._held = True
+
+    def release(self, write_now: Callable[[Any], bool]) -> None:
+        """Stop holding (call under ``lock``): write the queued jobs on this thread, in
+        order, while ``write_now(job)`` writes a whole job without waiting (``True``);
+        the writer thread takes the rest. A ``write_now`` that raises fails them all
+        and calls ``on_error``, as a writer's failed write does. (``after`` is not
+        called for these: a backlog that is held has none.)"""
+        assert self._after is None, "a held backlog has no after-write callback"
+        self._held = False
+        while self._jobs:
+            pending = self._jobs[0]
+            try:
+                written = write_now(pending.job)
+            except BaseException as exc:
+                self.fail(exc)
+                if self._on_error is not None:
+                    self._on_error(exc)
+                return
+            if not written:
+                self._start_writer()
+                return
+            self._jobs.popleft()
+            pending.finish()
+
+    def fail(self, error: BaseException) -> None:
+        """The connection is over (call under ``lock``): every queued job fails with
+        ``error``, and so does any put later."""
+        self._held = False
+        self._failed = error
+        failed = list(self._jobs)
+        self._jobs.clear()
+        for each in failed:
+            each.finish(error)
+
+    def _start_writer(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
         """Let the writer end once nothing is queued (at close). A writer blocked on a
