@@ -74,7 +74,7 @@ class Connector:
 
     @property
     def threads(self) -> int:
-        """How many threads run now (for tests and ``debug_info``)."""
+        """How many threads run now (for tests)."""
         return self._threads
 
     def _start_thread(self) -> bool:
