@@ -154,6 +154,19 @@ def test_a_held_backlog_queues_until_released_then_writes_in_order() -> None:
     backlog.join(BOUND)
 
 
+def test_a_backlog_released_after_it_failed_writes_nothing() -> None:
+    wire = Wire()
+    backlog = _backlog(wire)
+    backlog.hold()
+    with backlog.lock:
+        queued = backlog.put("a")
+        backlog.fail(ConnectionError("could not connect"))
+        backlog.release(lambda job: pytest.fail("released a failed backlog"))
+    with pytest.raises(PeerLostError):
+        queued.wait(time.monotonic() + BOUND)
+    assert backlog.writer is None and wire.written == []
+
+
 def test_a_held_backlog_whose_connection_never_comes_fails_its_frames() -> None:
     backlog = _backlog(Wire())
     backlog.hold()
@@ -197,13 +210,43 @@ def test_the_connector_runs_jobs_on_a_few_threads_and_later_ones_when_due() -> N
     assert sorted(done) == [f"job{n}" for n in range(5)]
 
 
-def test_the_connector_drops_what_is_left_at_close() -> None:
+def test_the_connector_hands_back_what_is_left_at_close() -> None:
     connector = Connector("rpcx-test-connect", limit=1)
-    ran = threading.Event()
-    connector.submit(ran.set, at=time.monotonic() + BOUND)  # (due long after the test)
-    connector.close()
+    gate, busy, ran = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_the_thread() -> None:
+        busy.set()
+        gate.wait(BOUND)
+
+    connector.submit(hold_the_thread)
+    assert busy.wait(BOUND)
+    connector.submit(ran.set)  # due now, but the only thread is busy
+    assert connector.close() == [ran.set]  # not begun: handed back, in order
+    gate.set()  # the thread is free again, and must not run it
     assert connector.submit(ran.set) is False  # (after close: dropped)
-    assert not ran.wait(0.1)
+    assert not ran.wait(0.2)
+
+
+def test_a_burst_of_jobs_gets_more_threads_though_one_was_idle() -> None:
+    # One thread idle (it ran a job a moment ago), then a burst of slow jobs: they
+    # must spread over threads up to the limit, not queue on the idle one.
+    connector = Connector("rpcx-test-connect", limit=3)
+    first = threading.Event()
+    connector.submit(first.set)
+    assert first.wait(BOUND)
+    gate = threading.Event()
+    running = threading.Semaphore(0)
+
+    def slow() -> None:
+        running.release()
+        gate.wait(BOUND)
+
+    for _ in range(3):
+        connector.submit(slow)
+    for _ in range(3):  # all three at once: three threads
+        assert running.acquire(timeout=BOUND)
+    gate.set()
+    connector.close()
 
 
 @pytest.mark.parametrize(("exc", "cause", "sentence"), [

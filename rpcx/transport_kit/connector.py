@@ -42,16 +42,22 @@ class Connector:
 
     def submit(self, job: Callable[[], None], at: float = 0.0) -> bool:
         """Run ``job`` on a connector thread, once ``time.monotonic()`` reaches ``at``
-        (0: now). Starts a thread (and waits for it to run) when none is idle and
-        fewer than ``limit`` run. ``False`` after :meth:`close` (the job is dropped);
-        ``RuntimeError`` when no thread runs and none can be started (it is not run)."""
+        (0: now). Starts a thread (and waits for it to run) when more jobs are due than
+        threads wait for one, and fewer than ``limit`` run. ``False`` after
+        :meth:`close` (the job is dropped); ``RuntimeError`` when no thread runs and
+        none can be started (it is not run; jobs queued meanwhile run once a later
+        ``submit`` starts one)."""
         with self._changed:
             if self._closed:
                 return False
+            now = time.monotonic()
             entry = (at, next(self._order), job)
             heapq.heappush(self._jobs, entry)
             self._changed.notify()
-            grow = self._idle == 0 and self._threads < self._limit
+            # (Counted, not "is one idle": a woken thread leaves the idle count only
+            # once it runs, and a burst of first sends must not all queue on it.)
+            due = sum(1 for when, _, _ in self._jobs if when <= now)
+            grow = at <= now and due > self._idle and self._threads < self._limit
             if grow:
                 self._threads += 1
         if grow and not self._start_thread():
@@ -64,13 +70,15 @@ class Connector:
             raise RuntimeError(f"{self._name}: could not start a thread to connect with")
         return True
 
-    def close(self) -> None:
-        """Run no more jobs (those not begun are dropped; one running finishes: each is
-        bounded). The threads end at once."""
+    def close(self) -> list[Callable[[], None]]:
+        """Run no more jobs; those running finish (each is bounded), and the threads
+        end. Returns the jobs not begun, in order (dropped: the caller may run them)."""
         with self._changed:
             self._closed = True
+            dropped = [job for _, _, job in sorted(self._jobs)]
             self._jobs.clear()
             self._changed.notify_all()
+        return dropped
 
     @property
     def threads(self) -> int:
@@ -115,3 +123,7 @@ class Connector:
                 job()
             except Exception:
                 log.exception("%s: a connecting job failed", self._name)
+            except BaseException:  # (the thread ends: it is no longer counted)
+                with self._changed:
+                    self._threads -= 1
+                raise

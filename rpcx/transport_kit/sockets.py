@@ -47,6 +47,7 @@ HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection may take to introduce itsel
 # An on-demand mesh: threads that connect pairs (per worker; see connector.py), and how
 # long a worker whose dial lost a crossing waits before it looks (and dials) again.
 CONNECTING_THREADS = 4
+STARTING_THREADS = 1  # (for the links its doorway admits: never behind a dial)
 LOOK_AGAIN_S = 1.0
 READ_CHUNK = 256 << 10  # bytes asked for per read: many small frames per system call
 MAX_FDS = 64  # descriptors one read may carry
@@ -248,12 +249,17 @@ class SocketLink(Link):
 
     def attach(self, sock: socket.socket) -> None:
         """Give a link being connected its socket (call under ``lock``, before its
-        receive loop starts) and write what was queued meanwhile: on this thread what
-        the socket takes at once, the rest on the writer thread."""
+        receive loop starts); what queued meanwhile stays queued until
+        :meth:`release_queued`."""
         placeholder, self.sock = self.sock, sock
         self.reader = SocketReader(sock, self.flush_corked)
         self.attached.set()
         placeholder.close()
+
+    def release_queued(self) -> None:
+        """Write what queued while the link was connecting (call under ``lock``, once
+        attached): on this thread what the socket takes at once, the rest on the
+        writer thread."""
         assert self.backlog is not None
         self.backlog.release(self._write_now)
 
@@ -280,7 +286,8 @@ class SocketLink(Link):
     def wait(self, pending: Pending, deadline: float) -> None:
         """Wait for a queued frame until ``deadline`` (0: until written or failed); not
         at all while the link is being connected (the frame is copied and queued)."""
-        if not self.attached.is_set():
+        assert self.backlog is not None
+        if self.backlog.held:
             pending.wait(-1.0)  # (a deadline already past: the job is detached now)
             return
         if not pending.wait(deadline):
@@ -794,7 +801,9 @@ class StreamTransport:
         # :meth:`pair`), and the peers that cannot be reached.
         self.dial_peer: Callable[[int, float], socket.socket | None] | None = None
         self._pairing = threading.Condition()
-        self._connector: Connector | None = None  # (made with the first pair to connect)
+        # Threads that dial, and that start admitted links' threads (made when needed).
+        self._connector: Connector | None = None
+        self._starter: Connector | None = None
         self._unreachable: dict[int, str] = {}
         self._pairs_closed = False  # close() began: no pair connects any more
         # Connections this worker dialed, admitted and refused (tie-breaks), for tests.
@@ -942,13 +951,21 @@ class StreamTransport:
         return link
 
     def _connecting(self) -> Connector:
-        """(Under ``_pairing``.) The connector, made the first time a pair connects."""
+        """(Under ``_pairing``.) The connector that dials, made with the first dial."""
         if self._connector is None:
-            ctx = self._ctx
-            assert ctx is not None
-            self._connector = Connector(f"rpcx-{ctx.names[ctx.rank]}-{self.label}-connect",
-                                        CONNECTING_THREADS)
+            self._connector = self._new_connector("connect", CONNECTING_THREADS)
         return self._connector
+
+    def _starting(self) -> Connector:
+        """(Under ``_pairing``.) The connector that starts admitted links' threads."""
+        if self._starter is None:
+            self._starter = self._new_connector("start", STARTING_THREADS)
+        return self._starter
+
+    def _new_connector(self, role: str, limit: int) -> Connector:
+        ctx = self._ctx
+        assert ctx is not None
+        return Connector(f"rpcx-{ctx.names[ctx.rank]}-{self.label}-{role}", limit)
 
     def _connect(self, link: SocketLink, bound: float, deadline: float) -> None:
         """Connect ``link`` (a connector job): dial the peer. When the peer's own
@@ -974,7 +991,8 @@ class StreamTransport:
             if self._pairs_closed:
                 failure = "this worker is shutting down"
             elif failure is None and sock is not None:
-                self._attach(link, sock, "dialed")
+                failure = self._attach(link, sock, "dialed")
+                sock = None  # (the link's now, or closed)
             elif failure is None:  # its connection wins: it comes through the doorway
                 now = time.monotonic()
                 if now < deadline:
@@ -995,13 +1013,19 @@ class StreamTransport:
             self._fail_queued(link, failure)
             peers.lost(link, LostCause.CONNECTION_LOST, failure)
 
-    def _attach(self, link: SocketLink, sock: socket.socket, how: str) -> None:
-        """(Under ``_pairing``.) ``sock`` is ``link``'s connection from now on (what
-        was queued is written next); :meth:`_receive_attached` follows, after the lock."""
-        with link.lock:
-            link.attach(self.tune_socket(link.rank, sock))
+    def _attach(self, link: SocketLink, sock: socket.socket, how: str) -> str | None:
+        """(Under ``_pairing``.) ``sock`` is ``link``'s connection from now on;
+        :meth:`_receive_attached` follows, after the lock. What went wrong, if it
+        could not be (the socket is then closed)."""
+        try:
+            with link.lock:
+                link.attach(self.tune_socket(link.rank, sock))
+        except Exception as exc:  # (a socket option the system refuses)
+            sock.close()
+            return f"could not use its connection: {describe(exc)}"
         self.pairings[how] += 1
         self._pairing.notify_all()
+        return None
 
     def _give_up(self, link: SocketLink, failure: str) -> None:
         """(Under ``_pairing``.) ``link``'s peer cannot be reached, for good."""
@@ -1025,18 +1049,31 @@ class StreamTransport:
         self.peers.lost(link, LostCause.CONNECTION_LOST, failure)
 
     def _receive_attached(self, link: SocketLink) -> None:
-        """Start receiving on a link just attached (not under ``_pairing``: the thread
-        start waits for the new thread). One that cannot start (a crowded host) ends
-        the connection and reports the peer lost."""
+        """Write what queued for a link just attached and start receiving on it (not
+        under ``_pairing``: a thread start waits for the new thread). A thread that
+        cannot start (a crowded host) ends the connection and reports the peer lost."""
         peers = self.peers
         assert peers is not None
         try:
+            with link.lock:
+                link.release_queued()  # (done already for one the doorway admitted)
             peers.receive(link)
         except Exception as exc:
-            with link.lock:
-                link.gone = True
-                link.shutdown()  # (the peer sees the connection end)
-            self._lose(link, f"could not start receiving: {describe(exc)}")
+            self._abandon(link, exc)
+
+    def _abandon(self, link: SocketLink, exc: BaseException) -> None:
+        """An attached link whose threads could not start: end the connection, give
+        the peer up and report it lost."""
+        assert self.peers is not None and link.backlog is not None
+        failure = f"could not start its threads: {describe(exc)}"
+        with link.lock:
+            link.gone = True
+            link.shutdown()  # (the peer sees the connection end; a writer's write fails)
+            if not link.backlog.running:
+                link.backlog.fail(ConnectionError(failure))
+        with self._pairing:
+            self._give_up(link, failure)
+        self.peers.lost(link, LostCause.CONNECTION_LOST, failure)
 
     def may_pair(self, rank: int) -> bool:
         """Whether a connection from ``rank`` may be an on-demand mesh's peer (its
@@ -1082,15 +1119,28 @@ class StreamTransport:
             if link is None:
                 link = self.make_link(rank, None)
                 peers.add(link, receive=False)
-            self._attach(link, sock, "admitted")
-            connector = self._connecting()
-        # Its receive loop is started on a connector thread: the doorway answers the
-        # next worker meanwhile (a thread start waits for the new thread to run).
+            failure = self._attach(link, sock, "admitted")
+            if failure is not None:
+                self._give_up(link, failure)
+            starter = self._starting()
+        if failure is not None:  # (the dialer sees the connection end)
+            self._fail_queued(link, failure)
+            peers.lost(link, LostCause.CONNECTION_LOST, failure)
+            return
+        # What queued for the peer (its requests, when both dialed) goes now, on this
+        # thread; the link's threads are started on a starter thread (never behind a
+        # dial): the doorway answers the next worker meanwhile.
         try:
-            handed = connector.submit(functools.partial(self._receive_attached, link))
+            with link.lock:
+                link.release_queued()
+        except Exception as exc:  # (a writer thread for a rest that cannot start)
+            self._abandon(link, exc)
+            return
+        try:
+            handed = starter.submit(functools.partial(self._receive_attached, link))
         except RuntimeError:
             handed = False
-        if not handed:  # (no connector thread, or this worker began closing)
+        if not handed:  # (no thread to hand it to, or this worker began closing)
             self._receive_attached(link)
 
     def close_pairs(self) -> None:
@@ -1103,9 +1153,12 @@ class StreamTransport:
             self._pairs_closed = True
             self._pairing.notify_all()
             waiting = [link for link in peers if not link.attached.is_set()]
-            connector = self._connector
+            connector, starter = self._connector, self._starter
         if connector is not None:
-            connector.close()
+            connector.close()  # (the links it would have dialed are waiting: below)
+        if starter is not None:
+            for start in starter.close():  # admitted links: receive their goodbyes
+                start()
         for link in waiting:
             with link.lock:
                 link.reported = True  # (closing: not a loss to report)

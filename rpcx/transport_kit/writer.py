@@ -144,6 +144,16 @@ class Backlog:
         self._wakeup.notify()
         return pending
 
+    @property
+    def running(self) -> bool:
+        """Whether a writer thread serves the queue now."""
+        return self._running
+
+    @property
+    def held(self) -> bool:
+        """Whether the queue is held (:meth:`hold`): nothing queued is written yet."""
+        return self._held
+
     def hold(self) -> None:
         """Queue what is put from now on and write none of it (the peer's connection is
         being made) until :meth:`release` (call under ``lock``)."""
@@ -156,6 +166,9 @@ class Backlog:
         and calls ``on_error``, as a writer's failed write does. (``after`` is not
         called for these: a backlog that is held has none.)"""
         assert self._after is None, "a held backlog has no after-write callback"
+        if not self._held or self._failed is not None:  # (released, or failed: done)
+            self._held = False
+            return
         self._held = False
         while self._jobs:
             pending = self._jobs[0]
@@ -173,8 +186,11 @@ class Backlog:
             pending.finish()
 
     def fail(self, error: BaseException) -> None:
-        """The connection is over (call under ``lock``): every queued job fails with
-        ``error``, and so does any put later."""
+        """The connection is over, before any writer ran (a held backlog whose
+        connection never came; call under ``lock``): every queued job fails with
+        ``error``, and so does any put later. (Once a writer runs, end the connection
+        instead: its failed write fails the queue.)"""
+        assert not self._running, "fail() is for a backlog no writer serves"
         self._held = False
         self._failed = error
         failed = list(self._jobs)
@@ -185,7 +201,11 @@ class Backlog:
     def _start_writer(self) -> None:
         self._running = True
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:  # (a crowded host: a later put tries again)
+            self._running = False
+            raise
 
     def stop(self) -> None:
         """Let the writer end once nothing is queued (at close). A writer blocked on a
