@@ -74,11 +74,12 @@ class SocketReader:
     __slots__ = ("before_wait", "buffer", "end", "fds", "recent", "sock", "start")
 
     def __init__(self, sock: socket.socket,
-                 before_wait: Callable[[], None] | None = None, lazy: bool = False) -> None:
+                 before_wait: Callable[[], None] | None = None,
+                 size: int = READ_CHUNK) -> None:
         self.sock = sock
-        # ``lazy``: allocated by the first read (256 KiB zeroed costs page faults, and
-        # the placeholder of a link connecting on demand never reads).
-        self.buffer = bytearray() if lazy else bytearray(READ_CHUNK)
+        # ``size`` 0: the placeholder of a link connecting on demand, which never reads
+        # (256 KiB zeroed costs page faults; ``fill`` grows a buffer that is full).
+        self.buffer = bytearray(size)
         self.start = 0  # first unread byte
         self.end = 0  # one past the last received byte
         self.fds: collections.deque[int] = collections.deque()
@@ -95,8 +96,6 @@ class SocketReader:
         while self.end - self.start < needed:
             if self.before_wait is not None:
                 self.before_wait()
-            if not self.buffer:
-                self.buffer = bytearray(max(READ_CHUNK, needed))
             if len(self.buffer) - self.start < max(needed, READ_CHUNK // 2) and self.start:
                 unread = self.end - self.start  # move what is unread to the front
                 self.buffer[:unread] = self.buffer[self.start : self.end]
@@ -244,7 +243,8 @@ class SocketLink(Link):
         else:
             self.attached.set()
         self.sock = sock
-        self.reader = SocketReader(sock, self.flush_corked, lazy=not self.attached.is_set())
+        self.reader = SocketReader(sock, self.flush_corked,
+                                   size=READ_CHUNK if self.attached.is_set() else 0)
         self.corked = bytearray()  # one byte string: a write takes at most 1,024 pieces
 
     def attach(self, sock: socket.socket) -> None:
@@ -1010,8 +1010,7 @@ class StreamTransport:
         if failure is None:
             self._receive_attached(link)
         else:
-            self._fail_queued(link, failure)
-            peers.lost(link, LostCause.CONNECTION_LOST, failure)
+            self._report_lost(link, failure)
 
     def _attach(self, link: SocketLink, sock: socket.socket, how: str) -> str | None:
         """(Under ``_pairing``.) ``sock`` is ``link``'s connection from now on;
@@ -1040,13 +1039,18 @@ class StreamTransport:
         with link.lock:
             link.backlog.fail(ConnectionError(failure))
 
-    def _lose(self, link: SocketLink, failure: str) -> None:
-        """``link`` will never connect: give its peer up and report it lost."""
+    def _report_lost(self, link: SocketLink, failure: str) -> None:
+        """(After :meth:`_give_up`.) What queued for ``link`` fails, and its peer is
+        reported lost."""
         assert self.peers is not None
-        with self._pairing:
-            self._give_up(link, failure)
         self._fail_queued(link, failure)
         self.peers.lost(link, LostCause.CONNECTION_LOST, failure)
+
+    def _lose(self, link: SocketLink, failure: str) -> None:
+        """``link`` will never connect: give its peer up and report it lost."""
+        with self._pairing:
+            self._give_up(link, failure)
+        self._report_lost(link, failure)
 
     def _receive_attached(self, link: SocketLink) -> None:
         """Write what queued for a link just attached and start receiving on it (not
@@ -1124,8 +1128,7 @@ class StreamTransport:
                 self._give_up(link, failure)
             starter = self._starting()
         if failure is not None:  # (the dialer sees the connection end)
-            self._fail_queued(link, failure)
-            peers.lost(link, LostCause.CONNECTION_LOST, failure)
+            self._report_lost(link, failure)
             return
         # What queued for the peer (its requests, when both dialed) goes now, on this
         # thread; the link's threads are started on a starter thread (never behind a

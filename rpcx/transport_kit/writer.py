@@ -175,9 +175,8 @@ class Backlog:
             try:
                 written = write_now(pending.job)
             except BaseException as exc:
-                self.fail(exc)
-                if self._on_error is not None:
-                    self._on_error(exc)
+                for each in self._broken(exc):
+                    each.finish(exc)
                 return
             if not written:
                 self._start_writer()
@@ -191,12 +190,28 @@ class Backlog:
         ``error``, and so does any put later. (Once a writer runs, end the connection
         instead: its failed write fails the queue.)"""
         assert not self._running, "fail() is for a backlog no writer serves"
+        for each in self._take_all(error):
+            each.finish(error)
+
+    def _take_all(self, error: BaseException) -> list[Pending]:
+        """(Under ``lock``.) The end: later puts fail with ``error``; returns the
+        queued jobs, for the caller to fail."""
         self._held = False
         self._failed = error
         failed = list(self._jobs)
         self._jobs.clear()
-        for each in failed:
-            each.finish(error)
+        return failed
+
+    def _broken(self, error: BaseException) -> list[Pending]:
+        """(Under ``lock``.) A write failed: :meth:`_take_all`, then ``on_error`` (end
+        the connection)."""
+        failed = self._take_all(error)
+        if self._on_error is not None:
+            try:
+                self._on_error(error)
+            except Exception:
+                log.exception("%s: ending the connection failed", self.name)
+        return failed
 
     def _start_writer(self) -> None:
         self._running = True
@@ -235,15 +250,8 @@ class Backlog:
                 self._write(pending.job)
             except BaseException as exc:
                 with self.lock:
-                    failed = list(self._jobs)
-                    self._jobs.clear()
-                    self._failed = exc
                     self._running = False
-                    if self._on_error is not None:
-                        try:
-                            self._on_error(exc)
-                        except Exception:
-                            log.exception("%s: ending the connection failed", self.name)
+                    failed = self._broken(exc)
                 for each in failed:
                     each.finish(exc)
                 return
