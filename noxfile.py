@@ -1,12 +1,14 @@
 """The test matrix: ``nox -s tests`` runs the suite once per backend, built-in or plugin.
 
 Sessions: tests (every backend, then the RRef and autograd kit under injected faults as
-``faulty:gloo``; or ``-- --backends=...``), clients (TorchRL unchanged on every
-multi-process backend), no_torch_rpc (rpcx on a torch without distributed RPC),
-examples(backend), demo, soak, lint,
-typecheck, docs (the site, built strictly and tested in a browser), bench, and
-torch_suite(backend) (torch's own RPC tests run against rpcx;
-long, so not a default).
+``faulty:gloo``; or ``-- --backends=...``), long (the long runs ``tests`` leaves out),
+programs (examples, seed and docs programs), commands (rpcx's commands and start-up in
+fresh interpreters), seeds (the seed programs on tensorpipe and torch), clients (TorchRL
+unchanged on every multi-process backend), no_torch_rpc (rpcx on a torch without
+distributed RPC), beyond_tests (what CI runs after tests: programs, commands, long,
+no_torch_rpc and clients in one environment), examples(backend), demo, soak,
+lint, typecheck, docs (the site, built strictly and tested in a browser), bench, and
+torch_suite(backend) (torch's own RPC tests run against rpcx; long, so not a default).
 Every session installs through constraints.txt, which pins torch==2.13.0.
 """
 
@@ -44,6 +46,11 @@ CONSTRAINTS = ("-c", "constraints.txt")
 
 
 def _install(session: nox.Session, extras: str = "") -> None:
+    # Keep Python's bytecode cache, and with it pytest's cache of rewritten test modules,
+    # even where the shell sets PYTHONDONTWRITEBYTECODE (this machine's does): without it
+    # every pytest process compiles the test modules again, 4-5 s of CPU each, and every
+    # pass starts two (measured: collection 10.7 s -> 6.1 s). An empty value is unset.
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""
     session.install(*CONSTRAINTS, "torch==2.13.0")
     session.install(*CONSTRAINTS, "-e", f".[{extras}]" if extras else ".")
 
@@ -94,9 +101,19 @@ def _bounded(*command: str) -> tuple[str, ...]:
     return ("timeout", "--kill-after=30", str(PASS_LIMIT), *command)
 
 
+# What ``tests`` leaves to sessions of their own, which CI runs: the long runs (``long``),
+# the whole programs users run (``programs``: examples, seed programs, the docs'), rpcx's
+# commands and start-up in fresh interpreters (``commands``), and rpcx on a torch without
+# RPC (``no_torch_rpc``, which runs those tests on every backend).
+DEFAULT_MARKS = "not long and not program and not commands and not no_torch_rpc"
+# The backends whose passes of ``tests`` ran the ``commands`` tests that take a backend.
+COMMANDS_BACKENDS = ["auto", "gloo", "tensorpipe"]
+
+
 def _test_backend(session: nox.Session, backend: str, pytest_args: list[str]) -> None:
     # loadscope: one group per test class (each has its own world) or module.
-    pytest = _bounded("pytest", "-n", "2", "--dist", "loadscope", f"--rpcx-backend={backend}")
+    pytest = _bounded("pytest", "-n", "2", "--dist", "loadscope", "-m", DEFAULT_MARKS,
+                      f"--rpcx-backend={backend}")
     if backend in PLUGINS:
         session.install(*CONSTRAINTS, "-e", PLUGINS[backend])
         try:
@@ -131,8 +148,7 @@ def _test_backend(session: nox.Session, backend: str, pytest_args: list[str]) ->
             session.run(*pytest, *pytest_args, external=True)
         finally:
             session.install(*CONSTRAINTS, "numpy")
-        # (The seed programs import numpy themselves, so they skip here: they run on the
-        # default backend, auto, in its pass; nox -s seeds runs them on tensorpipe.)
+        # (nox -s seeds runs the seed programs on tensorpipe, with numpy: they import it.)
         return
     session.run(*pytest, *pytest_args, external=True)
 
@@ -188,10 +204,67 @@ def clients(session: nox.Session) -> None:
     """Libraries that import torch.distributed.rpc themselves (TorchRL, PyG), on torch and on
     every multi-process rpcx backend with the switch on: the same results on each."""
     _install(session, "test")
+    _run_clients(session)
+
+
+def _run_clients(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, *CLIENTS)
     session.install(*CONSTRAINTS, "-e", PLUGINS["zmq"])  # a plugin's backend too
     session.run(*_bounded("pytest", "-n", "2", "tests/clients", *session.posargs),
                 env={"RPCX_REQUIRE_CLIENTS": "1"}, external=True)
+
+
+@nox.session(python=PYTHON)
+def programs(session: nox.Session) -> None:
+    """The whole programs users run, each in fresh interpreters (tests marked
+    ``program``): the examples on loopback and the default backend (auto), ddp_rpc on
+    GPUs on tensorpipe (it skips without two), the seed programs on auto, ddp_rpc traced
+    and a program profiled beside torch's on auto, and every program in the README and
+    docs/ that states its output."""
+    _install(session, "test")
+    _run_programs(session)
+
+
+def _run_programs(session: nox.Session) -> None:
+    pytest = _bounded("pytest", "-n", "2", "-m", "program", "tests")
+    session.run(*pytest, "--rpcx-backend=loopback", "--rpcx-backend=auto", *session.posargs,
+                external=True)
+    session.run(*pytest, "--rpcx-backend=tensorpipe", "-k", "gpus", *session.posargs,
+                external=True)
+
+
+@nox.session(python=PYTHON)
+def commands(session: nox.Session) -> None:
+    """rpcx's commands and start-up, each in fresh interpreters (tests marked
+    ``commands``): ``rpcx launch``/``bench``, ``python -m rpcx backends`` with plugins
+    installed and broken, the torch switch's start-up hook, the kit command, the
+    backstop, numpy's absence, a 16-worker ``rpcx launch`` that prints nothing; on
+    loopback, then the ones that take a backend on auto, gloo and tensorpipe."""
+    _install(session, "test")
+    _run_commands(session)
+
+
+def _run_commands(session: nox.Session) -> None:
+    session.run(*_bounded("pytest", "-n", "2", "--dist", "loadscope", "-m", "commands",
+                          "--rpcx-backend=loopback", "tests", *session.posargs),
+                external=True)
+    for backend in COMMANDS_BACKENDS:  # (a few tests each: one process is quicker)
+        session.run(*_bounded("pytest", "-m", "commands", f"--rpcx-backend={backend}",
+                              "--only-backend-tests", "tests", *session.posargs),
+                    external=True)
+
+
+@nox.session(python=PYTHON)
+def long(session: nox.Session) -> None:
+    """The long runs (tests marked ``long``, minutes each), left out of ``nox -s tests``
+    to keep it within ten minutes: the churn's 100 departures and joins in a row."""
+    _install(session, "test")
+    _run_long(session)
+
+
+def _run_long(session: nox.Session) -> None:
+    session.run(*_bounded("pytest", "-m", "long", "tests", *session.posargs),
+                external=True)
 
 
 @nox.session(python=PYTHON)
@@ -200,6 +273,10 @@ def no_torch_rpc(session: nox.Session) -> None:
     process of the session see one): the conformance kit on loopback, auto, gloo and
     the zmq plugin; tensorpipe, which needs torch's RPC, must refuse and say why."""
     _install(session, "test")
+    _run_no_torch_rpc(session)
+
+
+def _run_no_torch_rpc(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "-e", PLUGINS["zmq"])
     env = {"PYTHONPATH": os.path.join(os.getcwd(), "tests", "no_torch_rpc"),
            "RPCX_TEST_WITHOUT_TORCH_RPC": "1"}
@@ -214,6 +291,29 @@ def no_torch_rpc(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def beyond_tests(session: nox.Session) -> None:
+    """What CI runs after ``nox -s tests``, in one environment (each session's own costs
+    about a minute to make): ``programs``, ``commands``, ``long``, ``no_torch_rpc``, then
+    ``clients``
+    (last: it installs the client libraries and the zmq plugin). Every one runs even when
+    one fails; the session fails naming them. Arguments after ``--`` go to each pytest."""
+    _install(session, "test")
+    steps = [("programs", _run_programs), ("commands", _run_commands), ("long", _run_long),
+             ("no_torch_rpc", _run_no_torch_rpc), ("clients", _run_clients)]
+    failed = []
+    for name, step in steps:
+        session.log(f"===== {name}")
+        started = time.monotonic()
+        try:
+            step(session)
+        except nox.command.CommandFailed:
+            failed.append(name)
+        session.log(f"===== {name}: {time.monotonic() - started:.0f} s")
+    if failed:
+        session.error(f"failed: {', '.join(failed)}")
+
+
+@nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The README's main job: DDP + RPC training (examples/ddp_rpc) on the default backend."""
     _install(session)
@@ -223,8 +323,8 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def seeds(session: nox.Session) -> None:
-    """The seed programs (tests/test_seed_programs.py) beyond ``nox -s tests``, which runs
-    them on the default backend (auto): on rpcx's tensorpipe backend, and on
+    """The seed programs (tests/test_seed_programs.py) beyond ``nox -s programs``, which
+    runs them on the default backend (auto): on rpcx's tensorpipe backend, and on
     torch.distributed.rpc itself (their output checks hold there too). Run it when a
     program, a check or the tensorpipe backend changes (~3 min)."""
     _install(session, "test")
@@ -313,8 +413,9 @@ def bench(session: nox.Session) -> None:
     Then bench/examples.py: the example programs on every system, torch included, with
     its own defaults (all examples, 3 rounds); of the arguments after ``--`` it gets
     only ``--quick``. Run it alone as ``python bench/examples.py ...`` for the rest.
-    Last bench/world_sizes.py: 8 to 64 worker processes start, call each other and shut
-    down, torch beside the default backend and gloo (``--quick``: one round).
+    Then bench/world_sizes.py: 8 to 64 worker processes start, call each other and shut
+    down, torch beside the default backend and gloo (``--quick``: one round). Last
+    bench/start_methods.py: workers forked from a warm server against spawned ones.
     """
     _install(session, "bench")
     for directory in PLUGINS.values():  # their backends are measured too
@@ -323,3 +424,4 @@ def bench(session: nox.Session) -> None:
     quick = ["--quick"] if "--quick" in session.posargs else []
     session.run("python", "bench/examples.py", *quick)
     session.run("python", "bench/world_sizes.py", *quick)
+    session.run("python", "bench/start_methods.py", *(["--rounds", "1"] if quick else []))

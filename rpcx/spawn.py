@@ -6,6 +6,10 @@ them joins one private in-process world whatever ``init_method`` it is given; fo
 other backend they are processes, with the backend exported as ``$RPCX_BACKEND`` and,
 where the parent has none, ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (as
 ``torchrun --standalone`` does), so ``env://``, the default ``init_method``, just works.
+
+Worker processes are forked from a server that imported torch and rpcx once
+(:mod:`rpcx._forkserver`), not started as fresh interpreters that import torch each:
+a worker is ready in milliseconds. ``start_method="spawn"`` asks for fresh interpreters.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.spawn import start_processes
 
-from rpcx import _context, api
+from rpcx import _context, _forkserver, api
 from rpcx.errors import RpcError
 from rpcx.messages import LEAVING_THREAD_ENDED
 from rpcx.registry import ENV_VAR, resolve_backend
@@ -50,12 +54,15 @@ def spawn(
     join: bool = True,
     backend: str | None = None,
     daemon: bool = False,
-    start_method: str = "spawn",
+    start_method: str | None = None,
 ) -> Any:
     """Run ``fn(rank, *args)`` for ``rank`` in ``range(nprocs)`` on ``backend``'s kind of worker.
 
     ``backend=None`` resolves the backend the way ``init_rpc`` does. Returns ``None`` when
     ``join`` is true (raising if a worker raised), else a context with ``join()``.
+    ``start_method``: how worker processes start; ``None`` (the default) forks them from
+    a server that has imported torch and rpcx (``"forkserver"``, on Linux; ``"spawn"``
+    elsewhere); ``"spawn"`` starts each as a fresh interpreter.
     """
     spec = resolve_backend(backend, _context.spawn_backend.get())
     if spec.capabilities.in_process:
@@ -77,9 +84,15 @@ def spawn(
     if rendezvous:
         log.info("rpcx.spawn: env:// rendezvous on this host at %s",
                  ":".join(rendezvous.values()))
+    if start_method is None:
+        start_method = _forkserver.FORKSERVER if _forkserver.available() else "spawn"
+    starter = None  # (forked workers take this process's environment and output)
+    if start_method == _forkserver.FORKSERVER:
+        _forkserver.context()  # (its server imports torch and rpcx before it forks)
+        starter = _forkserver.starter()
     return start_processes(  # type: ignore[no-untyped-call]
         _process_entry,
-        args=(fn, args, spec.name, threads, rendezvous),
+        args=(fn, args, spec.name, threads, rendezvous, starter),
         nprocs=nprocs,
         join=join,
         daemon=daemon,
@@ -100,6 +113,17 @@ def _local_rendezvous() -> dict[str, str]:
 
 
 def _process_entry(
+    rank: int, fn: Callable[..., Any], args: tuple[Any, ...], backend: str, threads: int | None,
+    rendezvous: dict[str, str], starter: tuple[dict[str, str], Any] | None,
+) -> None:
+    if starter is not None:  # forked from the server: be what a spawned worker is
+        _forkserver.run_as_spawned(*starter, _run_worker,
+                                   (rank, fn, args, backend, threads, rendezvous))
+    else:
+        _run_worker(rank, fn, args, backend, threads, rendezvous)
+
+
+def _run_worker(
     rank: int, fn: Callable[..., Any], args: tuple[Any, ...], backend: str, threads: int | None,
     rendezvous: dict[str, str],
 ) -> None:

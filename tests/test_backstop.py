@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# Pytest in fresh interpreters: nox -s commands runs these (CI runs it), not nox -s tests.
+pytestmark = pytest.mark.commands
+
 RUN_BOUND = 120.0
 
 _HUNG = textwrap.dedent('''

@@ -110,6 +110,7 @@ def test_doctor_names_each_problem_with_what_to_do(
     assert "2 problem(s)" in out
 
 
+@pytest.mark.commands
 @pytest.mark.timeout(240)
 def test_launch_starts_the_workers_with_prefixed_output(tmp_path: pathlib.Path) -> None:
     launcher = _launch(tmp_path, "-n", "3", "--backend", "gloo")
@@ -120,6 +121,7 @@ def test_launch_starts_the_workers_with_prefixed_output(tmp_path: pathlib.Path) 
                 in out), out
 
 
+@pytest.mark.commands
 @pytest.mark.timeout(240)
 def test_launch_stops_every_worker_when_one_fails(tmp_path: pathlib.Path) -> None:
     launcher = _launch(tmp_path, "-n", "3", FAIL_RANK="1")
@@ -129,6 +131,7 @@ def test_launch_stops_every_worker_when_one_fails(tmp_path: pathlib.Path) -> Non
     assert "worker1 exited with status 3; stopping" in err
 
 
+@pytest.mark.commands
 @pytest.mark.timeout(240)
 def test_ctrl_c_stops_every_worker(tmp_path: pathlib.Path) -> None:
     launcher = _launch(tmp_path, "-n", "3", HOLD="1")
@@ -148,6 +151,7 @@ def test_ctrl_c_stops_every_worker(tmp_path: pathlib.Path) -> None:
             os.kill(pid, 0)
 
 
+@pytest.mark.commands
 def test_bench_runs_the_checkout_s_suite(capsys: pytest.CaptureFixture[str]) -> None:
     if not (ROOT / "bench" / "run.py").is_file():
         pytest.skip("not a source checkout")

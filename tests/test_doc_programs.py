@@ -32,6 +32,9 @@ from rpcx.cli import main as cli_main
 from rpcx.registry import available_backends
 from rpcx.testing.world import free_port
 
+# Whole programs in fresh interpreters: nox -s programs runs them (and CI), not nox -s tests.
+pytestmark = pytest.mark.program
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "examples" / "README.md",
          *sorted((ROOT / "docs").rglob("*.md"))]

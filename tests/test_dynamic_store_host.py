@@ -4,7 +4,6 @@ on: the others keep calling each other, a new worker joins, and another takes ra
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from datetime import timedelta
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
+from rpcx.testing.processes import worker_context
 from rpcx.testing.world import free_port
 
 BOUND = 60.0
@@ -42,7 +42,7 @@ def test_rank_0_leaves_a_world_whose_store_it_does_not_host() -> None:
     port = free_port()
     store = TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=BOUND),
                      wait_for_workers=False)  # torchrun's agent, in the test's place
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     answers = context.Queue()
     orders: dict[str, Any] = {}
     processes = []

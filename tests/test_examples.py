@@ -15,6 +15,9 @@ import torch
 
 from rpcx.registry import DEFAULT_BACKEND
 
+# Whole programs in fresh interpreters: nox -s programs runs them (and CI), not nox -s tests.
+pytestmark = pytest.mark.program
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 

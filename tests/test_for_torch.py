@@ -380,6 +380,7 @@ needs_hook = pytest.mark.skipif(
 )
 
 
+@pytest.mark.commands
 @needs_hook
 def test_a_library_that_binds_torch_names_at_import_runs_on_rpcx(tmp_path: Path) -> None:
     # The weight: 1 - 0.5 * d(sum(3 w))/dw = 1 - 1.5
@@ -387,6 +388,7 @@ def test_a_library_that_binds_torch_names_at_import_runs_on_rpcx(tmp_path: Path)
         "auto $RPCX_FOR_TORCH, at interpreter start-up [-0.5, -0.5]")
 
 
+@pytest.mark.commands
 @needs_hook
 def test_rpcx_tensorpipe_backend_works_with_the_switch_on(tmp_path: Path) -> None:
     pytest.importorskip("numpy", reason="torch's TensorPipe agent needs numpy")
@@ -407,6 +409,7 @@ def _run_with_hook(tmp_path: Path, code: str, variable: bool = True
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.commands
 def test_the_pth_line_from_the_source_tree_turns_the_switch_on(tmp_path: Path) -> None:
     done = _run_with_hook(tmp_path, (
         "assert 'torch' not in sys.modules and 'rpcx' not in sys.modules\n"
@@ -418,6 +421,7 @@ def test_the_pth_line_from_the_source_tree_turns_the_switch_on(tmp_path: Path) -
     assert done.stdout.strip() == "True $RPCX_FOR_TORCH, at interpreter start-up"
 
 
+@pytest.mark.commands
 def test_a_library_that_looks_for_torch_first_still_gets_rpcx(tmp_path: Path) -> None:
     # transformers' is_torch_available() and others call find_spec before importing.
     done = _run_with_hook(tmp_path, (
@@ -432,6 +436,7 @@ def test_a_library_that_looks_for_torch_first_still_gets_rpcx(tmp_path: Path) ->
     assert done.stdout.strip() == "True $RPCX_FOR_TORCH, at interpreter start-up"
 
 
+@pytest.mark.commands
 def test_a_switch_that_fails_leaves_torch_importable_and_says_why(tmp_path: Path) -> None:
     done = _run_with_hook(tmp_path, (
         "sys.modules['rpcx.for_torch'] = None  # as if rpcx were broken\n"
@@ -444,6 +449,7 @@ def test_a_switch_that_fails_leaves_torch_importable_and_says_why(tmp_path: Path
         done.stderr), done.stderr
 
 
+@pytest.mark.commands
 def test_without_the_variable_the_hook_does_nothing(tmp_path: Path) -> None:
     done = _run_with_hook(tmp_path, (
         "import torch.distributed.rpc as rpc\n"

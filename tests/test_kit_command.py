@@ -14,6 +14,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+# Pytest in fresh interpreters: nox -s commands runs these (CI runs it), not nox -s tests.
+pytestmark = pytest.mark.commands
+
 KIT = ("-p", "rpcx.testing.fixtures", "--pyargs", "rpcx.testing")
 TIMEOUT = 180
 GROUPS = ("TestCalls", "TestRRef", "TestDistAutograd", "TestDDPHybrid", "TestAutogradParity",

@@ -13,7 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rpcx.testing.world import free_port
+
+# Fresh interpreters, on every backend: nox -s commands runs these (CI runs it), not
+# nox -s tests.
+pytestmark = pytest.mark.commands
 
 BLOCKER = '''\
 import sys

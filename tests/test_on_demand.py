@@ -12,7 +12,6 @@ finishes although a worker left without a word to workers not connected to it
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
@@ -26,6 +25,7 @@ from rpcx._heartbeat import Heartbeat
 from rpcx.backends.socket_options import CONNECT_ON_DEMAND_ENV, SocketRpcBackendOptions
 from rpcx.testing import remote
 from rpcx.testing import world as world_module
+from rpcx.testing.processes import worker_context
 from rpcx.testing.world import world
 from rpcx.transport_kit.sockets import CONNECTING_THREADS
 
@@ -147,7 +147,7 @@ def test_a_world_whose_workers_disagree_is_refused_at_start(
     # Two workers started with the variable connect on demand; worker0 is told not to.
     monkeypatch.setenv(CONNECT_ON_DEMAND_ENV, "1")
     init_method = f"file://{tmp_path}/rendezvous"
-    spawn = multiprocessing.get_context("spawn")
+    spawn = worker_context()
     others = [spawn.Process(target=world_module._serve,
                             args=(rank, 3, init_method, "auto", {"rpc_timeout": BOUND}),
                             daemon=True) for rank in (1, 2)]

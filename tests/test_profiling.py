@@ -105,6 +105,7 @@ def program_fixture(rpcx_backend: str, tmp_path: pathlib.Path) -> pathlib.Path:
     return script
 
 
+@pytest.mark.program
 def test_remote_events_match_torchs_and_nest_in_their_span(rpcx_backend: str,
                                                           program: pathlib.Path) -> None:
     theirs = _by_span(_profile(program, "torch", "legacy"))
@@ -126,6 +127,7 @@ def test_remote_events_match_torchs_and_nest_in_their_span(rpcx_backend: str,
             assert outer[0] <= start <= end <= outer[1], (name, (start, end), outer)
 
 
+@pytest.mark.program
 def test_torch_profiler_kineto_gets_the_remote_events_too(rpcx_backend: str,
                                                           program: pathlib.Path) -> None:
     legacy_spans = _by_span(_profile(program, rpcx_backend, "legacy"))

@@ -30,6 +30,7 @@ _PROGRAM = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.commands
 @pytest.mark.timeout(RUN_BOUND + 30)
 def test_a_16_worker_start_up_and_shutdown_print_nothing(
     rpcx_backend: str, tmp_path: Path

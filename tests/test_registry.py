@@ -317,6 +317,7 @@ def test_main_requires_a_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "usage" in capsys.readouterr().err.lower()
 
 
+@pytest.mark.commands
 def test_python_m_rpcx_backends_names(tmp_path: Path) -> None:
     result = run_cli("backends", "--names", pythonpath=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -393,6 +394,7 @@ def fake_plugin_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.commands
 def test_third_party_plugin_is_discovered(fake_plugin_dir: Path) -> None:
     result = run_cli("backends", "--names", pythonpath=fake_plugin_dir)
     assert result.returncode == 0, result.stderr
@@ -402,6 +404,7 @@ def test_third_party_plugin_is_discovered(fake_plugin_dir: Path) -> None:
     assert names == sorted(names)
 
 
+@pytest.mark.commands
 def test_third_party_plugin_in_table(fake_plugin_dir: Path) -> None:
     result = run_cli("backends", pythonpath=fake_plugin_dir)
     assert result.returncode == 0, result.stderr
@@ -417,6 +420,7 @@ def test_third_party_plugin_in_table(fake_plugin_dir: Path) -> None:
     assert "a fake backend for tests" in fake_row
 
 
+@pytest.mark.commands
 def test_third_party_plugin_resolves_in_process_code(fake_plugin_dir: Path) -> None:
     code = textwrap.dedent(
         """\
@@ -441,6 +445,7 @@ def test_third_party_plugin_resolves_in_process_code(fake_plugin_dir: Path) -> N
     assert result.stdout.split() == ["fake", "fake", "(fake_rpcx_plugin)", "FakeTransport", "True"]
 
 
+@pytest.mark.commands
 def test_broken_plugin_is_reported_and_others_still_listed(fake_plugin_dir: Path) -> None:
     install_plugin(fake_plugin_dir, "broken_rpcx_plugin", "broken", BROKEN_PLUGIN)
     result = run_cli("backends", pythonpath=fake_plugin_dir)
@@ -456,6 +461,7 @@ def test_broken_plugin_is_reported_and_others_still_listed(fake_plugin_dir: Path
     assert "broken" not in names.stdout
 
 
+@pytest.mark.commands
 def test_plugin_stealing_a_builtin_name_is_reported(tmp_path: Path) -> None:
     install_plugin(tmp_path, "dupe_rpcx_plugin", "dupe", DUPLICATE_PLUGIN)
     result = run_cli("backends", pythonpath=tmp_path)
@@ -506,6 +512,7 @@ def rpcx_register_backends(register):
 """
 
 
+@pytest.mark.commands
 def test_plugin_pluggy_refuses_is_skipped_and_rpcx_still_works(fake_plugin_dir: Path) -> None:
     # pluggy refuses the hook implementation at registration (PluginValidationError):
     # that plugin is skipped with the reason shown, nothing else is affected.
@@ -526,6 +533,7 @@ def test_plugin_pluggy_refuses_is_skipped_and_rpcx_still_works(fake_plugin_dir: 
     assert ran.stdout.startswith("rpcx.backends.gloo ") and "'fake'" in ran.stdout
 
 
+@pytest.mark.commands
 @pytest.mark.parametrize("order", ["trylast", "tryfirst"])
 def test_plugin_cannot_take_a_builtin_name_whatever_its_order(tmp_path: Path, order: str) -> None:
     # pluggy calls trylast implementations first; rpcx registers built-ins before any
@@ -539,6 +547,7 @@ def test_plugin_cannot_take_a_builtin_name_whatever_its_order(tmp_path: Path, or
     assert "rpcx.backends.gloo" in gloo and "impostor" not in gloo
 
 
+@pytest.mark.commands
 def test_plugin_that_fails_halfway_registers_nothing(fake_plugin_dir: Path) -> None:
     install_plugin(fake_plugin_dir, "half_rpcx_plugin", "half", HALF_PLUGIN)
     result = run_cli("backends", "--names", pythonpath=fake_plugin_dir)
@@ -548,6 +557,7 @@ def test_plugin_that_fails_halfway_registers_nothing(fake_plugin_dir: Path) -> N
     assert "the second half of this plugin is broken" in result.stderr
 
 
+@pytest.mark.commands
 def test_uninstalling_a_plugin_removes_its_backend(fake_plugin_dir: Path) -> None:
     assert "fake" in run_cli("backends", "--names", pythonpath=fake_plugin_dir).stdout.split()
     for path in fake_plugin_dir.iterdir():  # what `pip uninstall` removes
@@ -566,6 +576,7 @@ def test_uninstalling_a_plugin_removes_its_backend(fake_plugin_dir: Path) -> Non
     assert result.stdout.split() == backend_names()
 
 
+@pytest.mark.commands
 def test_two_packages_declaring_one_entry_point_name_are_reported(tmp_path: Path) -> None:
     install_plugin(tmp_path, "fake_rpcx_plugin", "fake", FAKE_PLUGIN)
     install_plugin(tmp_path, "other_rpcx_plugin", "fake", FAKE_PLUGIN)
@@ -576,6 +587,7 @@ def test_two_packages_declaring_one_entry_point_name_are_reported(tmp_path: Path
     assert any(line.startswith("fake") for line in result.stdout.splitlines())
 
 
+@pytest.mark.commands
 def test_a_builtin_backend_resolves_without_importing_plugins() -> None:
     # A fresh interpreter: init_rpc on a built-in backend imports no plugin module.
     code = ("import sys, rpcx.registry as r\n"

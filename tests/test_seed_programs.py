@@ -41,6 +41,9 @@ import torch
 from rpcx.registry import DEFAULT_BACKEND
 from rpcx.testing.world import free_port
 
+# Whole programs in fresh interpreters: nox -s programs runs them (and CI), not nox -s tests.
+pytestmark = pytest.mark.program
+
 pytest.importorskip("numpy", reason="the seed programs import numpy themselves")
 
 SEEDS = pathlib.Path(__file__).resolve().parent / "seed_programs"

@@ -15,7 +15,7 @@ import torch
 
 tensorpipe = pytest.importorskip("rpcx.backends.tensorpipe")
 
-from rpcx.errors import LostCause, lost_reason  # noqa: E402
+from rpcx.errors import LostCause, PeerLostError, lost_reason  # noqa: E402
 from rpcx.transport import Frame  # noqa: E402
 
 
@@ -151,3 +151,15 @@ def test_nothing_is_delivered_after_a_goodbye_or_a_loss() -> None:
     assert delivered == [(1, b"f0")]
     assert lost == [(1, "has shut down")] and causes == [LostCause.DEPARTED]
     assert not transport._inboxes[1].waiting and not transport._inboxes[1].delivering
+    with pytest.raises(PeerLostError, match=r"^has shut down$"):
+        transport.send(1, Frame(b"late"))
+
+
+def test_a_send_to_a_lost_peer_says_why_it_was_lost() -> None:
+    transport = _transport([])
+    transport._ctx.peer_lost = lambda rank, cause, detail="": None
+    transport._watches = {}
+    transport._lose(1, LostCause.CONNECTION_LOST, "eof")
+    with pytest.raises(PeerLostError, match=r"^is unreachable: eof$") as lost:
+        transport.send(1, Frame(b"late"))
+    assert lost.value.cause is LostCause.CONNECTION_LOST

@@ -51,6 +51,7 @@ def _complete(calls: list) -> list:  # type: ignore[type-arg]
 
 # ------------------------------------------------------------ a traced DDP + RPC step
 
+@pytest.mark.program
 def test_traced_ddp_rpc_is_one_causal_timeline(rpcx_backend: str, tmp_path: pathlib.Path
                                                ) -> None:
     _multi_process_default(rpcx_backend)
@@ -106,6 +107,7 @@ def test_traced_ddp_rpc_is_one_causal_timeline(rpcx_backend: str, tmp_path: path
     assert summary.arrows >= len(done)
 
 
+@pytest.mark.program
 def test_one_traced_step_keeps_the_set_up_out(rpcx_backend: str, tmp_path: pathlib.Path
                                               ) -> None:
     """examples/ddp_rpc --trace: trainer0 wraps its last step in rpcx.tracing.trace()."""
@@ -320,7 +322,11 @@ def test_a_trace_block_records_every_worker_and_writes_their_files(
                 assert rpcx.tracing.is_tracing()
                 for dst in ("w1", "w2"):
                     rpcx.rpc_sync(dst, _add, args=(torch.ones(1),))
-                rpcx.remote("w2", _add, args=(torch.ones(1),)).to_here()
+                rref = rpcx.remote("w2", _add, args=(torch.ones(1),))
+                rref.to_here()
+                # remote()'s own reply may come after to_here()'s: wait for it too, so
+                # that its serve (which ends before that reply) is whole in the trace.
+                rref._get_future().wait()
             assert not rpcx.tracing.is_tracing()
             assert sorted(path.name for path in files) == [
                 f"w{r}.rpcx-trace.json" for r in range(3)]
@@ -332,10 +338,7 @@ def test_a_trace_block_records_every_worker_and_writes_their_files(
     calls = _complete(match_calls(traces))
     labels = sorted(c.label for c in calls)
     assert labels.count(f"rpc_sync#{__name__}._add") == 2, labels
-    # (remote()'s own reply may come after to_here()'s, so after the block: it is sent
-    # and served in the trace, its completion maybe not)
-    assert any(c.label.startswith("remote#") and c.send_ns and c.serve_end_ns
-               for c in match_calls(traces))
+    assert any(c.label.startswith("remote#") for c in calls), labels
     assert any(label.startswith("to_here#") for label in labels)
     assert causality_violations(match_calls(traces), _errors(traces)) == []
     # The call made before the block is in no trace.

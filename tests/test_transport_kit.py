@@ -27,6 +27,7 @@ from rpcx.transport_kit import (
     options_as,
 )
 from rpcx.transport_kit.connector import Connector
+from rpcx.transport_kit.links import Link, Peers
 from rpcx.transport_kit.sockets import SocketLink
 
 BOUND = 10.0  # seconds: every wait here ends long before; a hang fails, it never stalls
@@ -270,6 +271,38 @@ def test_what_ended_a_receive_loop_is_worded_by_rpcx(
 
 def test_a_goodbye_reads_as_shut_down() -> None:
     assert lost_reason(LostCause.DEPARTED) == "has shut down"
+
+
+def _peers_of_one(link: Link) -> tuple[Peers[Link], list[tuple[int, LostCause, str]]]:
+    reported: list[tuple[int, LostCause, str]] = []
+    ctx: Any = SimpleNamespace(rank=0, names=["me", "peer"],
+                               peer_lost=lambda *args: reported.append(args))
+    return Peers(ctx, {1: link}, read_one=lambda link: None, write_bye=lambda link: None), \
+        reported
+
+
+def test_a_send_to_a_peer_reported_lost_fails_with_why_it_was_lost() -> None:
+    # A peer dialed on demand may be given up (its dial refused) before the first send
+    # reaches its link: that send must say what the queued ones say, not "has shut down".
+    link = Link(1, "peer")
+    peers, reported = _peers_of_one(link)
+    peers.lost(link, LostCause.CONNECTION_LOST, "could not connect: Connection refused")
+    peers.lost(link, LostCause.DEPARTED)  # (reported once: the first words stay)
+    assert reported == [(1, LostCause.CONNECTION_LOST, "could not connect: Connection refused")]
+    with link.lock, pytest.raises(PeerLostError) as lost:
+        link.check_open()
+    assert str(lost.value) == "is unreachable: could not connect: Connection refused"
+    assert lost.value.cause is LostCause.CONNECTION_LOST
+
+
+def test_a_send_after_a_goodbye_or_our_own_reads_as_shut_down() -> None:
+    theirs, ours = Link(1, "peer"), Link(1, "peer")
+    peers, _ = _peers_of_one(theirs)
+    peers.lost(theirs, LostCause.DEPARTED)
+    ours.bye_sent = True
+    for link in (theirs, ours):
+        with link.lock, pytest.raises(PeerLostError, match=r"^has shut down$"):
+            link.check_open()
 
 
 def test_send_errors_drop_cpp_locations() -> None:

@@ -15,7 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rpcx.testing.world import free_port
+
+# nox -s no_torch_rpc runs these on every backend (CI runs it); nox -s tests leaves them out.
+pytestmark = pytest.mark.no_torch_rpc
 
 BLOCKER = Path(__file__).resolve().parent / "no_torch_rpc"
 

@@ -58,13 +58,14 @@ from rpcx.errors import (
     PeerLostError,
     ProtocolError,
     RpcError,
+    lost_reason,
 )
 from rpcx.hookspecs import hookimpl
 from rpcx.hosts import address_towards, interface_with
 from rpcx.options import DEFAULT_NUM_WORKER_THREADS, TensorPipeRpcBackendOptions
 from rpcx.torch_originals import original
 from rpcx.transport import Capabilities, Frame, TransportContext
-from rpcx.transport_kit import SHUT_DOWN, copy_of, describe, environment_variable, unreachable
+from rpcx.transport_kit import copy_of, describe, environment_variable, unreachable
 
 __all__ = ["TensorPipeTransport"]
 
@@ -143,7 +144,7 @@ class TensorPipeTransport:
         self._inboxes: dict[int, _Inbox] = {}
         # (peer, request id) -> the torch future that answers that peer's call.
         self._replies: dict[tuple[int, int], torch.futures.Future[Any]] = {}
-        self._gone: set[int] = set()
+        self._gone: dict[int, tuple[str, LostCause]] = {}  # lost peers: why, and the cause
         self._closed = False  # torch's agent is being stopped: ignore what still arrives
         # Watches: the peers' open watch calls here (answered when this worker leaves),
         # and the peers whose goodbye has not arrived yet.
@@ -365,8 +366,9 @@ class TensorPipeTransport:
 
     def send(self, dst: int, frame: Frame) -> None:
         """Send ``frame``: as the reply to ``dst``'s open call if it answers one."""
-        if dst in self._gone:
-            raise PeerLostError(SHUT_DOWN)
+        lost = self._gone.get(dst)
+        if lost is not None:  # (the words its lost calls got)
+            raise PeerLostError(lost[0], cause=lost[1])
         if self._closed or dst in self._goodbye_sent:
             raise PeerLostError(f"cannot be reached: worker {self._me()!r} has shut down")
         reply = None
@@ -485,7 +487,7 @@ class TensorPipeTransport:
         with self._lock:
             if src in self._inboxes and src not in self._gone:
                 return
-            self._gone.discard(src)  # (a rank taken again: a new worker)
+            self._gone.pop(src, None)  # (a rank taken again: a new worker)
             for gone in (self._goodbye_sent, self._goodbye_owed, self._watched_by):
                 gone.discard(src)
             self._send_seq[src] = itertools.count()
@@ -545,7 +547,7 @@ class TensorPipeTransport:
         with self._lock:
             if ctx is None or rank in self._gone:
                 return
-            self._gone.add(rank)
+            self._gone[rank] = (lost_reason(cause, detail), cause)
             self._awaiting_goodbye.discard(rank)
             self._all_gone.notify_all()
             answers = [self._replies.pop(key) for key in list(self._replies) if key[0] == rank]

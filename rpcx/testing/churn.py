@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import logging
-import multiprocessing
 import random
 import sys
 import threading
@@ -44,6 +43,7 @@ import rpcx
 import rpcx.autograd as dist_autograd
 from rpcx.errors import PeerLostError, RpcShutdownError, UnknownWorkerError
 from rpcx.testing import remote, training
+from rpcx.testing.processes import worker_context
 from rpcx.testing.soak import leftover_problems, settled_leftovers
 from rpcx.testing.world import _options, free_port
 
@@ -84,7 +84,7 @@ class _Process:
     """A worker process and the pipe for its orders."""
 
     def __init__(self, backend: str, init_method: str, options: dict[str, Any]) -> None:
-        context = multiprocessing.get_context("spawn")
+        context = worker_context()
         self.orders, theirs = context.Pipe()
         self.process = context.Process(
             target=_serve_orders, daemon=True,

@@ -7,7 +7,6 @@ frame ends a connection), so the module's shared world is closed first.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import pickle
 import queue
@@ -31,6 +30,7 @@ from rpcx.messages import MessageKind
 from rpcx.registry import resolve_backend
 from rpcx.testing import remote
 from rpcx.testing.fixtures import WorldKeeper
+from rpcx.testing.processes import worker_context
 from rpcx.testing.world import World, _options, world
 
 __all__ = ["TestAuthentication"]
@@ -144,7 +144,7 @@ class _Outsider:
         spec = resolve_backend(backend)
         args = (1, 2, init_method, spec.name, options)
         if spec.capabilities.multi_process and not spec.capabilities.in_process:
-            context = multiprocessing.get_context("spawn")
+            context = worker_context()
             self.answers: Any = context.Queue()
             self.runner: Any = context.Process(target=join_and_report,
                                                args=(*args, self.answers), daemon=True)

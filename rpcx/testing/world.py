@@ -2,14 +2,14 @@
 
 The other workers run :func:`_serve`: they join and then wait in a graceful
 ``shutdown()`` until the driver shuts down, serving its calls meanwhile. On in-process
-backends they are threads; otherwise they are processes (``spawn`` start method).
+backends they are threads; otherwise they are processes, forked from a server that
+imported torch and rpcx once (:mod:`rpcx.testing.processes`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import socket
 import tempfile
@@ -23,6 +23,7 @@ from typing import Any
 import rpcx
 from rpcx import _context
 from rpcx.registry import resolve_backend
+from rpcx.testing.processes import worker_context
 
 __all__ = ["DynamicWorld", "World", "dynamic_world", "start_world", "world"]
 
@@ -125,7 +126,7 @@ def start_world(
     )
     args = (size, init_method, spec.name, options)
     if world.multi_process:
-        context = multiprocessing.get_context("spawn")
+        context = worker_context()
         for rank in range(1, size):
             process = context.Process(target=_serve, args=(rank, *args), daemon=True)
             process.start()
@@ -209,7 +210,7 @@ class DynamicWorld:
         joined or was refused; its outcome (``("joined", name)`` or ``("refused",
         error type, message)``). ``world_size``: join as a static worker instead (to
         check the refusal)."""
-        context = multiprocessing.get_context("spawn")
+        context = worker_context()
         outcome = context.Queue()
         process = context.Process(
             target=_join_dynamic, daemon=True,

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
-from rpcx.errors import LostCause, PeerLostError, ProtocolError
+from rpcx.errors import LostCause, PeerLostError, ProtocolError, lost_reason
 from rpcx.transport import Frame, ReceiveLane, TransportContext
 from rpcx.transport_kit.basics import SHUT_DOWN, classify, unreachable
 from rpcx.transport_kit.writer import Backlog
@@ -49,6 +49,9 @@ class Link:
             they leave in order. The goodbye flags below are read and set under it.
         bye_sent: this worker's goodbye went (or is queued): nothing more may follow.
         gone: the peer said goodbye or its connection broke: sends fail.
+        why_gone, cause_gone: once the peer is reported lost, the sentence sends fail
+            with (e.g. "is unreachable: could not connect: ...") and its cause; until
+            then "has shut down" and ``None``.
         lane: the receive loop's role, when the agent offers lanes (else ``None``).
         reading: held by the thread reading the peer's frames.
         stash: a frame read by a thread whose role moved on, for the next holder.
@@ -61,8 +64,8 @@ class Link:
     give the subclass ``__slots__`` too.
     """
 
-    __slots__ = ("backlog", "bye_sent", "ended", "gone", "lane", "lock", "name", "rank",
-                 "reading", "reported", "stash")
+    __slots__ = ("backlog", "bye_sent", "cause_gone", "ended", "gone", "lane", "lock", "name",
+                 "rank", "reading", "reported", "stash", "why_gone")
 
     def __init__(self, rank: int, name: str) -> None:
         self.rank = rank
@@ -75,12 +78,16 @@ class Link:
         self.stash: Frame | None = None
         self.ended = threading.Event()
         self.reported = False
+        self.why_gone = SHUT_DOWN
+        self.cause_gone: LostCause | None = None
         self.backlog: Backlog | None = None
 
     def check_open(self) -> None:
-        """Raise ``PeerLostError("has shut down")`` if nothing may be sent to the peer
-        (call under ``lock``)."""
-        if self.bye_sent or self.gone:
+        """Raise ``PeerLostError`` if nothing may be sent to the peer (call under
+        ``lock``): with why it was reported lost, or ``"has shut down"``."""
+        if self.gone:
+            raise PeerLostError(self.why_gone, cause=self.cause_gone)
+        if self.bye_sent:
             raise PeerLostError(SHUT_DOWN)
 
 
@@ -338,6 +345,8 @@ class Peers(Generic[L]):
             link.gone = True
             report = not link.reported
             link.reported = True
+            if report:  # (a send that finds it gone says why, as the lost calls do)
+                link.why_gone, link.cause_gone = lost_reason(cause, detail), cause
         if report and not self.closing:
             self.ctx.peer_lost(link.rank, cause, detail)
 

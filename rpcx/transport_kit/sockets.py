@@ -1072,6 +1072,7 @@ class StreamTransport:
         failure = f"could not start its threads: {describe(exc)}"
         with link.lock:
             link.gone = True
+            link.why_gone, link.cause_gone = unreachable(failure), LostCause.CONNECTION_LOST
             link.shutdown()  # (the peer sees the connection end; a writer's write fails)
             if not link.backlog.running:
                 link.backlog.fail(ConnectionError(failure))

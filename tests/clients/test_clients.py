@@ -10,12 +10,13 @@ runs these; where a library is not installed, its cases skip.
 
 from __future__ import annotations
 
-import functools
+import fcntl
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,19 +68,36 @@ def run(program: str, mode: str, backend: str | None, tmp: Path) -> dict[str, An
     return result
 
 
-@functools.cache
-def on_torch(program: str, mode: str) -> dict[str, Any]:
-    """The program's result on torch.distributed.rpc itself (once per case)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run(program, mode, None, Path(tmp))
-    assert result.pop("rpc") == "torch.distributed.rpc.api", "torch's run ran on rpcx"
-    return result
+@pytest.fixture(scope="session")
+def on_torch(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], dict[str, Any]]:
+    """The program's result on torch.distributed.rpc itself, run once per case for the
+    whole run: the first pytest worker to need it runs it and keeps it in a file the
+    others read (holding a lock on that file while it runs, so they wait for it)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # (this run's, the same for every xdist worker)
+
+    def result_on_torch(program: str, mode: str) -> dict[str, Any]:
+        kept = shared / f"on-torch-{program}-{mode or 'plain'}.json"
+        with open(kept.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (bounded by the test's timeout)
+            if kept.exists():
+                result: dict[str, Any] = json.loads(kept.read_text())
+                return result
+            with tempfile.TemporaryDirectory() as tmp:
+                result = run(program, mode, None, Path(tmp))
+            assert result.pop("rpc") == "torch.distributed.rpc.api", "torch's run ran on rpcx"
+            kept.write_text(json.dumps(result))
+            return result
+
+    return result_on_torch
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("library", "program", "mode"), CASES)
 def test_same_results_as_on_torch(library: str, program: str, mode: str, backend: str,
-                                  tmp_path: Path) -> None:
+                                  tmp_path: Path,
+                                  on_torch: Callable[[str, str], dict[str, Any]]) -> None:
     pytest.importorskip(library, reason=f"{library} is not installed (nox -s clients "
                                         "installs it)")
     if backend == "tensorpipe":

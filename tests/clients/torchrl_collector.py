@@ -79,4 +79,9 @@ def remote_weight(collector: Any) -> float:
 
 
 if __name__ == "__main__":
+    # TorchRL starts its collectors with the start method the program set (spawn when it
+    # set none). forkserver, as the other programs here: they are forked from a server
+    # that imported this program (and with it torch and TorchRL) once, instead of each
+    # importing them again.
+    torch.multiprocessing.set_start_method("forkserver", force=True)  # (TorchRL set spawn)
     main()

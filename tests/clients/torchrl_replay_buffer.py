@@ -12,8 +12,10 @@ batches' sums (the owner's sampler is seeded, so they match across runs).
 replay-buffer example does: ``init_rpc`` without ``world_size``, the workers joining in
 whatever order their processes get there, the trainer looking the others up by name
 until they are in (TorchRL's example retries ``get_worker_info``), and the others
-serving until the trainer tells them it is done (a dynamic world's ``shutdown`` waits for
-nobody).
+serving until the trainer is done with them (a dynamic world's ``shutdown`` waits for
+nobody). The ``ReplayBuffer`` leaves last: on torch, rank 0 hosts the store through which
+every leaving worker takes its turn, and a worker still waiting for its turn when rank 0
+has gone fails with "Connection was likely closed".
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from multiprocessing.synchronize import Barrier
 
 import torch
 import torch.distributed.rpc as rpc
@@ -74,14 +77,19 @@ def wait_for(name: str, timeout: float = 60.0) -> rpc.WorkerInfo:
             time.sleep(0.05)
 
 
-def run(rank: int, port: int, out: str, dynamic: bool) -> None:
+def run(rank: int, port: int, out: str, dynamic: bool, others_left: Barrier) -> None:
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=60)
     if dynamic:
         options.init_method = f"tcp://127.0.0.1:{port}"
         rpc.init_rpc(NAMES[rank], rank=rank, rpc_backend_options=options)
-        if NAMES[rank] != "Trainer":
+        if NAMES[rank] == "ReplayBuffer":  # rank 0, the store's host: it leaves last
+            others_left.wait(120)
+            rpc.shutdown()
+            return
+        if NAMES[rank] == "Collector":
             _done.wait(120)  # serve the trainer until it is done with this worker
             rpc.shutdown()
+            others_left.wait(120)
             return
         for name in NAMES[:2]:
             wait_for(name)
@@ -101,9 +109,10 @@ def run(rank: int, port: int, out: str, dynamic: bool) -> None:
             json.dump({"rpc": rpc.rpc_sync.__module__, "size": size, "samples": samples}, f)
         if dynamic:
             del buffer
-            for name in NAMES[:2]:
-                rpc.rpc_sync(name, finish)
+            rpc.rpc_sync("Collector", finish)
     rpc.shutdown()
+    if dynamic:
+        others_left.wait(120)
 
 
 def main() -> None:
@@ -112,7 +121,11 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(run, args=(port, out, dynamic), nprocs=3, start_method="spawn")
+    # forkserver: the workers are forked from a server that imported this program (and
+    # with it torch and the library) once, instead of each importing them again.
+    others_left = mp.get_context("forkserver").Barrier(3)
+    mp.start_processes(run, args=(port, out, dynamic, others_left), nprocs=3,
+                       start_method="forkserver")
     with open(out) as f:
         print("RESULT " + f.read(), flush=True)
 

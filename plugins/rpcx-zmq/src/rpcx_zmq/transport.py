@@ -77,7 +77,6 @@ from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx.transport_kit import (
     ADMITTED,
     HANDSHAKE_TIMEOUT,
-    SHUT_DOWN,
     Arrivals,
     Backlog,
     Doorway,
@@ -180,8 +179,8 @@ class _Peer(Link):
     kit's) every use of ``rx``, which only the receive loop makes.
     """
 
-    __slots__ = ("bye_received", "cause", "connected", "ctl", "ctl_lock", "detail",
-                 "draining", "endpoint", "rx", "tx", "tx_monitor", "wake", "why")
+    __slots__ = ("bye_received", "connected", "ctl", "ctl_lock", "detail", "draining",
+                 "endpoint", "rx", "tx", "tx_monitor", "wake")
 
     def __init__(self, rank: int, name: str) -> None:
         super().__init__(rank, name)
@@ -192,8 +191,7 @@ class _Peer(Link):
         self.endpoint = ""
         self.ctl_lock = threading.Lock()
         self.bye_received = False
-        self.why = ""  # the sentence sends to the peer fail with, once it is gone
-        self.cause = LostCause.CONNECTION_LOST  # the first loss recorded, and its detail
+        # (the kit's why_gone and cause_gone hold the first loss recorded; this, its detail)
         self.detail = ""
         self.draining = False  # LOST seen: deliver what is left, then end
         self.connected = threading.Event()  # our connection to the peer shook hands
@@ -207,11 +205,11 @@ class _Peer(Link):
     def mark(self, cause: LostCause, detail: str) -> bool:
         """Record the peer gone, and why (the first reason stays); call under ``lock``.
         False if it was gone already."""
-        if self.why:
+        if self.cause_gone is not None:
             return False
         self.gone = True
-        self.cause, self.detail = cause, detail
-        self.why = lost_reason(cause, detail)
+        self.cause_gone, self.detail = cause, detail
+        self.why_gone = lost_reason(cause, detail)
         return True
 
 
@@ -226,7 +224,7 @@ class _Peers(Peers[_Peer]):
         if isinstance(exc, _Stopped):
             return  # close() ended the loop: nothing to report
         if isinstance(exc, _Drained):
-            self.lost(link, link.cause, link.detail)
+            self.lost(link, link.cause_gone or LostCause.CONNECTION_LOST, link.detail)
         elif isinstance(exc, zmq.ZMQError):  # the context is gone: nothing more arrives
             self.lost(link, LostCause.CONNECTION_LOST, str(exc))
         else:
@@ -237,7 +235,7 @@ class _Peers(Peers[_Peer]):
         with link.lock:
             link.mark(cause, detail)
             if cause is not LostCause.DEPARTED:
-                cause, detail = link.cause, link.detail
+                cause, detail = link.cause_gone or cause, link.detail
         super().lost(link, cause, detail)
 
 
@@ -529,7 +527,7 @@ class ZmqTransport:
             assert self.peers is not None
             peer = self._arrivals.link(self.peers, dst, HANDSHAKE_TIMEOUT)
         if peer.gone:
-            raise PeerLostError(peer.why or SHUT_DOWN)
+            raise PeerLostError(peer.why_gone)
         buffers = frame.buffers
         if not buffers:
             self._post(peer, [_PLAIN_HEAD + frame.header], frame.deadline)
@@ -586,7 +584,7 @@ class ZmqTransport:
         """
         with peer.lock:
             if peer.bye_sent or peer.gone:
-                raise PeerLostError(peer.why or SHUT_DOWN)
+                raise PeerLostError(peer.why_gone)
             tx = peer.tx
             if tx is None:
                 raise PeerLostError(_CLOSED if self._closed else "was never connected")
@@ -627,7 +625,7 @@ class ZmqTransport:
                     raise PeerLostError(_CLOSED)
                 if not message.bye and (peer.gone or self._closing):
                     message.error = PeerLostError(
-                        (peer.why or SHUT_DOWN) if peer.gone else _CLOSING)
+                        peer.why_gone if peer.gone else _CLOSING)
                     return
                 if self._send_now(tx, message.parts):
                     return
@@ -638,7 +636,8 @@ class ZmqTransport:
         under the send lock, once; it never waits). None to a peer never reached, or
         one that crashed."""
         tx = peer.tx
-        if tx is None or not peer.connected.is_set() or (peer.why and not peer.bye_received):
+        lost = peer.cause_gone is not None and not peer.bye_received
+        if tx is None or not peer.connected.is_set() or lost:
             return
         backlog = peer.backlog
         assert backlog is not None
@@ -659,7 +658,7 @@ class ZmqTransport:
                     return False  # a peer that reads nothing: the call fails on time
                 if peer.gone:
                     # The message keeps the memory alive until ZeroMQ drops it.
-                    raise PeerLostError(peer.why or SHUT_DOWN) from None
+                    raise PeerLostError(peer.why_gone) from None
                 if self._closed:
                     raise PeerLostError(_CLOSED) from None
 
