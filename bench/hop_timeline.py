@@ -83,7 +83,7 @@ def _instrument() -> None:
     _wrap(SocketReader, "fill", None, "woke",
           when=lambda reader, needed: reader.buffered < needed)
     _wrap(CallPath, "on_frame", "deliver", "delivered")
-    _wrap(LocalEngine, "run_pass", "pass", "pass_end")
+    _wrap(LocalEngine, "run_plan", "pass", "pass_end")
 
 
 def echo(tensor: Any) -> Any:

@@ -269,7 +269,9 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     if copied:
         ctx.owned.append(index)
     ctx.tensors.append(tensor)
-    if ctx.scope is not None and tensor.requires_grad and _scope_hooks is not None:
+    if (ctx.scope is not None and tensor.requires_grad and _scope_hooks is not None
+            and torch.is_grad_enabled()):
+        # (As torch's RPC: a message sent with grad mode off records no autograd edge.)
         _scope_hooks[0](ctx, tensor)
     is_param = type(tensor) is torch.nn.Parameter
     args: tuple[Any, ...] = (
@@ -375,7 +377,7 @@ def _finish(
     """What every rebuilt tensor goes through last: the device it came from (for the
     scope hooks) and its autograd role."""
     ctx.source_device = torch.device(source) if source is not None else None
-    if requires_grad and ctx.scope is not None and _scope_hooks is not None:
+    if requires_grad and ctx.scope_tag and _scope_hooks is not None:
         tensor = _scope_hooks[1](ctx, tensor)
     elif param:
         tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
@@ -415,7 +417,9 @@ def _reduce_sparse(tensor: torch.Tensor) -> Any:
         for part in parts:
             ctx.placements[id(part)] = target
         source = str(tensor.device)
-    if ctx.scope is not None and tensor.requires_grad and _scope_hooks is not None:
+    if (ctx.scope is not None and tensor.requires_grad and _scope_hooks is not None
+            and torch.is_grad_enabled()):
+        # (As torch's RPC: a message sent with grad mode off records no autograd edge.)
         _scope_hooks[0](ctx, tensor)
     coalesced = tensor.is_coalesced() if tensor.layout is torch.sparse_coo else None
     return (

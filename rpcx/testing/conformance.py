@@ -26,10 +26,12 @@ from rpcx.testing.conformance_autograd import (
     TestDistributedOptimizer,
     TestRemoteModule,
 )
+from rpcx.testing.conformance_rounds import TestBackwardOnce
 from rpcx.testing.world import World
 
 __all__ = [
     "TestAsyncExecution",
+    "TestBackwardOnce",
     "TestCalls",
     "TestDDPHybrid",
     "TestDistAutograd",

@@ -701,15 +701,19 @@ def probe_overlaps(key: str) -> tuple[int, int]:
 # ------------------------------------------------------------------ autograd helpers
 
 
-def send_gradient(context_id: int, to: str, tag: int, index: int, grad: torch.Tensor) -> None:
+def send_gradient(context_id: int, to: str, backward: tuple[int, int], tag: int, index: int,
+                  grad: torch.Tensor) -> None:
     """From this worker, deliver ``grad`` for tensor ``index`` of ``to``'s send ``tag``
-    in ``context_id``, as a backward pass here would (without running ``to``'s pass)."""
+    in ``context_id``, as backward pass ``backward`` (driver rank, number) would here
+    (without running ``to``'s pass)."""
     from rpcx.autograd.service import service
     from rpcx.futures import wait
 
     agent = _context_agent()
     svc = service(agent)
-    wait(svc._deliver(svc.get(context_id), agent.resolve(to).id, [(tag, index, grad)]))
+    context = svc.get(context_id)
+    wait(svc._deliver(context, context.share(backward), agent.resolve(to).id,
+                      [(tag, index, grad)]))
 
 
 # --------------------------------------------------------------------------- failures
