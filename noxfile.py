@@ -196,13 +196,14 @@ def examples(session: nox.Session, backend: str) -> None:
 
 # Libraries built on torch.distributed.rpc, run unchanged with RPCX_FOR_TORCH=1
 # (tests/clients/): the version pinned is one that resolves with torch 2.13.0.
-CLIENTS = ["torchrl==0.14.1", "torch-geometric==2.8.1"]
+CLIENTS = ["torchrl==0.14.1", "torch-geometric==2.8.1", "fairscale==0.4.13"]
 
 
 @nox.session(python=PYTHON)
 def clients(session: nox.Session) -> None:
-    """Libraries that import torch.distributed.rpc themselves (TorchRL, PyG), on torch and on
-    every multi-process rpcx backend with the switch on: the same results on each."""
+    """Libraries that import torch.distributed.rpc themselves (TorchRL, PyG, fairscale's
+    DistributedPipeline), on torch and on every multi-process rpcx backend with the switch
+    on: the same results on each."""
     _install(session, "test")
     _run_clients(session)
 

@@ -1,11 +1,13 @@
-"""Libraries built on torch.distributed.rpc (TorchRL, PyG), run unchanged on rpcx.
+"""Libraries built on torch.distributed.rpc (TorchRL, PyG, fairscale), run unchanged on
+rpcx.
 
 Each program in this directory is written for torch.distributed.rpc (the libraries
 import it themselves; so do the programs). It runs once on torch and once per
 multi-process rpcx backend with ``RPCX_FOR_TORCH=1`` in its environment, and must print
 the same result (collected observations, sampled data, the effect of a weight update,
-features fetched from another worker). ``nox -s clients`` installs the libraries and
-runs these; where a library is not installed, its cases skip.
+features fetched from another worker, a pipeline's outputs and training losses).
+``nox -s clients`` installs the libraries and runs these; where a library is not
+installed, its cases skip.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rpcx.cli.doctor import startup_hook
 from rpcx.registry import available_backends
 
 if os.environ.get("RPCX_REQUIRE_CLIENTS"):  # nox -s clients: nothing may skip
+    import fairscale  # noqa: F401
     import torch_geometric  # noqa: F401
     import torchrl  # noqa: F401
 
@@ -41,6 +44,7 @@ CASES = [  # (library, program, mode)
     ("torchrl", "torchrl_replay_buffer.py", ""),  # RemoteTensorDictReplayBuffer
     ("torchrl", "torchrl_replay_buffer.py", "dynamic"),  # ... in a dynamic world
     ("torch_geometric", "pyg_rpc.py", ""),  # PyG's distributed RPC layer
+    ("fairscale", "fairscale_pipeline.py", ""),  # DistributedPipeline: fairscale's scenarios
 ]
 # Programs that write their result to the path they are given first (then the mode).
 WRITES_RESULT = {"torchrl_replay_buffer.py", "pyg_rpc.py"}
