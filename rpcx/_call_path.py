@@ -155,6 +155,9 @@ class CallPath:
         # Duplicated frames are dropped unread (rpcx._recent): requests by (caller, id),
         # replies by the id of the call they answered.
         self._served = [RecentIds() for _ in workers]
+        # How many workers have taken each rank since this one started: a request is
+        # served, and answered, only while its sender still holds the rank (see serve).
+        self._holders = [0] * len(workers)
         self._answered = RecentIds(floor=False)  # answers come in any order
         self.handlers[MessageKind.PROFILED] = self._serve_profiled
         install_profile_hooks()  # (remote events join a caller's profile as it ends)
@@ -163,10 +166,13 @@ class CallPath:
     def grow(self, size: int) -> None:
         """The roster grew to ``size`` ranks (a worker joined a dynamic world)."""
         self._served.extend(RecentIds() for _ in range(size - len(self._served)))
+        self._holders.extend(0 for _ in range(size - len(self._holders)))
 
     def rejoined(self, rank: int) -> None:
-        """A new worker took ``rank``: its request ids start afresh."""
+        """A new worker took ``rank``: its request ids start afresh, and requests of the
+        one before it still waiting here are not served (nor answered: to whom?)."""
         self._served[rank] = RecentIds()
+        self._holders[rank] += 1
 
     def register(self, kind: int, handler: Handler, in_order: bool,
                  on_decode_error: Callable[[WorkerInfo, Any, BaseException], None] | None
@@ -413,7 +419,7 @@ class CallPath:
                 if is_reply:
                     self._on_reply(src, kind, rid, frame)
                 else:
-                    self.serve(src, kind, rid, frame)
+                    self.serve(src, kind, rid, frame, self._holders[src])
             finally:
                 _receiving.delivering = was
                 _context.unbind_thread_agent(token)
@@ -424,12 +430,12 @@ class CallPath:
             # Served right here, on the receiving thread (see rpcx._lanes).
             token = _context.bind_thread_agent(self._host)
             try:
-                lane.serve(self.serve, src, kind, rid, frame)
+                lane.serve(self.serve, src, kind, rid, frame, self._holders[src])
             finally:
                 _context.unbind_thread_agent(token)
             return
         try:
-            self._pool.submit(self.serve, src, kind, rid, frame)
+            self._pool.submit(self.serve, src, kind, rid, frame, self._holders[src])
         except RpcShutdownError:
             log.debug("%s: dropped request %d from rank %d after shutdown", self._name, rid,
                       src)
@@ -517,8 +523,18 @@ class CallPath:
 
     # ----------------------------------------------------------------- 3. serve
 
-    def serve(self, src: int, kind: int, rid: int, frame: Frame) -> None:
-        """Decode request ``rid`` from ``src``, run its handler, reply."""
+    def serve(self, src: int, kind: int, rid: int, frame: Frame,
+              holder: int | None = None) -> None:
+        """Decode request ``rid`` from ``src``, run its handler, reply.
+
+        ``holder`` counts the workers that had taken ``src`` when the request came
+        (:meth:`rejoined`); if another has taken the rank since, the sender is dead and
+        the request is dropped (a queued ``remote()`` would leave a value only the dead
+        worker could free, in a world that believes it settled).
+        """
+        if holder is not None and self._holders[src] != holder:
+            self._drop_stale(src, rid, frame)
+            return
         caller = self._workers[src]
         trace = self.trace
         trace.serving(src, rid, kind)
@@ -538,11 +554,18 @@ class CallPath:
             return
         if isinstance(result, Deferred):
             result.future.add_done_callback(
-                lambda fut: self._reply_with(src, rid, fut, scope)
+                lambda fut: self._reply_with(src, rid, fut, scope, holder)
             )
         else:
             trace.served(src, rid)
-            self._reply(src, rid, result, scope)
+            self._reply(src, rid, result, scope, holder)
+
+    def _drop_stale(self, src: int, rid: int, frame: Frame) -> None:
+        log.debug("%s: dropped request %d of the worker that held rank %d before %s",
+                  self._name, rid, src, self._workers[src].name)
+        # (read and dropped, not ignored: the RRefs it carries tell their owners that
+        # this worker holds no reference to them)
+        self._discard(src, frame)
 
     def _serve_profiled(self, caller: WorkerInfo, payload: Any) -> Any:
         """The handler of ``PROFILED``: the wrapped request's own handler, under torch's
@@ -607,7 +630,8 @@ class CallPath:
                 log.exception("%s: decode-error hook failed", self._name)
 
     def _reply_with(
-        self, src: int, rid: int, future: torch._C.Future[Any], scope: int | None
+        self, src: int, rid: int, future: torch._C.Future[Any], scope: int | None,
+        holder: int | None = None,
     ) -> None:
         self.trace.served(src, rid)
         try:
@@ -615,10 +639,18 @@ class CallPath:
         except BaseException as exc:
             self._reply_error(src, rid, exc)
         else:
-            self._reply(src, rid, value, scope)
+            self._reply(src, rid, value, scope, holder)
 
-    def _reply(self, src: int, rid: int, value: Any, scope: int | None = None) -> None:
+    def _reply(self, src: int, rid: int, value: Any, scope: int | None = None,
+               holder: int | None = None) -> None:
         if rid == 0:
+            return
+        if holder is not None and self._holders[src] != holder:
+            # The caller died while its request ran and another worker took its rank:
+            # the answer is not encoded (RRefs in it would be registered as held by a
+            # worker that never gets them).
+            log.debug("%s: dropped the answer to request %d of the worker that held rank "
+                      "%d before %s", self._name, rid, src, self._workers[src].name)
             return
         ctx = self._response_context(src, scope)
         try:

@@ -214,6 +214,11 @@ class RRefService:
                     log.debug("%s: stale announcement for freed %s", self.agent.name, rref_id)
                     continue
                 entry = self._entry_locked(rref_id)
+                if holder in self._lost_ranks:
+                    # (a fork for a worker found dead while the call that sends it ran:
+                    # nobody would ever delete it)
+                    self._free_if_unused_locked(rref_id, entry, freed)
+                    continue
                 added = self._add_fork_locked(entry, fork, holder)
                 # A holder that got the RRef from the owner itself knows it is confirmed.
                 if added and sender != self.rank and holder != self.rank:

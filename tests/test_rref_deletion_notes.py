@@ -170,3 +170,23 @@ def test_flush_collects_garbage_only_while_an_rref_object_lives_here(
         assert collections == [1]
     finally:
         svc.close()
+
+
+def test_a_fork_for_a_worker_found_dead_while_the_call_sending_it_ran_is_not_kept() -> None:
+    # Rank 2 asked this owner for an RRef (``parameter_rrefs`` of a training step) and
+    # was killed while the call ran: the answer's fork would be held by nobody.
+    _agent, svc = _service()
+    try:
+        rref_id, own_fork = svc.create_local(torch.ones(1))
+        svc.drop_rank(2)
+        svc.add_forks([(rref_id, (0, 99), 2)], sender=0)  # encoding the answer to rank 2
+        assert svc.stats()["references_to_owned"] == 1  # only this worker's own
+        svc.remove_forks([(rref_id, own_fork)])
+        assert svc.stats()["owned"] == 0
+        # A live holder's fork is still kept.
+        rref_id, own_fork = svc.create_local(torch.ones(1))
+        svc.add_forks([(rref_id, (0, 100), 1)], sender=0)
+        svc.remove_forks([(rref_id, own_fork)])
+        assert svc.stats()["owned"] == 1
+    finally:
+        svc.close()

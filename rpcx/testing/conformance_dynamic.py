@@ -29,6 +29,7 @@ from rpcx.errors import PeerLostError, RpcError, UnknownWorkerError
 from rpcx.registry import resolve_backend
 from rpcx.testing import remote, training
 from rpcx.testing.fixtures import WorldKeeper
+from rpcx.testing.soak import leftover_problems, settled_leftovers
 from rpcx.testing.world import DynamicWorld, _options, dynamic_world, free_port
 
 __all__ = ["TestDynamicWorld", "TestDynamicWorldRefused"]
@@ -132,6 +133,30 @@ class TestDynamicWorld:
         stop_watching()
         assert rpcx.rpc_sync("late2", remote.add, args=(2, 2)) == 4
         assert changes.empty()
+
+    def test_what_a_killed_worker_was_being_sent_is_freed_whoever_takes_its_rank(
+            self, grown: DynamicWorld, rpcx_backend: str) -> None:
+        # late1 asks late2 for two RRefs and dies before either answer is sent: one
+        # answer is encoded once late2 has seen it die, the other once "again1" has
+        # taken its rank. Neither may leave late2 holding a reference for a worker that
+        # will never delete it (the churn's "owned rrefs left").
+        if not resolve_backend(rpcx_backend).capabilities.reuses_ranks:
+            pytest.skip(f"backend {rpcx_backend!r} does not let a rank be taken again")
+        agent = cast(RpcAgent, _context.current_agent())
+        before, after = uuid.uuid4().hex, uuid.uuid4().hex
+        for key in (before, after):
+            rpcx.rpc_sync("late1", remote.fire, args=("late2", remote.answer_later, key))
+        grown.kill("late1")
+        assert agent.wait_lost(1, BOUND), "late1's death never reached lead"
+        assert rpcx.rpc_sync("late2", remote.wait_lost, args=(1, BOUND)), \
+            "late1's death never reached late2"
+        rpcx.rpc_sync("late2", remote.answer_with_rref, args=(before,))
+        assert grown.join("again1", 1) == ("joined", "again1")
+        assert rpcx.rpc_sync("late2", remote.call_with,  # (late2 meets again1)
+                             args=(remote.chain, ["again1"], 0)) == (1, ["late2", "again1"])
+        rpcx.rpc_sync("late2", remote.answer_with_rref, args=(after,))
+        left = settled_leftovers("lead", ["late2", "again1"], BOUND)
+        assert not leftover_problems(left), left
 
     def test_a_rank_left_is_taken_again_or_refused_as_declared(
             self, grown: DynamicWorld, rpcx_backend: str) -> None:

@@ -712,7 +712,7 @@ def send_gradient(context_id: int, to: str, backward: tuple[int, int], tag: int,
     agent = _context_agent()
     svc = service(agent)
     context = svc.get(context_id)
-    wait(svc._deliver(context, context.share(backward), agent.resolve(to).id,
+    wait(svc.rounds._deliver(context, context.share(backward), agent.resolve(to).id,
                       [(tag, index, grad)]))
 
 
@@ -847,3 +847,42 @@ def tally_of(key: str) -> int:
     """This process's tally ``key``."""
     with _tallies_lock:
         return _tallies.get(key, 0)
+
+
+# ------------------------------------------------------------- answers held back
+
+_held_answers: dict[str, torch.futures.Future[Any]] = {}
+_sent: list[Any] = []  # what fire() and fire_remote() made, kept so nothing collects it
+
+
+@async_execution
+def answer_later(key: str) -> torch.futures.Future[Any]:
+    """Answer when :func:`answer_with_rref` is called here with ``key`` (the call's reply
+    is encoded inside that call)."""
+    future: torch.futures.Future[Any] = torch.futures.Future()
+    _held_answers[key] = future
+    _event(f"{key}/held").set()
+    return future
+
+
+def answer_with_rref(key: str, bound: float = 30.0) -> None:
+    """Answer :func:`answer_later` ``key`` with an RRef this worker owns (once that call
+    has arrived, at most ``bound`` seconds from now)."""
+    if not _event(f"{key}/held").wait(bound):
+        raise TimeoutError(f"answer_later({key!r}) did not arrive within {bound:g} s")
+    _held_answers.pop(key).set_result(rpcx.RRef(Counter(1)))
+
+
+def fire(to: str, fn: Any, *args: Any) -> None:
+    """``rpc_async(to, fn, args)`` from this worker, not waiting for the answer."""
+    _sent.append(rpcx.rpc_async(to, fn, args=args))
+
+
+def fire_remote(to: str, fn: Any, *args: Any) -> None:
+    """``remote(to, fn, args)`` from this worker, keeping the RRef here."""
+    _sent.append(rpcx.remote(to, fn, args=args))
+
+
+def wait_lost(rank: int, bound: float = 30.0) -> bool:
+    """Wait (at most ``bound`` seconds) until this worker has seen ``rank`` gone."""
+    return bool(_context_agent().wait_lost(rank, bound))
