@@ -87,7 +87,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
                 f"context {context_id}; pass retain_graph=True to the first backward()"
             )
     grads = [torch.ones_like(root) for root in roots]
-    svc.start(ctx, roots, grads)
+    svc.rounds.start(ctx, roots, grads)
     if not retain_graph:
         ctx.finished_roots.update(r.grad_fn for r in roots if r.grad_fn is not None)
 

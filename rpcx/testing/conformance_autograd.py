@@ -198,7 +198,8 @@ class TestDistAutograd:
             for grad in (torch.tensor([1.0, 10.0]), torch.tensor([100.0, 1000.0])):
                 rpcx.rpc_sync(W1, remote.send_gradient,
                               args=(context_id, W0, backward, tag, 0, grad))
-            reply = svc.handle_run(rpcx.get_worker_info(W1), (context_id, backward, None, False))
+            reply = svc.rounds.handle_run(rpcx.get_worker_info(W1),
+                                          (context_id, backward, None, False))
             assert reply == [[], [[0, False]]]  # no next round; nothing waits here
             grads = dist_autograd.get_gradients(context_id)
         assert _close(grads[x], torch.tensor([101.0, 1010.0]))
