@@ -21,6 +21,7 @@ Proxy calls (``rref.rpc_sync().m()``) send only the id: the caller's RRef stays 
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from collections.abc import Callable
@@ -433,7 +434,11 @@ def _invoke_on_owner(
             result.set_result(out)
 
     agent = _context.current_agent()
-    service(agent).slot(rref_id).add_done_callback(run)
+    # The method may run later, on the thread that makes the value: in this request's
+    # context all the same (its distributed autograd context above all: as on torch,
+    # whose owner runs it in the request, what it sends must be recorded there).
+    request_context = contextvars.copy_context()
+    service(agent).slot(rref_id).add_done_callback(lambda f: request_context.run(run, f))
     return result
 
 

@@ -240,6 +240,25 @@ class TestDistAutograd:
             dist_autograd.backward(context_id, [y.sum()])
             assert _close(dist_autograd.get_gradients(context_id)[w], torch.full((2,), 6.0))
 
+    @pytest.mark.parametrize("api", ["rpc_async", "remote"])
+    def test_proxy_call_waiting_for_its_value_runs_in_the_context(
+            self, rpc_world: World, api: str) -> None:
+        # fairscale's pipeline calls methods of handlers whose remote() may still be
+        # making them: the method runs once the value exists, on the thread that made
+        # it, and what it sends must be recorded in the caller's context all the same.
+        key = uuid.uuid4().hex
+        made = rpcx.remote(W1, remote.MadeOnRelease, args=(key,))
+        w = torch.tensor([1.0, 2.0], requires_grad=True)
+        with dist_autograd.context() as context_id:
+            if api == "rpc_async":
+                pending = made.rpc_async().times_on(W2, w, 3.0)
+            else:
+                pending = made.remote().times_on(W2, w, 3.0)
+            rpcx.rpc_sync(W1, remote.release, args=(key,))
+            y = pending.wait() if api == "rpc_async" else pending.to_here()
+            dist_autograd.backward(context_id, [y.sum()])
+            assert _close(dist_autograd.get_gradients(context_id)[w], torch.full((2,), 3.0))
+
     def test_retain_graph_twice(self, rpc_world: World) -> None:
         w = torch.tensor([1.0, 2.0], requires_grad=True)
         with dist_autograd.context() as context_id:

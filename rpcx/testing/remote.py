@@ -886,3 +886,16 @@ def fire_remote(to: str, fn: Any, *args: Any) -> None:
 def wait_lost(rank: int, bound: float = 30.0) -> bool:
     """Wait (at most ``bound`` seconds) until this worker has seen ``rank`` gone."""
     return bool(_context_agent().wait_lost(rank, bound))
+
+
+class MadeOnRelease:
+    """A value whose constructor waits for :func:`release` of ``key``: ``remote()`` of it
+    leaves the RRef's value to come later."""
+
+    def __init__(self, key: str, bound: float = 30.0) -> None:
+        wait_for_release(key, bound)
+
+    def times_on(self, peer: str, x: torch.Tensor, factor: float) -> torch.Tensor:
+        """``x * factor``, computed on ``peer`` (a call from this method)."""
+        out: torch.Tensor = rpcx.rpc_sync(peer, torch.mul, args=(x, factor))
+        return out
