@@ -4,12 +4,12 @@ Sessions: tests (every backend, then the RRef and autograd kit under injected fa
 ``faulty:gloo``; or ``-- --backends=...``), long (the long runs ``tests`` leaves out),
 programs (examples, seed and docs programs), commands (rpcx's commands and start-up in
 fresh interpreters), seeds (the seed programs on tensorpipe and torch), clients (TorchRL,
-PyG and fairscale unchanged on every multi-process backend), no_torch_rpc (rpcx on a torch without
-distributed RPC), beyond_tests (what CI runs after tests: programs, commands, long,
-no_torch_rpc, clients, typecheck and docs in one environment), examples(backend), demo,
-soak,
-lint, typecheck, docs (the site, built strictly and tested in a browser), bench, and
-torch_suite(backend) (torch's own RPC tests run against rpcx; long, so not a default).
+PyG and fairscale unchanged on every multi-process backend), no_torch_rpc (rpcx on a
+torch without distributed RPC), beyond_tests (what CI runs after tests: programs,
+commands, long, no_torch_rpc, clients, typecheck and docs in one environment),
+examples(backend), demo, soak, lint, typecheck, docs (the site, built strictly and
+tested in a browser), bench, and torch_suite(backend) (torch's own RPC tests run against
+rpcx; long, so not a default).
 Every session installs through constraints.txt, which pins torch==2.13.0.
 """
 
