@@ -212,9 +212,9 @@ def clients(session: nox.Session) -> None:
 def _run_clients(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, *CLIENTS)
     session.install(*CONSTRAINTS, "-e", PLUGINS["zmq"])  # a plugin's backend too
-    # Three at a time on two cores: each program waits while its worker processes start
-    # (each imports torch and the library), so two leave the machine a third idle
-    # (measured: 366 s with -n 2, 322 s with -n 3).
+    # Three at a time on two cores: a program waits on its workers' start and shutdown,
+    # which leaves a core idle at times with two (measured while the programs still
+    # started a forkserver: 366 s with -n 2, 322 s with -n 3; 155 s since they fork).
     session.run(*_bounded("pytest", "-n", "3", "tests/clients", *session.posargs),
                 env={"RPCX_REQUIRE_CLIENTS": "1"}, external=True)
 

@@ -218,9 +218,9 @@ def main() -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     names = sys.argv[1:] or list(SCENARIOS)  # (some of them, by name: to look closer)
-    # forkserver: the workers are forked from a server that imported this program (and
-    # with it torch and fairscale) once, instead of each importing them again.
-    mp.start_processes(run, args=(port, names), nprocs=2, start_method="forkserver")
+    # fork: the workers are copies of this process, which imported torch and fairscale
+    # once and has started no thread yet (a forkserver imports them again in its server).
+    mp.start_processes(run, args=(port, names), nprocs=2, start_method="fork")
 
 
 if __name__ == "__main__":

@@ -62,9 +62,9 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # forkserver: the workers are forked from a server that imported this program (and
-    # with it torch and the library) once, instead of each importing them again.
-    mp.start_processes(run, args=(port, out), nprocs=2, start_method="forkserver")
+    # fork: the workers are copies of this process, which imported torch and the library
+    # once and has started no thread yet (a forkserver imports them again in its server).
+    mp.start_processes(run, args=(port, out), nprocs=2, start_method="fork")
     with open(out) as f:
         print("RESULT " + f.read(), flush=True)
 
