@@ -262,12 +262,14 @@ def _run_commands(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def long(session: nox.Session) -> None:
     """The long runs (tests marked ``long``, minutes each), left out of ``nox -s tests``
-    to keep it within ten minutes: the churn's 100 departures and joins in a row."""
+    to keep it within ten minutes: the churn's 100 departures and joins in a row, and
+    the kit's partitions across two namespaces on every multi-host backend."""
     _install(session, "test")
     _run_long(session)
 
 
 def _run_long(session: nox.Session) -> None:
+    session.install(*CONSTRAINTS, "-e", PLUGINS["zmq"])  # (the kit's long tests run on it)
     session.run(*_bounded("pytest", "-m", "long", "tests", *session.posargs),
                 external=True)
 

@@ -247,6 +247,7 @@ class CallPath:
             future.set_exception(self._lost_error(pending, refused.reason))
             return future
         frame.request_id = rid
+        frame.settled = future.done  # (a send still waiting may leave once it failed)
         if timeout is not None:
             frame.deadline = started + timeout
             self._executors.timer.schedule(frame.deadline, rid)

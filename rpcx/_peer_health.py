@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -75,9 +76,31 @@ class PeerHealth:
         self._heard_again = threading.Condition(self._lock)
         self._heartbeat: Heartbeat | None = None
         self._heartbeat_timeout = heartbeat_timeout
-        self._pinging: set[int] = set()  # peers with a ping on its way
+        self._beating: set[tuple[int, int]] = set()  # (peer, ping or pong) on its way
+        self._said_alive: dict[int, float] = {}  # when each sender last got our pong
+        self._interval = 0.0  # the heartbeat's, once it runs
+        self._pool: WorkerPool | None = None
         # Frames received per peer, bumped by the call path; the heartbeat reads it.
         self.heard = [0] * len(workers)
+
+    def progress(self, rank: int) -> None:
+        """Part of a large frame from ``rank`` arrived (``TransportContext.progress``).
+
+        As good as a frame from it for our heartbeat; and, once per heartbeat interval,
+        this worker tells ``rank`` it is alive (a pong): that peer's pings wait behind
+        the frame it is still sending, and without the word it would find this worker
+        silent. The word comes from this process, so a peer that stops reading (a
+        stopped process, whose kernel still takes bytes) is found silent on time."""
+        heard = self.heard
+        if rank >= len(heard):
+            return
+        heard[rank] += 1  # (a lost increment between threads still counts)
+        if self._heartbeat is None:
+            return
+        now = time.monotonic()
+        if now - self._said_alive.get(rank, -self._interval) >= self._interval:
+            self._said_alive[rank] = now
+            self._beat(rank, PONG)
 
     # ------------------------------------------------------------------ lost
 
@@ -183,26 +206,10 @@ class PeerHealth:
         """Ping quiet peers every ``interval`` s (or ask the kernel, where ``knows(rank)``);
         report those silent past the timeout, unless ``vouch(rank)`` says the peer's
         process still runs; peers not ``connected`` are not watched (see Heartbeat)."""
+        self._interval, self._pool = interval, pool
 
         def ping(peer: int) -> None:
-            """Ping ``peer`` from the pool (a send may wait); one ping in flight each."""
-            with self._lock:
-                if peer in self._pinging or not self._life.running:
-                    return
-                self._pinging.add(peer)
-
-            def send() -> None:
-                try:
-                    self._send_one_way(self._workers[peer], MessageKind.HEARTBEAT, PING)
-                finally:
-                    with self._lock:
-                        self._pinging.discard(peer)
-
-            try:
-                pool.submit(send)
-            except RpcShutdownError:
-                with self._lock:
-                    self._pinging.discard(peer)
+            self._beat(peer, PING)
 
         self._heartbeat = Heartbeat(
             self._name, [w.id for w in self._workers
@@ -213,6 +220,31 @@ class PeerHealth:
             connected=connected,
         )
         self._heartbeat.start()
+
+    def _beat(self, peer: int, payload: int) -> None:
+        """Send ``peer`` a ping or a pong from the pool (a send may wait); one of each in
+        flight per peer. Pings stop once shutdown starts; pongs do not (a worker in
+        ``shutdown()`` still serves, as a parameter server that called it at once)."""
+        key = (peer, payload)
+        with self._lock:
+            if key in self._beating or self._pool is None or (
+                    payload == PING and not self._life.running):
+                return
+            self._beating.add(key)
+            pool = self._pool
+
+        def send() -> None:
+            try:
+                self._send_one_way(self._workers[peer], MessageKind.HEARTBEAT, payload)
+            finally:
+                with self._lock:
+                    self._beating.discard(key)
+
+        try:
+            pool.submit(send)
+        except RpcShutdownError:
+            with self._lock:
+                self._beating.discard(key)
 
     def stop_heartbeat(self) -> None:
         """Peers leave now: silence is no news."""

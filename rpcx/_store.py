@@ -17,21 +17,36 @@ have given up meanwhile are skipped, so a wedged store holds one thread, not one
 Waiting for keys polls :meth:`BoundedStore.check` instead of calling the store's
 ``wait``: a ``TCPStore`` wait that times out prints two c10d warning lines, and waits in
 slices (to notice dead peers between them) printed hundreds in a large world's start-up.
+
+A ``TCPStore`` client's connection can break while the world lives on: a partition
+between the hosts outlasted by the workers (the store's host closes the connection it
+took for dead; the client's next call fails, "Failed to recv, got 0 bytes"). A store
+given ``reopen`` (a client of rank 0's store) then connects again and makes the call
+again, once, where making it twice is harmless (everything but ``add``). A call that
+went out during the cut may also just wait: TCP sends it again only when its backed-off
+retransmission timer fires, seconds after the link is back. So a call unanswered for
+:data:`STUCK_S` gets a new connection too (made on its own thread, and only if the
+store's address takes one), where it is made again; the old connection's thread is
+left to its fate.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed import DistNetworkError
 from torch.distributed.distributed_c10d import PrefixStore
 
 from rpcx.errors import RpcError, RpcTimeoutError
 
 __all__ = ["BoundedStore"]
+
+log = logging.getLogger("rpcx.rendezvous")
 
 # Without a deadline of the caller's, one operation may take this long: longer means the
 # store is wedged (a live store answers in milliseconds), and the wait fails saying so.
@@ -45,6 +60,10 @@ _POLL_FIRST, _POLL_MAX = 0.0005, 0.02
 _KEYS_PER_PAUSE = 16
 _LOOK_MIN = 0.02  # what a look for keys may take past the deadline (see wait_for)
 _NARROW_MAX = 1.0  # what finding the missing keys one by one may take past the deadline
+# A call unanswered this long, on a store that can connect again, gets a new connection
+# (see the module's notes): a live store answers in milliseconds, a busy one in a second.
+STUCK_S = 3.0
+_LOOK_S = 0.25  # how often a waiting thread looks whether that happened
 
 
 class _Operation:
@@ -67,11 +86,12 @@ class _Caller:
     """
 
     def __init__(self, name: str) -> None:
-        self._name = name
+        self.name = name
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._queue: collections.deque[_Operation] = collections.deque()
         self._running = False
+        self.busy_since: float | None = None  # when the call being made now started
 
     def submit(self, operation: _Operation) -> None:
         with self._lock:
@@ -80,7 +100,7 @@ class _Caller:
                 self._ready.notify()
                 return
             self._running = True
-        threading.Thread(target=self._loop, name=self._name, daemon=True).start()
+        threading.Thread(target=self._loop, name=self.name, daemon=True).start()
 
     def give_up(self, operation: _Operation) -> bool:
         """Mark ``operation`` abandoned; False if it completed meanwhile."""
@@ -101,15 +121,66 @@ class _Caller:
                 operation = self._queue.popleft()
                 if operation.given_up:
                     continue
+            self.busy_since = time.monotonic()
             try:
                 operation.result = operation.call(*operation.args)
             except BaseException as exc:  # handed to the waiting thread
                 operation.error = exc
             with self._lock:
+                self.busy_since = None
                 operation.done.set()
             # Hold nothing while idle: the call is bound to the store, and the last
             # reference to a TCPStore's host must go when the world drops it.
             del operation
+
+
+class _Connection:
+    """The store connection a store and its views share, the thread that makes its
+    calls, and how to make it again."""
+
+    def __init__(self, raw: Any, reopen: Callable[[], Any] | None, caller: _Caller) -> None:
+        self.raw = raw
+        self.reopen = reopen
+        self.caller = caller
+        self.generation = 0  # connections made again so far
+        self._lock = threading.Lock()
+        self._replacing = False
+
+    def replace(self, broken: int, why: str, where: str) -> bool:
+        """Connect again, ``why``, if connection number ``broken`` is still the one in
+        use (a view that saw the same break finds it replaced already); later calls go to
+        a caller thread of the new connection. Whether there is a new connection."""
+        if self.reopen is None:
+            return False
+        with self._lock:
+            if self.generation != broken:
+                return True
+            self.raw = self.reopen()  # (raises where the store cannot be reached)
+            self.caller = _Caller(self.caller.name)
+            self.generation += 1
+        log.info("the rendezvous store connection to %s %s; connected again", where, why)
+        return True
+
+    def replace_if_stuck(self, stuck: int, where: str) -> None:
+        """A call on connection number ``stuck`` is unanswered for STUCK_S: connect
+        again on a thread of its own (at most one at a time; a store that cannot be
+        reached leaves the old connection as it is)."""
+        with self._lock:
+            if self._replacing or self.reopen is None or self.generation != stuck:
+                return
+            self._replacing = True
+
+        def connect() -> None:
+            try:
+                self.replace(stuck, f"left a call unanswered for {STUCK_S:g} s", where)
+            except Exception as exc:  # still cut off: the calls wait on (or time out)
+                log.debug("the rendezvous store at %s: no new connection: %s", where,
+                          _first_line(exc))
+            finally:
+                with self._lock:
+                    self._replacing = False
+
+        threading.Thread(target=connect, name="rpcx-store-reconnect", daemon=True).start()
 
 
 class BoundedStore:
@@ -118,50 +189,67 @@ class BoundedStore:
     ``raw`` is the ``torch.distributed`` store itself, for what must be handed a real
     one (a transport's address exchange, gloo's process group). ``where`` names the
     store in errors (``file:///tmp/x``, ``tcp://10.0.0.1:29500``). Timeouts are seconds;
-    ``None`` means :data:`OPERATION_BOUND`.
+    ``None`` means :data:`OPERATION_BOUND`. ``reopen``: makes the store's connection
+    again when it breaks (see the module's notes).
     """
 
-    def __init__(self, raw: Any, where: str, *, _caller: _Caller | None = None,
-                 _prefix: str = "") -> None:
-        self.raw = raw
+    def __init__(self, raw: Any, where: str, *, reopen: Callable[[], Any] | None = None,
+                 _connection: _Connection | None = None,
+                 _prefixes: tuple[str, ...] = ()) -> None:
+        self._connection = _connection or _Connection(raw, reopen, _Caller("rpcx-store"))
+        self._prefixes = _prefixes  # each view's prefix, outermost first
+        self._raw = raw
+        self._generation = self._connection.generation
         self.where = where
-        self._prefix = _prefix
-        self._caller = _caller or _Caller("rpcx-store")
+        self._prefix = "".join(f"{p}/" for p in _prefixes)
+
+    @property
+    def raw(self) -> Any:
+        """The torch store this view reads and writes (over the connection of now)."""
+        connection = self._connection
+        if self._generation != connection.generation:  # connected again: the same view
+            raw = connection.raw
+            for prefix in self._prefixes:
+                raw = PrefixStore(prefix + "/", raw)
+            self._raw, self._generation = raw, connection.generation
+        return self._raw
 
     def prefixed(self, prefix: str) -> BoundedStore:
         """A view whose keys all start with ``prefix/``, sharing this one's caller."""
         return BoundedStore(PrefixStore(prefix + "/", self.raw), self.where,
-                            _caller=self._caller, _prefix=f"{self._prefix}{prefix}/")
+                            _connection=self._connection, _prefixes=(*self._prefixes, prefix))
 
     def set(self, key: str, value: bytes | str, timeout: float | None = None) -> None:
         """Store ``value`` under ``key``."""
-        self._run(f"setting {key!r}", self.raw.set, (key, value), timeout)
+        self._run(f"setting {key!r}", "set", (key, value), timeout)
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, which must exist (wait for it first: a missing key
         makes the store's own ``get`` block until the store's timeout)."""
-        return bytes(self._run(f"reading {key!r}", self.raw.get, (key,), timeout))
+        return bytes(self._run(f"reading {key!r}", "get", (key,), timeout))
 
     def add(self, key: str, amount: int, timeout: float | None = None) -> int:
         """Add ``amount`` to the counter ``key``; its new value."""
-        return int(self._run(f"adding to {key!r}", self.raw.add, (key, amount), timeout))
+        # (not made again after a break: the first may have counted)
+        return int(self._run(f"adding to {key!r}", "add", (key, amount), timeout,
+                             again=False))
 
     def compare_set(self, key: str, expected: str, desired: str,
                     timeout: float | None = None) -> bytes:
         """Set ``key`` to ``desired`` if its value is ``expected`` (``""``: also if it
         does not exist); the value it has afterwards."""
-        return bytes(self._run(f"compare-and-set of {key!r}", self.raw.compare_set,
+        return bytes(self._run(f"compare-and-set of {key!r}", "compare_set",
                                (key, expected, desired), timeout))
 
     def multi_get(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
         """The values of ``keys`` (which must all exist), in one store operation."""
-        values = self._run(f"reading {keys[0]!r} and {len(keys) - 1} more", self.raw.multi_get,
+        values = self._run(f"reading {keys[0]!r} and {len(keys) - 1} more", "multi_get",
                            (keys,), timeout)
         return [bytes(value) for value in values]
 
     def check(self, keys: list[str], timeout: float | None = None) -> bool:
         """Whether every key of ``keys`` exists."""
-        return bool(self._run(f"looking for {keys[0]!r}", self.raw.check, (keys,), timeout))
+        return bool(self._run(f"looking for {keys[0]!r}", "check", (keys,), timeout))
 
     def wait_for(
         self,
@@ -234,12 +322,41 @@ class BoundedStore:
             time.sleep(pause if left is None else max(0.0, min(pause, left)))
             pause = min(pause * 2, longest)
 
-    def _run(self, what: str, call: Callable[..., Any], args: tuple[Any, ...],
-             timeout: float | None) -> Any:
+    def _call(self, name: str, args: tuple[Any, ...], again: bool) -> Any:
+        """Make the store call ``name`` (on the caller thread); connect again and make
+        it once more where the connection broke and ``again`` allows."""
+        generation = self._connection.generation
+        try:
+            return getattr(self.raw, name)(*args)
+        except DistNetworkError as exc:
+            replaced = self._connection.replace(generation, f"broke ({_first_line(exc)})",
+                                                self.where)
+            if not (replaced and again):  # (a call not to make twice fails; later ones go)
+                raise
+        return getattr(self.raw, name)(*args)
+
+    def _run(self, what: str, name: str, args: tuple[Any, ...], timeout: float | None,
+             again: bool = True) -> Any:
         bound = OPERATION_BOUND if timeout is None else max(0.0, timeout)
-        operation = _Operation(call, args)
-        self._caller.submit(operation)
-        if not operation.done.wait(bound) and self._caller.give_up(operation):
+        connection = self._connection
+        operation, caller, generation = self._submit(name, args, again)
+        if connection.reopen is None:
+            done = operation.done.wait(bound)
+        else:  # (a stuck call is made again on a new connection: see the module's notes)
+            deadline = time.monotonic() + bound
+            made = time.monotonic()
+            while not (done := operation.done.wait(
+                    max(0.0, min(_LOOK_S, deadline - time.monotonic())))):
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                if connection.generation != generation:
+                    if again and caller.give_up(operation):
+                        operation, caller, generation = self._submit(name, args, again)
+                        made = now
+                elif now - made >= STUCK_S:
+                    connection.replace_if_stuck(generation, self.where)
+        if not done and caller.give_up(operation):
             raise RpcTimeoutError(
                 f"the rendezvous store at {self.where} did not answer within {bound:.3g} s "
                 f"({what}{self._in_prefix()}): a worker may be stopped while it holds the "
@@ -255,5 +372,19 @@ class BoundedStore:
             ) from error
         return operation.result
 
+    def _submit(self, name: str, args: tuple[Any, ...], again: bool
+                ) -> tuple[_Operation, _Caller, int]:
+        """Hand the call to the caller thread of the connection in use now."""
+        connection = self._connection
+        operation = _Operation(self._call, (name, args, again))
+        caller, generation = connection.caller, connection.generation
+        caller.submit(operation)
+        return operation, caller, generation
+
     def _in_prefix(self) -> str:
         return f" under {self._prefix!r}" if self._prefix else ""
+
+
+def _first_line(error: BaseException) -> str:
+    """c10d's errors carry a C++ stack after their first line."""
+    return str(error).split("\n", 1)[0]

@@ -338,6 +338,7 @@ class RpcAgent:
             auth=self._connection_auth,
             admit=self._admit if self._dynamic is not None else None,
             vacant=lambda rank: rank >= len(self.workers) or not is_member(self.workers[rank]),
+            progress=self._health.progress,
         ))
         if not self._transport.capabilities.in_process and self._dynamic is None:
             # (see watch_peers; a dynamic worker published its mark as it entered the

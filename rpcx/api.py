@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from rpcx import _context, auth, calls, hosts, joining, rref, trace_session
+from rpcx import _context, _cpp_log, auth, calls, hosts, joining, rref, trace_session
 from rpcx._membership_events import MembershipChange
 from rpcx.agent import RpcAgent
 from rpcx.autograd import service as autograd_service
@@ -91,6 +91,17 @@ def init_rpc(
     key = auth.resolve_key(options)
     if key is None:
         _warn_if_exposed(name, options.init_method, spec)
+    _cpp_log.hold_back()  # (c10d's warnings, from the rendezvous on; see _cpp_log)
+    try:
+        _join(name, spec, options, rank, world_size, key)
+    except BaseException:
+        _cpp_log.let_through()
+        raise
+
+
+def _join(name: str, spec: BackendSpec, options: RpcBackendOptions, rank: int,
+          world_size: int | None, key: bytes | None) -> None:
+    """The rest of :func:`init_rpc`: join the world, start the worker, bind it here."""
     world = joining.join(name, spec, options, rank, world_size, key,
                          spawn_world=_context.spawn_world.get())
     try:
@@ -208,6 +219,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     world = _joined.pop(agent, None)
     if world is not None:
         world.leave()
+    _cpp_log.let_through()
     # The thread stays bound to the (now shut down) worker, so later calls say so.
     log.info("worker %r shut down", agent.name)
 

@@ -25,11 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rpcx.spawn import spawn
+from rpcx.spawn import spawn, under_torchrun
 
 __all__ = ["LaunchedWorker", "launch", "under_torchrun"]
 
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _RESULT = "rank0-result.pickle"
 
 
@@ -46,11 +45,6 @@ class LaunchedWorker:
         if self.rendezvous is None:
             return "env://"
         return "file://" + os.path.join(self.rendezvous, name)
-
-
-def under_torchrun() -> bool:
-    """Whether this process is a worker that ``torchrun`` started."""
-    return all(var in os.environ for var in _TORCHRUN_VARS)
 
 
 def launch(

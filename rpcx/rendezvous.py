@@ -9,7 +9,9 @@ waits poll quietly so they can notice dead peers and report progress.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import ipaddress
 import logging
 import os
 import socket
@@ -21,6 +23,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from torch._C._distributed_c10d import FileStore, HashStore, TCPStore
+from torch.distributed import DistNetworkError
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import _rendezvous_helper
 from torch.distributed.rendezvous import rendezvous as torch_rendezvous
@@ -50,6 +53,8 @@ LEAVE_TIMEOUT = 10.0
 # Saying "I left" gets this long even when shutdown's budget is spent: a live store
 # answers in milliseconds, and rank 0 waits for the word.
 _LEAVE_MOMENT = 0.1
+_DIAL_EVERY = 0.1  # seconds between dials of a store that is not up yet
+_REDIAL_S = 5.0  # how long a broken store connection dials before the operation fails
 _NO_LIMIT = timedelta(days=7)  # torch stores need a finite timeout; rpcx bounds its own calls
 
 _hub_lock = threading.Lock()
@@ -87,13 +92,20 @@ def open_store(
     try:
         store = (_host_on_named_address(init_method, world_size or -1, store_timeout)
                  if rank == 0 else None)
+        connect_timeout = store_timeout
+        if store is None and rank != 0:
+            # Wait for rank 0's store ourselves: torch's client retries past its timeout
+            # (two tries and a pause between) and writes its retries to the terminal.
+            connect_timeout = _await_store_host(init_method, rank, of, timeout)
         if store is None:
             # (torch's init_rpc opens a dynamic world's store through the helper too)
             store, _, _ = next(
-                _rendezvous_helper(init_method, rank, None, timeout=store_timeout)
+                _rendezvous_helper(init_method, rank, None, timeout=connect_timeout)
                 if world_size is None else
                 torch_rendezvous(init_method, rank=rank, world_size=world_size,
-                                 timeout=store_timeout))
+                                 timeout=connect_timeout))
+    except RpcError:
+        raise
     except (RuntimeError, ValueError, OSError) as exc:
         raise RpcError(
             f"rendezvous at {init_method!r} failed for rank {rank} {of}: {exc}"
@@ -102,7 +114,80 @@ def open_store(
     # exchange, gloo's process group) are bounded by the join timeout.
     store.set_timeout(store_timeout)
     keep_if_file_store(store)
-    return BoundedStore(store, _describe(init_method))
+    return BoundedStore(store, _describe(init_method),
+                        reopen=_reconnect(init_method, store_timeout) if rank != 0 else None)
+
+
+def _reconnect(init_method: str, timeout: timedelta) -> Callable[[], Any] | None:
+    """How a worker connects to rank 0's store again when its connection breaks (see
+    :mod:`rpcx._store`); ``None`` for stores rpcx does not open itself.
+
+    It dials first, quietly, for :data:`_REDIAL_S` at most: a host still cut off raises
+    ``DistNetworkError`` (the operation fails as before, and the next one tries again),
+    instead of torch's client retrying for the whole store timeout, out loud."""
+    named = _named_address(init_method)
+    if named is None:
+        return None
+    host, port = named
+
+    def connect() -> Any:
+        failure = _dial_until(host, port, time.monotonic() + _REDIAL_S)
+        if failure is not None:
+            raise DistNetworkError(f"rank 0's store at {host}:{port} cannot be reached: "
+                                   f"{failure}")
+        old = _sockets_to(host, port)
+        store = TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+        store.set_timeout(timeout)
+        for descriptor in old:
+            # End the old connection, so that a call still waiting on it fails now, on a
+            # live interpreter, rather than when the store's host exits (at our exit,
+            # c10d's exception in that thread would abort the process).
+            with contextlib.suppress(OSError), socket.fromfd(
+                    descriptor, socket.AF_INET, socket.SOCK_STREAM) as duplicate:
+                duplicate.shutdown(socket.SHUT_RDWR)
+        return store
+
+    return connect
+
+
+def _sockets_to(host: str, port: int) -> list[int]:
+    """This process's descriptors of TCP connections to ``host:port`` (from ``/proc``;
+    none where it cannot say)."""
+    try:
+        wanted = {ipaddress.ip_address(info[4][0])
+                  for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except (OSError, ValueError):
+        return []
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as lines:
+                rows = lines.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            address, _, port_hex = fields[2].partition(":")
+            if int(port_hex, 16) == port and _proc_address(address) in wanted:
+                inodes.add(fields[9])
+    found = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    for name in names:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{name}")[8:-1] in inodes:  # socket:[inode]
+                found.append(int(name))
+    return found
+
+
+def _proc_address(hexed: str) -> Any:
+    """An address as /proc/net/tcp{,6} writes it (32-bit words in host order, hex)."""
+    raw = b"".join(bytes.fromhex(hexed[i:i + 8])[::-1] for i in range(0, len(hexed), 8))
+    address = ipaddress.ip_address(raw)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped if mapped is not None else address
 
 
 def keep_if_file_store(store: Any) -> None:
@@ -134,16 +219,10 @@ def _host_on_named_address(init_method: str, world_size: int, timeout: timedelta
     torch's handler must do it (another URL, options in the URL, torchelastic's agent
     store, a name with several addresses, or an address this host cannot bind: then
     torch listens on every interface, as before)."""
-    url = urlparse(init_method)
-    if url.scheme == "tcp" and not url.query:
-        host, port = url.hostname, url.port
-    elif url.scheme == "env" and not url.query and not url.netloc:
-        host, port_text = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-        port = int(port_text) if port_text.isdigit() else None
-    else:
+    named = _named_address(init_method)
+    if named is None:
         return None
-    if not host or not port or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return None
+    host, port = named
     try:
         found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         if len({info[4][0] for info in found}) != 1:
@@ -159,14 +238,78 @@ def _host_on_named_address(init_method: str, world_size: int, timeout: timedelta
     except OSError:  # not this host's address, or the port is taken (a store already)
         listener.close()
         return None
-    try:
-        store = TCPStore(host, port, world_size, True, timeout, multi_tenant=True,
-                         master_listen_fd=listener.fileno())
-    except BaseException:
-        listener.close()
-        raise
-    listener.detach()  # the store owns the descriptor now
-    return store
+    # The store owns the descriptor from here, even when it fails (it closes it then).
+    # It does not wait for the workers: join_world does, and names the ranks missing.
+    descriptor = listener.detach()
+    return TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
+                    multi_tenant=True, master_listen_fd=descriptor)
+
+
+def _dial_until(host: str, port: int, deadline: float) -> OSError | None:
+    """Dial ``host:port`` every :data:`_DIAL_EVERY` s until something takes the
+    connection (``None``) or ``deadline`` (a ``time.monotonic()`` value) passes: the last
+    dial's error then. The connection is closed at once (a store's server takes that
+    quietly)."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.01, min(_DIAL_EVERY, left))):
+                return None
+        except OSError as exc:  # refused (nobody listens yet), unreachable, timed out
+            last = exc
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return last
+        time.sleep(min(_DIAL_EVERY, left))  # (a refused dial returns at once: pace them)
+
+
+def _named_address(init_method: str) -> tuple[str, int] | None:
+    """The host and port of the store of a ``tcp://`` URL or of ``env://``'s variables,
+    where rpcx handles them itself; ``None`` where torch's handler must (options in the
+    URL, torchelastic's agent store, no address)."""
+    url = urlparse(init_method)
+    if url.scheme == "tcp" and not url.query:
+        host, port = url.hostname, url.port
+    elif url.scheme == "env" and not url.query and not url.netloc:
+        host, port_text = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+        port = int(port_text) if port_text.isdigit() else None
+    else:
+        return None
+    if not host or not port or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    return host, port
+
+
+def _await_store_host(init_method: str, rank: int, of: str, timeout: float | None) -> timedelta:
+    """Wait until rank 0's store at ``init_method``'s address takes connections; return
+    the store timeout left for the rest of the rendezvous.
+
+    Raises :class:`~rpcx.errors.RpcTimeoutError` at ``timeout`` naming the address and
+    what to check. A URL rpcx leaves to torch returns the whole timeout at once.
+    """
+    named = _named_address(init_method)
+    if named is None:
+        return timedelta(seconds=timeout) if timeout else _NO_LIMIT
+    host, port = named
+    started = time.monotonic()
+    deadline = None if not timeout else started + timeout
+    while True:
+        until = time.monotonic() + _REPORT_EVERY  # (a progress line between dials)
+        last = _dial_until(host, port, until if deadline is None else min(deadline, until))
+        if last is None:
+            break
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise RpcTimeoutError(
+                f"rendezvous at {_describe(init_method)} for rank {rank} {of}: no store "
+                f"answered at {host}:{port} in {now - started:.1f} s ({last}). Is rank 0 "
+                "running, and is that address rank 0's host as every worker can reach it? "
+                "Check init_method (or MASTER_ADDR and MASTER_PORT) on every worker, and a "
+                "firewall between them")
+        log.info("rank %d waiting for the store at %s:%d (rank 0's) after %.0f s", rank,
+                 host, port, now - started)
+    left = remaining(deadline)
+    return timedelta(seconds=max(left, 0.001)) if left is not None else _NO_LIMIT
 
 
 def in_process_store(key: str) -> BoundedStore:

@@ -32,10 +32,12 @@ from rpcx.errors import RpcError
 from rpcx.messages import LEAVING_THREAD_ENDED
 from rpcx.registry import ENV_VAR, resolve_backend
 
-__all__ = ["SpawnContext", "WorkerFailedError", "spawn"]
+__all__ = ["SpawnContext", "WorkerFailedError", "spawn", "under_torchrun"]
 
 log = logging.getLogger("rpcx")
 
+# What torchrun (and ``rpcx launch``) set in each worker it starts.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _ERROR_GRACE = 10.0  # seconds join() waits for the other workers after one raised
 
 
@@ -65,6 +67,14 @@ def spawn(
     elsewhere); ``"spawn"`` starts each as a fresh interpreter.
     """
     spec = resolve_backend(backend, _context.spawn_backend.get())
+    launched = under_torchrun()
+    if launched and os.environ.get("RANK") == "0":  # (one line for the launcher's world)
+        log.warning(
+            "rpcx.spawn: this process is one of %s workers a launcher started (torchrun or "
+            "`rpcx launch`), and rpcx.spawn starts %d more in each: %s separate worlds. "
+            "Under a launcher, call init_rpc in the script itself (rpcx.launch does the "
+            "right thing either way), or run the script with python",
+            os.environ["WORLD_SIZE"], nprocs, os.environ["WORLD_SIZE"])
     if spec.capabilities.in_process:
         context = SpawnContext(fn, args, nprocs, spec.name)
         if not join:
@@ -80,10 +90,11 @@ def spawn(
     if threads is not None:
         log.info("rpcx.spawn: %d worker processes: torch intra-op threads set to 1 in each "
                  "(set OMP_NUM_THREADS to choose)", nprocs)
-    rendezvous = _local_rendezvous()
+    rendezvous = _local_rendezvous(own=launched)
     if rendezvous:
-        log.info("rpcx.spawn: env:// rendezvous on this host at %s",
-                 ":".join(rendezvous.values()))
+        where = {**os.environ, **rendezvous}
+        log.info("rpcx.spawn: env:// rendezvous on this host at %s:%s",
+                 where["MASTER_ADDR"], where["MASTER_PORT"])
     if start_method is None:
         start_method = _forkserver.FORKSERVER if _forkserver.available() else "spawn"
     starter = None  # (forked workers take this process's environment and output)
@@ -100,12 +111,23 @@ def spawn(
     )
 
 
-def _local_rendezvous() -> dict[str, str]:
-    """``MASTER_ADDR``/``MASTER_PORT`` for workers on this host, where not set already."""
+def under_torchrun() -> bool:
+    """Whether this process is a worker that ``torchrun`` (or ``rpcx launch``) started."""
+    return all(var in os.environ for var in _LAUNCHER_VARS)
+
+
+def _local_rendezvous(own: bool = False) -> dict[str, str]:
+    """``MASTER_ADDR``/``MASTER_PORT`` for workers on this host, where not set already.
+
+    ``own``: whatever is set (a launcher's store, which the launcher's workers share),
+    the spawned world gets a store of its own, so worlds spawned by each of them meet
+    nobody else's."""
     missing: dict[str, str] = {}
-    if not os.environ.get("MASTER_ADDR"):
+    if own:
+        missing["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+    if own or not os.environ.get("MASTER_ADDR"):
         missing["MASTER_ADDR"] = "127.0.0.1"
-    if not os.environ.get("MASTER_PORT"):
+    if own or not os.environ.get("MASTER_PORT"):
         with socket.socket() as sock:  # a port the OS says is free now
             sock.bind((missing.get("MASTER_ADDR") or os.environ["MASTER_ADDR"], 0))
             missing["MASTER_PORT"] = str(sock.getsockname()[1])

@@ -54,6 +54,11 @@ class Frame:
     # transport whose ``send`` can wait on a peer that reads nothing should return by
     # then and finish the send in the background (the agent fails the call on time).
     deadline: float = 0.0
+    # A request's call is over already (``settled()``: it timed out, or its peer was
+    # found silent or lost), set by the agent. A transport whose ``send`` waits for a
+    # peer to take the frame stops waiting then, as at the deadline: a caller must not
+    # stay in ``rpc_async`` writing to a peer the heartbeat gave up on.
+    settled: Callable[[], bool] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +114,10 @@ class Capabilities:
         reuses_ranks: in a dynamic world, a rank a worker left may be taken by a new
             worker. False for tensorpipe: torch's agent keeps its connection to a rank
             after the worker left (torch's own dynamic groups never reuse a rank).
+        shows_progress: a large frame is seen arriving piece by piece: the transport
+            calls ``TransportContext.progress``, so a transfer longer than
+            ``heartbeat_timeout`` (a slow link, a huge tensor) does not make its peer look
+            silent. False for tensorpipe: torch's agent hands rpcx a message only whole.
     """
 
     multi_process: bool
@@ -119,6 +128,7 @@ class Capabilities:
     lossy: bool = False
     dynamic: bool = False
     reuses_ranks: bool = True
+    shows_progress: bool = False
 
     def summary(self) -> str:
         """A short comma-separated list of the true flags (``reuses_ranks`` only with
@@ -231,6 +241,11 @@ class TransportContext:
             newcomer's name, having made room for it in ``names``; it raises to
             refuse the connection). A member that leaves says goodbye as at shutdown.
         vacant: ``vacant(rank)``: whether ``rank`` holds no worker (a dynamic world).
+        progress: ``progress(rank)``: call after each piece of a large frame read from
+            ``rank`` (not per small read): the peer is alive though no whole frame has
+            arrived (a 2 GiB tensor on a slow link takes longer than
+            ``heartbeat_timeout``). The core counts it as heard from and now and then
+            tells it this worker is alive (its own pings wait behind the frame).
         auth: a :class:`ConnectionAuth`, set when the world has a key. Frames are
             already sealed and checked by the core; a transport that accepts connections of its own
             should make each new connection prove the key with it (a challenge from each
@@ -255,6 +270,7 @@ class TransportContext:
     auth: ConnectionAuth | None = None
     admit: Callable[[int], str] | None = None
     vacant: Callable[[int], bool] = lambda rank: False
+    progress: Callable[[int], None] = lambda rank: None
 
 
 @runtime_checkable

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import pathlib
+import socket
 
 import pytest
 
@@ -66,3 +69,32 @@ def test_outside_torchrun_nprocs_is_needed(monkeypatch: pytest.MonkeyPatch) -> N
     assert not rpcx.under_torchrun()
     with pytest.raises(ValueError, match="nprocs >= 1"):
         rpcx.launch(_here, args=(0,))
+
+
+def _meet(rank: int, answers: str) -> None:
+    """Join a world of two through env:// (spawn's), call the other worker, leave."""
+    rpcx.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=rpcx.RpcBackendOptions(
+        init_method="env://", rpc_timeout=60))
+    answer = rpcx.rpc_sync(f"w{1 - rank}", str.upper, args=(f"from {rank}",))
+    rpcx.shutdown()
+    with open(os.path.join(answers, f"{rank}.txt"), "w") as out:
+        out.write(answer)
+
+
+def test_spawn_under_a_launcher_says_so_and_its_world_meets_nobody_else(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: pathlib.Path,
+) -> None:
+    # This process as torchrun's rank 0 of 2, its store taken by something that is not
+    # rpcx's (torchrun's agent): the spawned world must get a store of its own.
+    with socket.socket() as launchers_store:
+        launchers_store.bind(("127.0.0.1", 0))
+        launchers_store.listen()
+        for var, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                           "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(launchers_store.getsockname()[1])}.items():
+            monkeypatch.setenv(var, value)
+        with caplog.at_level(logging.WARNING, logger="rpcx"):
+            rpcx.spawn(_meet, args=(str(tmp_path),), nprocs=2, backend="tcp")
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("a launcher started" in m and "2 separate worlds" in m for m in said), said
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["FROM 0", "FROM 1"]

@@ -30,11 +30,11 @@ def store_operations(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Co
     lock = threading.Lock()
     run = _store.BoundedStore._run
 
-    def counted(self: _store.BoundedStore, what: str, call: Any, args: Any,
-                timeout: float | None) -> Any:
+    def counted(self: _store.BoundedStore, what: str, call: str, args: Any,
+                timeout: float | None, again: bool = True) -> Any:
         with lock:
-            counts[call.__name__] += 1
-        return run(self, what, call, args, timeout)
+            counts[call] += 1  # (the store method's name)
+        return run(self, what, call, args, timeout, again)
 
     monkeypatch.setattr(_store.BoundedStore, "_run", counted)
     yield counts

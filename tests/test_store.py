@@ -19,7 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from torch.distributed import FileStore, TCPStore
+from torch.distributed import DistNetworkError, FileStore, Store, TCPStore
 
 from rpcx import _store, rendezvous
 from rpcx._store import BoundedStore
@@ -152,7 +152,7 @@ def test_an_error_of_the_store_names_the_store_and_the_operation() -> None:
         def get(self, key: str) -> bytes:
             raise RuntimeError("connection reset by peer")
 
-    store = BoundedStore(Broken(), "tcp://192.0.2.1:1", _prefix="rpcx/s0/")
+    store = BoundedStore(Broken(), "tcp://192.0.2.1:1", _prefixes=("rpcx", "s0"))
     with pytest.raises(RpcError) as err:
         store.get("name/1", timeout=TIMEOUT)
     assert not isinstance(err.value, RpcTimeoutError)
@@ -224,7 +224,8 @@ def test_the_caller_thread_ends_when_idle(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(_store, "_IDLE_EXIT", 0.05)
     name = f"rpcx-store-test-{time.monotonic_ns()}"
     raw = _GatedStore()
-    store = BoundedStore(raw, "a gated store", _caller=_store._Caller(name))
+    store = BoundedStore(raw, "a gated store",
+                         _connection=_store._Connection(raw, None, _store._Caller(name)))
     with pytest.raises(RpcTimeoutError):
         store.set("key", b"1", timeout=0.05)
     assert raw.entered.wait(TIMEOUT)
@@ -279,3 +280,90 @@ def test_an_operation_on_a_stopped_store_host_fails_by_its_deadline() -> None:
     finally:
         host.kill()
         host.wait(TIMEOUT)
+
+
+# ------------------------------------------------------- a connection made again
+
+
+class _Breaking(Store):
+    """A store connection whose calls fail as a broken TCPStore's do, from the
+    ``breaks_at``-th on; ``stuck`` makes them wait (a call lost in a cut) instead. (A
+    torch ``Store``, so that views of it can be made.)"""
+
+    def __init__(self, name: str, values: dict[str, bytes], breaks_at: int = 10**9,
+                 stuck: threading.Event | None = None) -> None:
+        super().__init__()
+        self.name, self.values, self.breaks_at, self.stuck = name, values, breaks_at, stuck
+        self.calls = 0
+
+    def _call(self) -> None:
+        self.calls += 1
+        if self.calls >= self.breaks_at:
+            if self.stuck is not None:
+                assert self.stuck.wait(TIMEOUT)  # (released at the test's end)
+            raise DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call()
+        self.values[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        self._call()
+        return all(k in self.values for k in keys)
+
+    def add(self, key: str, amount: int) -> int:
+        self._call()
+        value = int(self.values.get(key, b"0")) + amount
+        self.values[key] = str(value).encode()
+        return value
+
+
+def test_a_broken_connection_is_made_again_and_the_call_too() -> None:
+    values: dict[str, bytes] = {}
+    first = _Breaking("first", values, breaks_at=2)
+    made: list[_Breaking] = []
+
+    def reopen() -> _Breaking:
+        made.append(_Breaking(f"new {len(made)}", values))
+        return made[-1]
+
+    store = BoundedStore(first, "a breaking store", reopen=reopen)
+    view = store.prefixed("session")
+    view.set("a", b"1", timeout=TIMEOUT)  # the first connection still works
+    assert view.check(["a"], timeout=TIMEOUT)  # broke: made again, then the call
+    assert len(made) == 1 and made[0].calls == 1
+    assert store.raw is made[0] and view.check(["a"], timeout=TIMEOUT)  # views follow
+    assert set(values) == {"session//a"}  # (the view's keys, as on the first connection)
+    # An add is not made twice (the first may have counted): it fails, the next works.
+    made[0].breaks_at = made[0].calls + 1
+    with pytest.raises(RpcError, match="Failed to recv"):
+        store.add("n", 1, timeout=TIMEOUT)
+    assert len(made) == 2 and store.add("n", 1, timeout=TIMEOUT) == 1
+
+
+def test_a_store_without_reopen_fails_as_before() -> None:
+    store = BoundedStore(_Breaking("only", {}, breaks_at=1), "a breaking store")
+    with pytest.raises(RpcError, match="Failed to recv"):
+        store.check(["a"], timeout=TIMEOUT)
+
+
+def test_a_call_stuck_on_its_connection_is_made_again_on_a_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A call sent as a partition began waits for TCP's backed-off retransmission, long
+    # after the link is back: it gets a new connection, where it is answered.
+    monkeypatch.setattr(_store, "STUCK_S", 0.2)
+    released = threading.Event()
+    values = {"key": b"1"}
+    stuck = _Breaking("stuck", values, breaks_at=1, stuck=released)
+    fresh = _Breaking("fresh", values)
+    store = BoundedStore(stuck, "a store cut off", reopen=lambda: fresh)
+    try:
+        started = time.monotonic()
+        assert store.check(["key"], timeout=TIMEOUT)
+        assert time.monotonic() - started < 0.2 + SLACK
+        assert fresh.calls == 1 and store.raw is fresh
+        store.set("more", b"2", timeout=TIMEOUT)  # later calls: on the new connection
+        assert fresh.calls == 2
+    finally:
+        released.set()  # (the old connection's thread ends: its call fails, unheard)

@@ -9,8 +9,10 @@ Wire format, per frame, on one ordered gloo pair per peer:
   frames (most calls) fit entirely in the slot: one gloo message per frame.
 * a *split* frame's slot holds the body without the tensor data (buffer sizes, then the
   header); each non-empty tensor follows as its own message (tag 1), sent straight from
-  the tensor's memory. The receiver posts every tensor's receive as soon as the slot
-  arrives, so large tensors cost one notification round, not two.
+  the tensor's memory; one larger than the kit's ``PIECE_BYTES`` as several, so the
+  receiver sees a long transfer move (``TransportContext.progress``). The receiver
+  posts every tensor's receive as soon as the slot arrives, so large tensors cost one
+  notification round, not two.
 * an *extended* frame (a header too large for the slot) sends the body as a message of
   its own (tag 1) after the slot, then the tensors.
 * ``BYE`` is the last slot a worker sends a peer. A receiving thread ends only on a BYE or
@@ -83,6 +85,7 @@ from rpcx.transport_kit import (
     join_stream_mesh,
     lost_error,
     options_as,
+    pieces,
     run_bounded,
     without_cpp_locations,
 )
@@ -215,7 +218,7 @@ class GlooTransport:
     """Moves frames over a private gloo process group."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True,
-                                                        dynamic=True)
+                                                        dynamic=True, shows_progress=True)
 
     def __init__(self) -> None:
         self._ctx: TransportContext | None = None
@@ -377,7 +380,7 @@ class GlooTransport:
             if link.owed:  # our frame is out: now post the receives this peer is owed
                 self._written(link)
             return
-        if not pending.wait(frame.deadline):
+        if not pending.wait(frame.deadline, frame.settled):
             # The call's deadline passed with the frame not yet written (a peer that
             # reads nothing): the writer finishes it; the agent fails the call now.
             log.debug("send to rank %d still being written at its deadline", dst)
@@ -467,9 +470,14 @@ class GlooTransport:
 
     def _receive_buffers(self, link: _Link, header: bytes, sizes: tuple[int, ...]) -> Frame:
         buffers = [empty_bytes(size) for size in sizes]
-        works = [link.group.recv([b], link.index, _TAG_DATA) for b in buffers if b.numel()]
+        works = [link.group.recv([piece], link.index, _TAG_DATA)
+                 for b in buffers if b.numel() for piece in pieces(b)]
+        ctx = self._ctx
+        assert ctx is not None
         for work in works:
             work.wait()
+            if len(works) > 2:  # (a large frame: the peer is alive, piece by piece)
+                ctx.progress(link.rank)
         return Frame(header, buffers)
 
     def _loop_ended(self, link: _Link) -> None:
@@ -584,7 +592,8 @@ def _pack(frame: Frame) -> _Messages:
         _HEAD.pack_into(slot, 0, _EXTENDED, n, body_len)
         messages = [(_TAG_SLOT, slot_tensor),
                     (_TAG_DATA, torch.frombuffer(body, dtype=torch.uint8))]
-    messages += [(_TAG_DATA, as_bytes(b)) for b, s in zip(frame.buffers, sizes, strict=True) if s]
+    messages += [(_TAG_DATA, piece) for b, s in zip(frame.buffers, sizes, strict=True) if s
+                 for piece in pieces(as_bytes(b))]
     return messages
 
 

@@ -120,8 +120,9 @@ class _Peer(SocketLink):
 
     def __init__(self, rank: int, name: str, sock: socket.socket | None, writer_name: str,
                  route: Route, shm_min: int, pool: SendPool,
-                 freed: Callable[[_Peer, int], None]) -> None:
-        super().__init__(rank, name, sock, writer_name)
+                 freed: Callable[[_Peer, int], None],
+                 progress: Callable[[int], None] | None = None) -> None:
+        super().__init__(rank, name, sock, writer_name, progress)
         self.route = route
         self.shm_min = shm_min if route.local else sys.maxsize
         self.pool = pool
@@ -135,7 +136,7 @@ class SocketTransport(StreamTransport):
     within a host, TCP across hosts, as ``policy`` says."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True,
-                                                        dynamic=True)
+                                                        dynamic=True, shows_progress=True)
     policy: ClassVar[Policy] = Policy.AUTO
     label: ClassVar[str] = "auto"
     bye: ClassVar[bytes] = _HEAD.pack(_BYE, 0, 0)
@@ -205,7 +206,8 @@ class SocketTransport(StreamTransport):
         return _Peer(rank, ctx.names[rank], sock,
                      f"rpcx-{ctx.names[ctx.rank]}-send-{ctx.names[rank]}",
                      self._routes[rank], self._options.shm_min_bytes,
-                     SendPool(self._options.shm_pool_bytes), self._segment_freed)
+                     SendPool(self._options.shm_pool_bytes), self._segment_freed,
+                     ctx.progress)
 
     # ------------------------------------------------------------------------- send
 
@@ -223,7 +225,7 @@ class SocketTransport(StreamTransport):
         if not frame.buffers:  # most calls and replies: the head and header, one write
             head = _HEAD.pack(_FRAME, 0, len(frame.header)) + frame.header
             peer.send([_ids_message(_FREE, freed) + head if freed else head],
-                      deadline=frame.deadline, cork=self.cork_bytes)
+                      deadline=frame.deadline, cork=self.cork_bytes, settled=frame.settled)
             return
         shm_min = peer.shm_min
         buffers = [as_bytes(b) for b in frame.buffers]
@@ -290,7 +292,7 @@ class SocketTransport(StreamTransport):
             if not sent:
                 peer.pool.release([s.id for s in used.values()])
         if pending is not None:
-            peer.wait(pending, frame.deadline)
+            peer.wait(pending, frame.deadline, frame.settled)
 
     def _segment_freed(self, peer: _Peer, segment_id: int) -> None:
         """Tensors over a segment ``peer`` filled are gone: let it fill it again.
@@ -451,7 +453,8 @@ class AutoTransport(SocketTransport):
 class ShmTransport(SocketTransport):
     """Workers of one host only: Unix sockets and shared memory."""
 
-    capabilities = Capabilities(multi_process=True, multi_host=False, dynamic=True)
+    capabilities = Capabilities(multi_process=True, multi_host=False, dynamic=True,
+                                shows_progress=True)
     policy = Policy.SHM
     label = "shm"
 

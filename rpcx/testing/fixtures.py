@@ -47,6 +47,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "rpcx_requires(*capabilities, reason): skip unless the backend under test declares "
         "every named Capabilities flag",
     )
+    config.addinivalue_line(
+        "markers", "long: a kit test that takes tens of seconds (deselect with -m 'not long')")
 
 
 def selected_backends(config: pytest.Config) -> list[str]:

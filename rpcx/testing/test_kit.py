@@ -17,4 +17,5 @@ from rpcx.testing.conformance_dynamic import *  # noqa: F403
 from rpcx.testing.conformance_failures import *  # noqa: F403
 from rpcx.testing.conformance_hostile import *  # noqa: F403
 from rpcx.testing.conformance_hosts import *  # noqa: F403
+from rpcx.testing.conformance_links import *  # noqa: F403
 from rpcx.testing.conformance_parity import *  # noqa: F403

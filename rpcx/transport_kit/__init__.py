@@ -39,6 +39,7 @@ from rpcx.transport import (
 )
 from rpcx.transport_kit.basics import (
     CLOSED_CONNECTION,
+    PIECE_BYTES,
     SHUT_DOWN,
     as_bytes,
     check_count,
@@ -54,6 +55,7 @@ from rpcx.transport_kit.basics import (
     memory_of,
     options_as,
     owning_memory,
+    pieces,
     run_bounded,
     unreachable,
     without_cpp_locations,
@@ -81,7 +83,8 @@ from rpcx.transport_kit.sockets import (
 from rpcx.transport_kit.writer import Backlog, Pending
 
 __all__ = [
-    "ADMITTED", "BYE_TIMEOUT", "CLOSED_CONNECTION", "HANDSHAKE_TIMEOUT", "SHUT_DOWN",
+    "ADMITTED", "BYE_TIMEOUT", "CLOSED_CONNECTION", "HANDSHAKE_TIMEOUT", "PIECE_BYTES",
+    "SHUT_DOWN",
     "Arrivals", "Backlog",
     "Capabilities", "ConnectionAuth", "Doorway", "Frame", "Link", "LostCause", "PeerLostError",
     "Peers", "Pending", "ProtocolError", "ReceiveLane", "SocketLink", "SocketReader",
@@ -92,6 +95,6 @@ __all__ = [
     "environment_variable", "hello", "host_identity", "introduce", "join_stream_mesh",
     "lost_error",
     "lost_reason", "memory_of",
-    "options_as", "owning_memory", "publish_stream_address", "receive_exactly",
+    "options_as", "owning_memory", "pieces", "publish_stream_address", "receive_exactly",
     "run_bounded", "send_all", "send_now", "unreachable", "without_cpp_locations",
 ]

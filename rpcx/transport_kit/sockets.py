@@ -59,6 +59,10 @@ _NONCE, _PROOF = _auth.NONCE_BYTES, _auth.TAG_BYTES
 Buffer = bytes | bytearray | memoryview
 
 
+def _nothing() -> None:
+    """What a link without a ``progress`` hook runs as a large frame moves."""
+
+
 # --------------------------------------------------------------------------- reading
 
 
@@ -71,11 +75,11 @@ class SocketReader:
     the bytes received, never what a peer merely announced.
     """
 
-    __slots__ = ("before_wait", "buffer", "end", "fds", "recent", "sock", "start")
+    __slots__ = ("before_wait", "buffer", "end", "fds", "moved", "recent", "sock", "start")
 
     def __init__(self, sock: socket.socket,
                  before_wait: Callable[[], None] | None = None,
-                 size: int = READ_CHUNK) -> None:
+                 size: int = READ_CHUNK, moved: Callable[[], None] = _nothing) -> None:
         self.sock = sock
         # ``size`` 0: the placeholder of a link connecting on demand, which never reads
         # (256 KiB zeroed costs page faults; ``fill`` grows a buffer that is full).
@@ -85,6 +89,9 @@ class SocketReader:
         self.fds: collections.deque[int] = collections.deque()
         self.recent: collections.deque[Any] = collections.deque(maxlen=3)  # for errors
         self.before_wait = before_wait  # runs before each read that may block
+        # Runs after each piece of a large read: the peer is alive, though the frame is
+        # not whole yet (the heartbeat counts it as heard from; TransportContext.progress).
+        self.moved = moved
 
     @property
     def buffered(self) -> int:
@@ -118,6 +125,8 @@ class SocketReader:
             if count == 0:
                 raise EOFError
             self.end += count
+            if needed > READ_CHUNK:
+                self.moved()
 
     def take(self, count: int) -> memoryview:
         """The next ``count`` buffered bytes (valid until the next :meth:`fill`)."""
@@ -141,6 +150,7 @@ class SocketReader:
             if count == 0:
                 raise EOFError
             got += count
+            self.moved()
 
     def close(self) -> None:
         """Close descriptors that arrived but were never used."""
@@ -227,11 +237,14 @@ class SocketLink(Link):
     burst of small calls is then answered in a few writes instead of one each.
     """
 
-    __slots__ = ("attached", "corked", "reader", "sock")
+    __slots__ = ("attached", "corked", "moved", "reader", "sock")
 
     def __init__(self, rank: int, name: str, sock: socket.socket | None,
-                 writer_name: str) -> None:
+                 writer_name: str, progress: Callable[[int], None] | None = None) -> None:
         super().__init__(rank, name)
+        # (TransportContext.progress, for this peer: pieces of large frames moving)
+        self.moved: Callable[[], None] = (
+            functools.partial(progress, rank) if progress is not None else _nothing)
         # ``sock`` None: a link of an on-demand mesh being connected. Until
         # :meth:`attach` gives it its socket, what is sent queues on the held backlog
         # (a connector thread connects it), and senders do not wait.
@@ -244,7 +257,8 @@ class SocketLink(Link):
             self.attached.set()
         self.sock = sock
         self.reader = SocketReader(sock, self.flush_corked,
-                                   size=READ_CHUNK if self.attached.is_set() else 0)
+                                   size=READ_CHUNK if self.attached.is_set() else 0,
+                                   moved=self.moved)
         self.corked = bytearray()  # one byte string: a write takes at most 1,024 pieces
 
     def attach(self, sock: socket.socket) -> None:
@@ -252,7 +266,7 @@ class SocketLink(Link):
         receive loop starts); what queued meanwhile stays queued until
         :meth:`release_queued`."""
         placeholder, self.sock = self.sock, sock
-        self.reader = SocketReader(sock, self.flush_corked)
+        self.reader = SocketReader(sock, self.flush_corked, moved=self.moved)
         self.attached.set()
         placeholder.close()
 
@@ -264,10 +278,11 @@ class SocketLink(Link):
         self.backlog.release(self._write_now)
 
     def send(self, parts: Sequence[Buffer], fds: Sequence[int] = (), deadline: float = 0.0,
-             cork: int = 0) -> None:
+             cork: int = 0, settled: Callable[[], bool] | None = None) -> None:
         """Write one frame's ``parts`` (and ``fds``) in order; returns once written, or at
-        ``deadline`` with the rest queued. ``cork``: at most this many bytes may wait
-        corked (see the class); ``PeerLostError`` if the peer is gone."""
+        ``deadline`` (or once ``settled()``) with the rest queued. ``cork``: at most this
+        many bytes may wait corked (see the class); ``PeerLostError`` if the peer is
+        gone."""
         with self.lock:
             self.check_open()
             if cork and not fds and self.may_cork():
@@ -281,16 +296,18 @@ class SocketLink(Link):
             except OSError as exc:
                 raise lost_error(exc) from None
         if pending is not None:
-            self.wait(pending, deadline)
+            self.wait(pending, deadline, settled)
 
-    def wait(self, pending: Pending, deadline: float) -> None:
-        """Wait for a queued frame until ``deadline`` (0: until written or failed); not
-        at all while the link is being connected (the frame is copied and queued)."""
+    def wait(self, pending: Pending, deadline: float,
+             settled: Callable[[], bool] | None = None) -> None:
+        """Wait for a queued frame until ``deadline`` (0: until written or failed) or
+        ``settled()`` (``Frame.settled``); not at all while the link is being connected
+        (the frame is copied and queued)."""
         assert self.backlog is not None
         if self.backlog.held:
             pending.wait(-1.0)  # (a deadline already past: the job is detached now)
             return
-        if not pending.wait(deadline):
+        if not pending.wait(deadline, settled):
             # A peer that reads nothing: the agent fails the call on time; the writer
             # finishes the frame if the peer ever reads again.
             log.debug("send to %s still queued at its deadline", self.name)
@@ -828,7 +845,8 @@ class StreamTransport:
         ctx = self._ctx
         assert ctx is not None
         me = ctx.names[ctx.rank]
-        return SocketLink(rank, ctx.names[rank], sock, f"rpcx-{me}-send-{ctx.names[rank]}")
+        return SocketLink(rank, ctx.names[rank], sock, f"rpcx-{me}-send-{ctx.names[rank]}",
+                          ctx.progress)
 
     def loop_ended(self, link: SocketLink) -> None:
         """A receive loop is over, on its thread: release what only it used."""
@@ -1186,7 +1204,8 @@ class StreamTransport:
         """Write ``frame`` to ``dst``; returns once written, or at ``frame.deadline``
         with the rest queued for the peer's writer."""
         self.link(dst).send(self.pack(frame), deadline=frame.deadline,
-                            cork=0 if frame.buffers else self.cork_bytes)
+                            cork=0 if frame.buffers else self.cork_bytes,
+                            settled=frame.settled)
 
     def write_bye(self, link: SocketLink) -> None:
         """Write the goodbye (under ``link.lock``; queued behind a peer that reads

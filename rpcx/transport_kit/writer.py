@@ -33,6 +33,11 @@ __all__ = ["Backlog", "Pending"]
 
 log = logging.getLogger("rpcx.transport_kit")
 
+# A sender waiting for its queued frame looks this often whether its call is over
+# already (``Frame.settled``): a silent peer's calls fail at once, and their senders
+# leave within this.
+SETTLED_LOOK_S = 0.1
+
 
 class Pending:
     """One queued job: what the writer writes, and whether it was (``done``, ``error``).
@@ -67,13 +72,24 @@ class Pending:
         if detach is not None:
             detach()
 
-    def wait(self, deadline: float = 0.0) -> bool:
+    def wait(self, deadline: float = 0.0, settled: Callable[[], bool] | None = None) -> bool:
         """Wait until written, or until ``deadline`` (a ``time.monotonic()`` value; 0:
-        none). ``False`` if the deadline came first (the writer still writes it later);
+        none) or ``settled()`` (``Frame.settled``, looked at every ``SETTLED_LOOK_S``).
+        ``False`` if one of those came first (the writer still writes it later);
         ``PeerLostError`` if it will never be written."""
         left = None if not deadline else max(0.0, deadline - time.monotonic())
         try:
-            written = self.done.wait(left)
+            if settled is None:
+                written = self.done.wait(left)
+            else:
+                while not (written := self.done.wait(
+                        SETTLED_LOOK_S if left is None else min(left, SETTLED_LOOK_S))):
+                    if settled():
+                        break
+                    if deadline:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
         except BaseException:  # (interrupted: the sender leaves all the same)
             self._detach()
             raise

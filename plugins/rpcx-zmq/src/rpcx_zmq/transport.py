@@ -6,9 +6,13 @@ together and in order): a head part, then one part per buffer larger than
 element size (u8: the alignment its dtype needs) and its length (i64; -1: it follows as a
 part of its own), then the frame's header, then the small buffers' bytes. So a small
 frame is one part: one send and one receive, each of which releases the GIL. Kinds:
-``DATA`` (a frame) and ``BYE`` (the last message a worker sends a peer). ``LOST`` and
-``STOP`` never cross the wire: they are posted to a receive loop through an
-``inproc://`` endpoint of its own socket.
+``DATA`` (a frame), ``PIECE`` and ``BYE`` (the last message a worker sends a peer).
+``LOST`` and ``STOP`` never cross the wire: they are posted to a receive loop through an
+``inproc://`` endpoint of its own socket. A buffer larger than the kit's ``PIECE_BYTES``
+sent to another host follows its frame's message in pieces, each a message ``PIECE``
+and its bytes (ZeroMQ hands a message over only whole, and the receiver must see a long
+transfer move: ``TransportContext.progress``); its length in the head is then
+``-2 - size``.
 
 Sockets, per peer: a PULL socket (``rx``) bound for that peer alone, read by one receive
 loop; a PUSH socket (``tx``) connected to the peer's PULL for this worker, written under
@@ -69,6 +73,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -77,6 +82,7 @@ from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx.transport_kit import (
     ADMITTED,
     HANDSHAKE_TIMEOUT,
+    PIECE_BYTES,
     Arrivals,
     Backlog,
     Doorway,
@@ -85,6 +91,7 @@ from rpcx.transport_kit import (
     PeerLostError,
     Peers,
     ProtocolError,
+    as_bytes,
     check_frame_size,
     connect_limit,
     connect_timeout,
@@ -94,6 +101,7 @@ from rpcx.transport_kit import (
     lost_reason,
     options_as,
     owning_memory,
+    pieces,
 )
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
@@ -123,12 +131,20 @@ _IPC_PATH_MAX = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 INLINE_MAX = 32 << 10
 
 _HEAD = struct.Struct("<BI")  # kind, number of buffers
-_DATA, _BYE, _LOST, _STOP = 1, 2, 3, 4
+_DATA, _BYE, _LOST, _STOP, _PIECE = 1, 2, 3, 4, 5
 _PLAIN_HEAD = _HEAD.pack(_DATA, 0)
+_PIECE_HEAD = _HEAD.pack(_PIECE, 0)
 _BYE_MESSAGE = [_HEAD.pack(_BYE, 0)]
 _STOP_MESSAGE = [_HEAD.pack(_STOP, 0)]
 _LOST_MESSAGE = [_HEAD.pack(_LOST, 0)]
 _PART = -1  # a buffer's length in the head when it travels as a part of its own
+# A buffer larger than the kit's PIECE_BYTES, to a peer on another host (a TCP endpoint),
+# travels as messages of its own after the frame's message, one per piece (``PIECE``,
+# then the bytes), so the receiver sees it arrive (TransportContext.progress; ZeroMQ
+# hands a message over only whole). Its length in the head is then _PIECED - its size.
+# One host's peers (ipc://) get it whole: no link there is slow, and the pieces cost a
+# copy at the receiver.
+_PIECED = -2
 
 _LOCAL = "local"  # the user name of a worker's own control sockets
 _DOORWAY = "zmq-door"  # the doorway's label (store keys, handshake) in a dynamic world
@@ -164,10 +180,12 @@ class _Message:
     """A message ZeroMQ's queue to a peer had no room for (or that came while others
     waited), for the peer's writer; ``error`` when it is not to be sent after all."""
 
-    __slots__ = ("bye", "error", "parts")
+    __slots__ = ("bye", "error", "messages")
 
-    def __init__(self, parts: list[Any], bye: bool = False) -> None:
-        self.parts = parts  # keeps any zero-copy part's memory alive until sent
+    def __init__(self, messages: list[list[Any]], bye: bool = False) -> None:
+        # One frame's messages (its pieces after the first), in order, those not yet
+        # handed to ZeroMQ; keeps any zero-copy part's memory alive until sent.
+        self.messages = messages
         self.bye = bye
         self.error: PeerLostError | None = None
 
@@ -243,7 +261,7 @@ class ZmqTransport:
     """Moves frames over ZeroMQ: TCP between hosts, IPC within one, zero-copy tensors."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True,
-                                                        dynamic=True)
+                                                        dynamic=True, shows_progress=True)
 
     def __init__(self) -> None:
         self._ctx: TransportContext | None = None
@@ -539,7 +557,9 @@ class ZmqTransport:
         lengths = [0] * n
         inline: list[bytes] = []
         parts: list[Any] = [b""]
+        later: list[list[Any]] = []  # pieces, each a message after the frame's
         trackers: list[zmq.MessageTracker] = []
+        remote = peer.endpoint.startswith("tcp://")
         for index, buffer in enumerate(buffers):
             size = sizes[index] = buffer.element_size()
             nbytes = buffer.numel() * size
@@ -553,30 +573,41 @@ class ZmqTransport:
                 parts.append(ctypes.string_at(buffer.data_ptr(), nbytes))
                 continue
             owned = index in frame.owned
-            part = zmq.Frame(owning_memory(buffer), copy=False, track=not owned)
-            parts.append(part)
-            if not owned:
-                assert part.tracker is not None
-                trackers.append(part.tracker)
+            chunks = pieces(as_bytes(buffer)) if remote else [buffer]
+            if len(chunks) > 1:
+                lengths[index] = _PIECED - nbytes
+            for chunk in chunks:
+                part = zmq.Frame(owning_memory(chunk), copy=False, track=not owned)
+                if len(chunks) > 1:
+                    later.append([_PIECE_HEAD, part])
+                else:
+                    parts.append(part)
+                if not owned:
+                    assert part.tracker is not None
+                    trackers.append(part.tracker)
         parts[0] = b"".join(
             (_HEAD.pack(_DATA, n), sizes, struct.pack(f"<{n}q", *lengths), frame.header,
              *inline)
         )
-        if not self._post(peer, parts, frame.deadline):
+        if not self._post(peer, parts, frame.deadline, later, frame.settled):
             log.debug("send to rank %d still queued at its deadline", dst)
             return
         if trackers:
             # libzmq sent copies of our frames (sharing the bytes): the tracker fires
             # once every copy is released, ours included.
-            del parts, part
+            del parts, later, part
             for tracker in trackers:
-                if not self._wait_written(peer, tracker, frame.deadline):
+                if not self._wait_written(peer, tracker, frame.deadline, frame.settled):
                     log.debug("send to rank %d still being written at its deadline", dst)
                     return
 
-    def _post(self, peer: _Peer, parts: list[Any], deadline: float) -> bool:
-        """Hand one message to ZeroMQ for ``peer``, or queue it for the peer's writer and
-        wait until ZeroMQ has it or ``deadline`` (a call's; 0: none) passes: False then.
+    def _post(self, peer: _Peer, parts: list[Any], deadline: float,
+              later: list[list[Any]] | None = None,
+              settled: Callable[[], bool] | None = None) -> bool:
+        """Hand one message (and the ``later`` ones of its frame, in order) to ZeroMQ for
+        ``peer``, or queue what does not fit for the peer's writer and wait until ZeroMQ
+        has it or ``deadline`` (a call's; 0: none) passes or the call is ``settled()``:
+        False then.
 
         Never waits for room under the send lock: a message ZeroMQ's queue has no room
         for, and any that come while one waits, go to the writer, in order. So a peer
@@ -590,14 +621,25 @@ class ZmqTransport:
                 raise PeerLostError(_CLOSED if self._closed else "was never connected")
             backlog = peer.backlog
             assert backlog is not None
-            if not backlog and self._send_now(tx, parts):
+            message = _Message([parts, *later] if later else [parts])
+            if not backlog and self._send_some(tx, message):
                 return True
-            message = _Message(parts)
             pending = backlog.put(message)
-        if not pending.wait(deadline):
+        if not pending.wait(deadline, settled):
             return False  # a peer that reads nothing: the call fails on time
         if message.error is not None:
             raise message.error
+        return True
+
+    @classmethod
+    def _send_some(cls, tx: zmq.Socket[bytes], message: _Message) -> bool:
+        """Hand ``message``'s messages to ZeroMQ while its queue has room; whether all
+        went (call under the send lock; what did not stays in ``message``)."""
+        messages = message.messages
+        while messages:
+            if not cls._send_now(tx, messages[0]):
+                return False
+            messages.pop(0)
         return True
 
     @staticmethod
@@ -627,7 +669,7 @@ class ZmqTransport:
                     message.error = PeerLostError(
                         peer.why_gone if peer.gone else _CLOSING)
                     return
-                if self._send_now(tx, message.parts):
+                if self._send_some(tx, message):
                     return
             peer.wake.wait(_WRITER_POLL_S)
 
@@ -643,18 +685,20 @@ class ZmqTransport:
         assert backlog is not None
         if not backlog and self._send_now(tx, _BYE_MESSAGE):
             return
-        backlog.put(_Message(_BYE_MESSAGE, bye=True))
+        backlog.put(_Message([_BYE_MESSAGE], bye=True))
 
-    def _wait_written(self, peer: _Peer, tracker: zmq.MessageTracker, deadline: float) -> bool:
+    def _wait_written(self, peer: _Peer, tracker: zmq.MessageTracker, deadline: float,
+                      settled: Callable[[], bool] | None = None) -> bool:
         """Wait until libzmq is done with a buffer sent from the caller's memory; False
-        if the frame's ``deadline`` (a request's; 0: none) passed first. The message
-        keeps the memory alive until ZeroMQ is done with it either way."""
+        if the frame's ``deadline`` (a request's; 0: none) passed first, or its call is
+        over (``settled()``). The message keeps the memory alive until ZeroMQ is done
+        with it either way."""
         while True:
             try:
                 tracker.wait(_SEND_POLL_S)
                 return True
             except zmq.NotDone:
-                if deadline and time.monotonic() >= deadline:
+                if (deadline and time.monotonic() >= deadline) or (settled and settled()):
                     return False  # a peer that reads nothing: the call fails on time
                 if peer.gone:
                     # The message keeps the memory alive until ZeroMQ drops it.
@@ -686,7 +730,9 @@ class ZmqTransport:
                 continue
             kind, n = _HEAD.unpack_from(head)
             if kind == _DATA:
-                return self._unpack(rx, head, n, self._max_frame)
+                return self._unpack(rx, head, n, self._max_frame,
+                                    functools.partial(self._receive_pieces, peer, rx)
+                                    if n else None)
             if kind == _BYE:
                 return None
             if kind == _LOST:
@@ -698,8 +744,11 @@ class ZmqTransport:
                             ctx.names[ctx.rank], kind, peer.name)
 
     @staticmethod
-    def _unpack(rx: zmq.Socket[bytes], head: bytes, n: int, max_frame: int) -> Frame:
-        """The frame whose head part is ``head``; receives its other parts from ``rx``.
+    def _unpack(rx: zmq.Socket[bytes], head: bytes, n: int, max_frame: int,
+                pieced: Callable[[int], torch.Tensor] | None = None) -> Frame:
+        """The frame whose head part is ``head``; receives its other parts from ``rx``,
+        and each buffer of ``n`` bytes that follows in pieces with ``pieced(n)`` (none
+        may: ``None``).
 
         ``ProtocolError`` for a head no sender writes, or a frame (header plus every
         buffer) over ``max_frame`` bytes (``max_frame_bytes``).
@@ -714,8 +763,6 @@ class ZmqTransport:
         sizes = head[_HEAD.size:start]
         lengths = struct.unpack_from(f"<{n}q", head, start)
         start += 8 * n
-        if any(length < 0 and length != _PART for length in lengths):
-            raise ProtocolError("a negative buffer length")
         end = len(head) - sum(length for length in lengths if length > 0)
         if end < start:
             raise ProtocolError(f"buffers of {len(head) - end} bytes in a head of {len(head)}")
@@ -723,7 +770,8 @@ class ZmqTransport:
         # its header and small buffers (in the head), plus every part. ZeroMQ holds a
         # message's parts once its first is read (each within MAXMSGSIZE), so taking
         # them costs no copy; their lengths are the parts' own.
-        total = len(head) - start
+        total = len(head) - start + sum(_PIECED - length for length in lengths
+                                        if length <= _PIECED)
         parts: list[zmq.Frame] = []
         for length in lengths:
             if length == _PART:
@@ -733,6 +781,8 @@ class ZmqTransport:
                 total += len(part)
                 parts.append(part)
         check_frame_size(total, max_frame)
+        if rx.getsockopt(zmq.RCVMORE):
+            raise ProtocolError("a frame's message with more parts than its head announces")
         header = head[start:end]
         address = ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value
         assert address is not None
@@ -743,12 +793,54 @@ class ZmqTransport:
             if length == _PART:
                 buffers.append(_as_tensor(next_part(), size))
                 continue
+            if length <= _PIECED:
+                nbytes = _PIECED - length
+                if pieced is None or nbytes <= PIECE_BYTES:  # (no sender pieces those)
+                    raise ProtocolError(f"a buffer of {nbytes} bytes announced in pieces")
+                buffers.append(pieced(nbytes))
+                continue
             buffer = torch.empty(length, dtype=torch.uint8)
             if length:
                 ctypes.memmove(buffer.data_ptr(), address, length)
                 address += length
             buffers.append(buffer)
         return Frame(header, buffers)
+
+    def _receive_pieces(self, peer: _Peer, rx: zmq.Socket[bytes], nbytes: int
+                        ) -> torch.Tensor:
+        """A buffer of ``nbytes`` that follows its frame's message in pieces (see
+        ``_PIECED``), copied together; says the peer is alive after each piece.
+
+        Each piece is a message of two parts, ``PIECE`` and the bytes: ``rx`` also takes
+        this worker's own ``LOST`` and ``STOP``, which ZeroMQ may queue between them.
+        """
+        ctx = self._ctx
+        assert ctx is not None
+        try:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+        except RuntimeError as exc:
+            raise ProtocolError(f"a buffer of {nbytes} bytes: {exc}") from None
+        for view in pieces(buffer):
+            while True:
+                if peer.draining and not rx.poll(_DRAIN_WAIT_MS):
+                    raise _Drained  # (the rest of the frame is not coming)
+                head = rx.recv()
+                kind = _HEAD.unpack_from(head)[0] if len(head) == _HEAD.size else 0
+                if kind == _PIECE:
+                    break
+                if kind == _LOST:
+                    peer.draining = True
+                elif kind == _STOP:
+                    raise _Stopped
+                else:
+                    raise ProtocolError(f"a message of {len(head)} bytes where a piece was due")
+            piece = rx.recv(copy=False) if rx.getsockopt(zmq.RCVMORE) else None
+            if piece is None or len(piece) != view.numel() or rx.getsockopt(zmq.RCVMORE):
+                raise ProtocolError(f"a piece of {len(piece) if piece else 0} bytes where "
+                                    f"{view.numel()} were due")
+            view.copy_(torch.frombuffer(piece, dtype=torch.uint8))
+            ctx.progress(peer.rank)
+        return buffer
 
     @staticmethod
     def _loop_ended(peer: _Peer) -> None:
