@@ -25,9 +25,10 @@ given ``reopen`` (a client of rank 0's store) then connects again and makes the 
 again, once, where making it twice is harmless (everything but ``add``). A call that
 went out during the cut may also just wait: TCP sends it again only when its backed-off
 retransmission timer fires, seconds after the link is back. So a call unanswered for
-:data:`STUCK_S` gets a new connection too (made on its own thread, and only if the
-store's address takes one), where it is made again; the old connection's thread is
-left to its fate.
+:data:`STUCK_S` on a connection that TCP is retransmitting on (``stalled()``: a store
+host that is only slow, on a starved machine, is left alone) gets a new connection too
+(made on its own thread, and only if the store's address takes one), where it is made
+again; the old connection's thread is left to its fate.
 """
 
 from __future__ import annotations
@@ -138,9 +139,11 @@ class _Connection:
     """The store connection a store and its views share, the thread that makes its
     calls, and how to make it again."""
 
-    def __init__(self, raw: Any, reopen: Callable[[], Any] | None, caller: _Caller) -> None:
+    def __init__(self, raw: Any, reopen: Callable[[], Any] | None, caller: _Caller,
+                 stalled: Callable[[], bool] = lambda: False) -> None:
         self.raw = raw
         self.reopen = reopen
+        self.stalled = stalled
         self.caller = caller
         self.generation = 0  # connections made again so far
         self._lock = threading.Lock()
@@ -169,6 +172,10 @@ class _Connection:
             if self._replacing or self.reopen is None or self.generation != stuck:
                 return
             self._replacing = True
+        if not self._stalled():
+            with self._lock:
+                self._replacing = False
+            return
 
         def connect() -> None:
             try:
@@ -182,6 +189,13 @@ class _Connection:
 
         threading.Thread(target=connect, name="rpcx-store-reconnect", daemon=True).start()
 
+    def _stalled(self) -> bool:
+        try:
+            return self.stalled()
+        except Exception as exc:  # (no way to tell: leave the connection as it is)
+            log.debug("whether the store connection stalls: %s", exc)
+            return False
+
 
 class BoundedStore:
     """A rendezvous store whose every operation returns or fails by a deadline.
@@ -190,13 +204,16 @@ class BoundedStore:
     one (a transport's address exchange, gloo's process group). ``where`` names the
     store in errors (``file:///tmp/x``, ``tcp://10.0.0.1:29500``). Timeouts are seconds;
     ``None`` means :data:`OPERATION_BOUND`. ``reopen``: makes the store's connection
-    again when it breaks (see the module's notes).
+    again when it breaks; ``stalled()``: whether TCP is retransmitting on it now (see the
+    module's notes).
     """
 
     def __init__(self, raw: Any, where: str, *, reopen: Callable[[], Any] | None = None,
+                 stalled: Callable[[], bool] = lambda: False,
                  _connection: _Connection | None = None,
                  _prefixes: tuple[str, ...] = ()) -> None:
-        self._connection = _connection or _Connection(raw, reopen, _Caller("rpcx-store"))
+        self._connection = _connection or _Connection(raw, reopen, _Caller("rpcx-store"),
+                                                      stalled)
         self._prefixes = _prefixes  # each view's prefix, outermost first
         self._raw = raw
         self._generation = self._connection.generation

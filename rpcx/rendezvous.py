@@ -114,21 +114,20 @@ def open_store(
     # exchange, gloo's process group) are bounded by the join timeout.
     store.set_timeout(store_timeout)
     keep_if_file_store(store)
-    return BoundedStore(store, _describe(init_method),
-                        reopen=_reconnect(init_method, store_timeout) if rank != 0 else None)
+    named = _named_address(init_method) if rank != 0 else None
+    if named is None:
+        return BoundedStore(store, _describe(init_method))
+    return BoundedStore(store, _describe(init_method), reopen=_reconnect(*named, store_timeout),
+                        stalled=lambda: _retransmitting(_sockets_to(*named)))
 
 
-def _reconnect(init_method: str, timeout: timedelta) -> Callable[[], Any] | None:
-    """How a worker connects to rank 0's store again when its connection breaks (see
-    :mod:`rpcx._store`); ``None`` for stores rpcx does not open itself.
+def _reconnect(host: str, port: int, timeout: timedelta) -> Callable[[], Any]:
+    """How a worker connects to rank 0's store at ``host:port`` again when its
+    connection breaks or stalls (see :mod:`rpcx._store`).
 
     It dials first, quietly, for :data:`_REDIAL_S` at most: a host still cut off raises
     ``DistNetworkError`` (the operation fails as before, and the next one tries again),
     instead of torch's client retrying for the whole store timeout, out loud."""
-    named = _named_address(init_method)
-    if named is None:
-        return None
-    host, port = named
 
     def connect() -> Any:
         failure = _dial_until(host, port, time.monotonic() + _REDIAL_S)
@@ -148,6 +147,18 @@ def _reconnect(init_method: str, timeout: timedelta) -> Callable[[], Any] | None
         return store
 
     return connect
+
+
+def _retransmitting(descriptors: list[int]) -> bool:
+    """Whether TCP is sending data again on one of these connections (``TCP_INFO``'s
+    retransmits or backoff): the network lost it, the peer did not merely not answer."""
+    for descriptor in descriptors:
+        with contextlib.suppress(OSError), socket.fromfd(
+                descriptor, socket.AF_INET, socket.SOCK_STREAM) as duplicate:
+            info = duplicate.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)
+            if info[2] or info[4]:  # tcpi_retransmits, tcpi_backoff
+                return True
+    return False
 
 
 def _sockets_to(host: str, port: int) -> list[int]:

@@ -318,6 +318,26 @@ class _Breaking(Store):
         return value
 
 
+def test_a_call_merely_slow_keeps_its_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A store host starved of CPU answers late on a healthy connection: no new one (TCP
+    # is not retransmitting), the call is answered where it was made.
+    monkeypatch.setattr(_store, "STUCK_S", 0.05)
+    released = threading.Event()
+    slow = _Breaking("slow", {"key": b"1"})
+    original_check = slow.check
+
+    def late_check(keys: list[str]) -> bool:
+        released.wait(0.5)  # (the host's slowness, not a wait for state)
+        return original_check(keys)
+
+    slow.check = late_check  # type: ignore[method-assign]
+    made: list[object] = []
+    store = BoundedStore(slow, "a slow store", reopen=lambda: made.append(1),
+                         stalled=lambda: False)
+    assert store.check(["key"], timeout=TIMEOUT)
+    assert made == [] and store.raw is slow
+
+
 def test_a_broken_connection_is_made_again_and_the_call_too() -> None:
     values: dict[str, bytes] = {}
     first = _Breaking("first", values, breaks_at=2)
@@ -357,7 +377,7 @@ def test_a_call_stuck_on_its_connection_is_made_again_on_a_new_one(
     values = {"key": b"1"}
     stuck = _Breaking("stuck", values, breaks_at=1, stuck=released)
     fresh = _Breaking("fresh", values)
-    store = BoundedStore(stuck, "a store cut off", reopen=lambda: fresh)
+    store = BoundedStore(stuck, "a store cut off", reopen=lambda: fresh, stalled=lambda: True)
     try:
         started = time.monotonic()
         assert store.check(["key"], timeout=TIMEOUT)
