@@ -92,7 +92,6 @@ class _Caller:
         self._ready = threading.Condition(self._lock)
         self._queue: collections.deque[_Operation] = collections.deque()
         self._running = False
-        self.busy_since: float | None = None  # when the call being made now started
 
     def submit(self, operation: _Operation) -> None:
         with self._lock:
@@ -122,13 +121,11 @@ class _Caller:
                 operation = self._queue.popleft()
                 if operation.given_up:
                     continue
-            self.busy_since = time.monotonic()
             try:
                 operation.result = operation.call(*operation.args)
             except BaseException as exc:  # handed to the waiting thread
                 operation.error = exc
             with self._lock:
-                self.busy_since = None
                 operation.done.set()
             # Hold nothing while idle: the call is bound to the store, and the last
             # reference to a TCPStore's host must go when the world drops it.

@@ -9,9 +9,7 @@ waits poll quietly so they can notice dead peers and report progress.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import ipaddress
 import logging
 import os
 import socket
@@ -23,11 +21,11 @@ from typing import Any
 from urllib.parse import urlparse
 
 from torch._C._distributed_c10d import FileStore, HashStore, TCPStore
-from torch.distributed import DistNetworkError
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import _rendezvous_helper
 from torch.distributed.rendezvous import rendezvous as torch_rendezvous
 
+from rpcx import _store_dial
 from rpcx._store import BoundedStore
 from rpcx._timer import remaining
 from rpcx.auth import AUTH_KEY_ENV, ValueSeal, is_sealed
@@ -53,8 +51,6 @@ LEAVE_TIMEOUT = 10.0
 # Saying "I left" gets this long even when shutdown's budget is spent: a live store
 # answers in milliseconds, and rank 0 waits for the word.
 _LEAVE_MOMENT = 0.1
-_DIAL_EVERY = 0.1  # seconds between dials of a store that is not up yet
-_REDIAL_S = 5.0  # how long a broken store connection dials before the operation fails
 _NO_LIMIT = timedelta(days=7)  # torch stores need a finite timeout; rpcx bounds its own calls
 
 _hub_lock = threading.Lock()
@@ -117,88 +113,9 @@ def open_store(
     named = _named_address(init_method) if rank != 0 else None
     if named is None:
         return BoundedStore(store, _describe(init_method))
-    return BoundedStore(store, _describe(init_method), reopen=_reconnect(*named, store_timeout),
-                        stalled=lambda: _retransmitting(_sockets_to(*named)))
-
-
-def _reconnect(host: str, port: int, timeout: timedelta) -> Callable[[], Any]:
-    """How a worker connects to rank 0's store at ``host:port`` again when its
-    connection breaks or stalls (see :mod:`rpcx._store`).
-
-    It dials first, quietly, for :data:`_REDIAL_S` at most: a host still cut off raises
-    ``DistNetworkError`` (the operation fails as before, and the next one tries again),
-    instead of torch's client retrying for the whole store timeout, out loud."""
-
-    def connect() -> Any:
-        failure = _dial_until(host, port, time.monotonic() + _REDIAL_S)
-        if failure is not None:
-            raise DistNetworkError(f"rank 0's store at {host}:{port} cannot be reached: "
-                                   f"{failure}")
-        old = _sockets_to(host, port)
-        store = TCPStore(host, port, None, False, timeout, wait_for_workers=False)
-        store.set_timeout(timeout)
-        for descriptor in old:
-            # End the old connection, so that a call still waiting on it fails now, on a
-            # live interpreter, rather than when the store's host exits (at our exit,
-            # c10d's exception in that thread would abort the process).
-            with contextlib.suppress(OSError), socket.fromfd(
-                    descriptor, socket.AF_INET, socket.SOCK_STREAM) as duplicate:
-                duplicate.shutdown(socket.SHUT_RDWR)
-        return store
-
-    return connect
-
-
-def _retransmitting(descriptors: list[int]) -> bool:
-    """Whether TCP is sending data again on one of these connections (``TCP_INFO``'s
-    retransmits or backoff): the network lost it, the peer did not merely not answer."""
-    for descriptor in descriptors:
-        with contextlib.suppress(OSError), socket.fromfd(
-                descriptor, socket.AF_INET, socket.SOCK_STREAM) as duplicate:
-            info = duplicate.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)
-            if info[2] or info[4]:  # tcpi_retransmits, tcpi_backoff
-                return True
-    return False
-
-
-def _sockets_to(host: str, port: int) -> list[int]:
-    """This process's descriptors of TCP connections to ``host:port`` (from ``/proc``;
-    none where it cannot say)."""
-    try:
-        wanted = {ipaddress.ip_address(info[4][0])
-                  for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
-    except (OSError, ValueError):
-        return []
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as lines:
-                rows = lines.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            address, _, port_hex = fields[2].partition(":")
-            if int(port_hex, 16) == port and _proc_address(address) in wanted:
-                inodes.add(fields[9])
-    found = []
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return []
-    for name in names:
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{name}")[8:-1] in inodes:  # socket:[inode]
-                found.append(int(name))
-    return found
-
-
-def _proc_address(hexed: str) -> Any:
-    """An address as /proc/net/tcp{,6} writes it (32-bit words in host order, hex)."""
-    raw = b"".join(bytes.fromhex(hexed[i:i + 8])[::-1] for i in range(0, len(hexed), 8))
-    address = ipaddress.ip_address(raw)
-    mapped = getattr(address, "ipv4_mapped", None)
-    return mapped if mapped is not None else address
+    return BoundedStore(store, _describe(init_method),
+                        reopen=_store_dial.reopener(*named, store_timeout),
+                        stalled=lambda: _store_dial.retransmitting(*named))
 
 
 def keep_if_file_store(store: Any) -> None:
@@ -256,24 +173,6 @@ def _host_on_named_address(init_method: str, world_size: int, timeout: timedelta
                     multi_tenant=True, master_listen_fd=descriptor)
 
 
-def _dial_until(host: str, port: int, deadline: float) -> OSError | None:
-    """Dial ``host:port`` every :data:`_DIAL_EVERY` s until something takes the
-    connection (``None``) or ``deadline`` (a ``time.monotonic()`` value) passes: the last
-    dial's error then. The connection is closed at once (a store's server takes that
-    quietly)."""
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.01, min(_DIAL_EVERY, left))):
-                return None
-        except OSError as exc:  # refused (nobody listens yet), unreachable, timed out
-            last = exc
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return last
-        time.sleep(min(_DIAL_EVERY, left))  # (a refused dial returns at once: pace them)
-
-
 def _named_address(init_method: str) -> tuple[str, int] | None:
     """The host and port of the store of a ``tcp://`` URL or of ``env://``'s variables,
     where rpcx handles them itself; ``None`` where torch's handler must (options in the
@@ -306,7 +205,8 @@ def _await_store_host(init_method: str, rank: int, of: str, timeout: float | Non
     deadline = None if not timeout else started + timeout
     while True:
         until = time.monotonic() + _REPORT_EVERY  # (a progress line between dials)
-        last = _dial_until(host, port, until if deadline is None else min(deadline, until))
+        last = _store_dial.dial_until(host, port,
+                                      until if deadline is None else min(deadline, until))
         if last is None:
             break
         now = time.monotonic()

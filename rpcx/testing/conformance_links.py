@@ -103,11 +103,14 @@ def shape(hosts: Hosts, rate: str) -> None:
             "burst", "32kbit", "latency", "400ms")
 
 
-def _start(hosts: Hosts, script: str, backend: str, url: str, mode: str
+def _start(hosts: Hosts, script: str, *args: str, stdin: bool = False
            ) -> list[subprocess.Popen[str]]:
+    """``script RANK *args`` for rank 0 and 1, each in its namespace, with no interface
+    variable; output piped (and input, with ``stdin``)."""
     env = {k: v for k, v in os.environ.items() if k not in INTERFACE_VARIABLES}
     return [subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, script,
-                              str(rank), backend, url, mode, str(BIG_MIB)],
+                              str(rank), *args],
+                             stdin=subprocess.PIPE if stdin else None,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=env)
             for rank, namespace in enumerate(hosts.namespaces)]
@@ -171,7 +174,7 @@ class TestSlowLinks:
         with open(script, "w") as file:
             file.write(WORKER)
         url = f"tcp://{hosts.addresses[0]}:{free_port()}"
-        return _start(hosts, script, backend, url, mode)
+        return _start(hosts, script, backend, url, mode, str(BIG_MIB))
 
     def test_a_transfer_longer_than_the_heartbeat_timeout_keeps_its_peer(
         self, rpcx_backend: str, slow_hosts: Hosts, tmp_path: object
@@ -292,27 +295,20 @@ def _set_link(hosts: Hosts, side: int, up: bool) -> None:
 class TestPartitions:
     """The link between two "hosts" cut and restored, while the world runs."""
 
-    @pytest.fixture(name="hosts")
-    def hosts_fixture(self) -> Iterator[Hosts]:
-        """Two namespaces and the veth pair between them."""
-        with two_hosts() as hosts:
-            yield hosts
-
     @pytest.mark.parametrize("side", [0, 1], ids=["store-host-side", "client-side"])
     def test_a_cut_loses_nothing_and_the_world_still_shuts_down_cleanly(
-        self, rpcx_backend: str, hosts: Hosts, tmp_path: object, side: int
+        self, rpcx_backend: str, tmp_path: object, side: int
     ) -> None:
         script = os.path.join(str(tmp_path), "partition_worker.py")
         with open(script, "w") as file:
             file.write(PARTITION_WORKER)
+        with two_hosts() as hosts:
+            self._cut_and_restore(hosts, script, rpcx_backend, side)
+
+    @staticmethod
+    def _cut_and_restore(hosts: Hosts, script: str, backend: str, side: int) -> None:
         url = f"tcp://{hosts.addresses[0]}:{free_port()}"  # (rank 0 hosts the store)
-        env = {k: v for k, v in os.environ.items() if k not in INTERFACE_VARIABLES}
-        runs = [subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, script,
-                                  str(rank), rpcx_backend, url],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env)
-                for rank, namespace in enumerate(hosts.namespaces)]
-        assert runs[0].stdin is not None
+        runs = _start(hosts, script, backend, url, stdin=True)
 
         def step() -> None:
             assert runs[0].stdin is not None
