@@ -118,6 +118,11 @@ class Capabilities:
             calls ``TransportContext.progress``, so a transfer longer than
             ``heartbeat_timeout`` (a slow link, a huge tensor) does not make its peer look
             silent. False for tensorpipe: torch's agent hands rpcx a message only whole.
+        interleaves: a small frame sent while a large one is still being written (its
+            ``send`` not yet returned) may go ahead of it, between its pieces: a call
+            beside a bulk transfer waits for about one piece, not for the transfer. Per
+            destination order still holds as ``Transport.send`` states it. True for the
+            socket backends (auto, shm, tcp).
     """
 
     multi_process: bool
@@ -129,6 +134,7 @@ class Capabilities:
     dynamic: bool = False
     reuses_ranks: bool = True
     shows_progress: bool = False
+    interleaves: bool = False
 
     def summary(self) -> str:
         """A short comma-separated list of the true flags (``reuses_ranks`` only with

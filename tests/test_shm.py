@@ -29,7 +29,7 @@ from rpcx.registry import available_backends
 from rpcx.testing.transports import ReceiveLane, current_agent, receive_lane
 from rpcx.testing.world import world
 from rpcx.transport import Frame, TransportContext
-from rpcx.transport_kit import sockets as kit_sockets
+from rpcx.transport_kit import socket_link as kit_sockets
 
 TIMEOUT = 30.0
 

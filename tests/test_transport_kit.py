@@ -28,7 +28,7 @@ from rpcx.transport_kit import (
 )
 from rpcx.transport_kit.connector import Connector
 from rpcx.transport_kit.links import Link, Peers
-from rpcx.transport_kit.sockets import SocketLink
+from rpcx.transport_kit.socket_link import SocketLink
 
 BOUND = 10.0  # seconds: every wait here ends long before; a hang fails, it never stalls
 

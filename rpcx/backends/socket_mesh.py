@@ -32,6 +32,13 @@ __all__ = ["Policy", "Route", "connect_mesh", "join_mesh", "listen_mesh", "route
            "route_to_newcomer", "tune"]
 
 _SOCKET_BUFFER = 4 << 20  # SO_SNDBUF/SO_RCVBUF: room for a burst of small frames
+# TCP_NOTSENT_LOWAT: bytes a TCP socket holds unsent at most before a write waits. Without
+# it a bulk transfer fills the whole send buffer (8 MiB: 67 ms at 1 Gbit/s), and a small
+# frame that passes the transfer's pieces still waits behind all of it in the kernel.
+# Beside a 64 MiB transfer at 1 Gbit/s a small call took 70 ms without it, 4.4 ms at
+# 128 KiB, 2.2 ms at 32 KiB (idle: 0.1 ms); bulk rates on loopback TCP did not drop.
+_UNSENT_BYTES = 32 << 10
+_TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # (Linux's value)
 
 
 class Policy(str, enum.Enum):
@@ -151,6 +158,8 @@ def tune(sock: socket.socket, route: Route) -> socket.socket:
     """Socket options for a peer's socket on ``route``."""
     if not route.local:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with contextlib.suppress(OSError):  # (a kernel without it: small frames wait longer)
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, _UNSENT_BYTES)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
     return sock

@@ -27,6 +27,14 @@ Wire format, little-endian::
     header    header length bytes
     inline    the inline buffers, back to back
 
+A frame with ``_PIECED_MIN`` inline bytes or more and no segments is written in pieces,
+so that small frames sent meanwhile can pass it (a call beside a bulk transfer waits
+for a piece, not the transfer): ``PIECED`` (kind 5) is the frame's head, sizes, where,
+segments (all inline) and header as above, and its inline bytes follow in ``PIECE``
+records (kind 6: the head with ``count`` the piece's length, then that many bytes).
+Other frames may come between two pieces; the frame is delivered once its last piece
+is in.
+
 ``FREE`` (kind 3): the head with ``count`` segment ids (u32) after it: segments the
 sender may fill again. ``RETIRE`` (kind 4), the same shape: segments the sender dropped
 from its pool, which the receiver unmaps (tensors still over them keep their memory).
@@ -82,16 +90,23 @@ from rpcx.transport_kit import (
     memory_of,
     options_as,
 )
+from rpcx.transport_kit.socket_link import MOVED_EVERY, SocketReader
 
 __all__ = ["AutoTransport", "ShmTransport", "SocketTransport", "TcpTransport"]
 
 _HEAD = struct.Struct("<BxxxII")  # kind, number of buffers, header length
-_FRAME, _BYE, _FREE, _RETIRE = 1, 2, 3, 4
+_FRAME, _BYE, _FREE, _RETIRE, _PIECED, _PIECE = 1, 2, 3, 4, 5, 6
 _PACK_PARTS = 64  # more inline buffers than this are packed into one (the iovec limit)
 _INLINE, _NEW_SEGMENT, _MAPPED_SEGMENT = 0, 1, 2
 _MAX_FDS = 64  # descriptors one frame may carry; more large buffers travel inline
 _MAX_BUFFERS = 1 << 20  # buffers in one frame, at most (their sizes are read up front)
 _DIRECT_READ = 64 << 10  # an inline buffer this large is received straight into its tensor
+# A frame with this many inline bytes travels in pieces of _PIECE_BYTES, and one of
+# _PASS_MAX bytes at most may go between two of them. A piece takes 2 ms at 1 Gbit/s:
+# about what a small call beside a bulk transfer waits.
+_PIECED_MIN = 1 << 20
+_PIECE_BYTES = 256 << 10
+_PASS_MAX = 64 << 10
 _FLUSH_CHECK_S = 0.5  # the flusher's bound on a wait, so it sees close() promptly
 # How long freed segment ids wait for a frame to the peer to carry them before the
 # flusher sends them on their own: in a call-and-reply exchange the next frame comes
@@ -102,6 +117,65 @@ _FREE_DELAY_S = 0.005
 def _ids_message(kind: int, ids: list[int]) -> bytes:
     """A FREE or RETIRE message carrying ``ids``."""
     return _HEAD.pack(kind, len(ids), 0) + struct.pack(f"<{len(ids)}I", *ids)
+
+
+def _in_pieces(parts: list[Any]) -> list[list[Any]]:
+    """A large frame's inline bytes as its ``PIECE`` records: a head, then views."""
+    records: list[list[Any]] = []
+    current: list[Any] = []
+    size = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while len(view):
+            take = min(len(view), _PIECE_BYTES - size)
+            current.append(view[:take])
+            view = view[take:]
+            size += take
+            if size == _PIECE_BYTES:
+                records.append([_HEAD.pack(_PIECE, size, 0), *current])
+                current, size = [], 0
+    if current:
+        records.append([_HEAD.pack(_PIECE, size, 0), *current])
+    return records
+
+
+class _Assembly:
+    """A frame arriving in pieces: its header, its buffers, what is left to fill."""
+
+    __slots__ = ("buffers", "header", "left", "targets", "unsaid")
+
+    def __init__(self, header: bytes, buffers: list[torch.Tensor]) -> None:
+        self.header = header
+        self.buffers = buffers
+        self.targets = collections.deque(memory_of(b) for b in buffers if b.numel())
+        self.left = sum(b.numel() for b in buffers)
+        self.unsaid = 0  # bytes in since the peer was last said to be alive
+
+    def read_piece(self, reader: SocketReader, count: int) -> Frame | None:
+        """Receive a piece of ``count`` bytes into the buffers; the frame once whole."""
+        if not 0 < count <= self.left:
+            raise ProtocolError(f"a piece of {count} bytes, with {self.left} left to come")
+        self.left -= count
+        count_read = count
+        while count:
+            target = self.targets[0]
+            take = min(len(target), count)
+            reader.read_into(target[:take])
+            if take == len(target):
+                self.targets.popleft()
+            else:
+                self.targets[0] = target[take:]
+            count -= take
+        if not self.left:
+            return Frame(self.header, self.buffers)
+        self.unsaid += count_read
+        if self.unsaid >= MOVED_EVERY:  # (a piece is smaller: say so across pieces)
+            self.unsaid = 0
+            reader.moved()
+        return None
+
+
+_MORE = object()  # (a piece was read; its frame is not whole yet)
 
 
 def _drain(queue: collections.deque[int]) -> list[int]:
@@ -116,7 +190,7 @@ class _Peer(SocketLink):
     """A peer's link, its route, and the segments this worker fills for it and those it
     fills (a peer on another host has none: ``shm_min`` is then past any buffer)."""
 
-    __slots__ = ("freed", "pool", "received", "route", "shm_min")
+    __slots__ = ("assembly", "freed", "pool", "received", "route", "shm_min")
 
     def __init__(self, rank: int, name: str, sock: socket.socket | None, writer_name: str,
                  route: Route, shm_min: int, pool: SendPool,
@@ -129,6 +203,7 @@ class _Peer(SocketLink):
         # ``freed(self, segment_id)`` when tensors over a segment it filled are gone.
         self.received = ReceivedSegments(functools.partial(freed, self))
         self.freed: collections.deque[int] = collections.deque()  # ids to send in FREE
+        self.assembly: _Assembly | None = None  # a frame arriving in pieces
 
 
 class SocketTransport(StreamTransport):
@@ -136,7 +211,8 @@ class SocketTransport(StreamTransport):
     within a host, TCP across hosts, as ``policy`` says."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True,
-                                                        dynamic=True, shows_progress=True)
+                                                        dynamic=True, shows_progress=True,
+                                                        interleaves=True)
     policy: ClassVar[Policy] = Policy.AUTO
     label: ClassVar[str] = "auto"
     bye: ClassVar[bytes] = _HEAD.pack(_BYE, 0, 0)
@@ -225,7 +301,8 @@ class SocketTransport(StreamTransport):
         if not frame.buffers:  # most calls and replies: the head and header, one write
             head = _HEAD.pack(_FRAME, 0, len(frame.header)) + frame.header
             peer.send([_ids_message(_FREE, freed) + head if freed else head],
-                      deadline=frame.deadline, cork=self.cork_bytes, settled=frame.settled)
+                      deadline=frame.deadline, cork=self.cork_bytes, settled=frame.settled,
+                      may_pass=len(head) <= _PASS_MAX)
             return
         shm_min = peer.shm_min
         buffers = [as_bytes(b) for b in frame.buffers]
@@ -234,6 +311,7 @@ class SocketTransport(StreamTransport):
         where, ids = bytearray(count), [0] * count
         one_offs: dict[int, int] = {}  # buffer index -> one-off segment's descriptor
         parts: list[Any] = []
+        later: list[list[Any]] = []  # (the PIECE records of a frame in pieces)
         used: dict[int, Segment] = {}  # buffer index -> pooled segment this frame filled
         sent = False
         pending = None
@@ -255,6 +333,10 @@ class SocketTransport(StreamTransport):
                 ids[index] = segment.id
             if len(parts) > _PACK_PARTS:  # one iovec each would pass the kernel's limit
                 parts = [b"".join(parts)]
+            inline = sum(len(p) for p in parts)
+            kind = _FRAME
+            if inline >= _PIECED_MIN and not (used or one_offs):
+                kind, later, parts = _PIECED, _in_pieces(parts), []
             with peer.lock:
                 peer.check_open()
                 # Whether a segment's descriptor still has to travel is decided, and
@@ -269,7 +351,7 @@ class SocketTransport(StreamTransport):
                     else:
                         where[index] = _NEW_SEGMENT
                         fds.append(segment.fd)
-                head = (_HEAD.pack(_FRAME, count, len(frame.header))
+                head = (_HEAD.pack(kind, count, len(frame.header))
                         + struct.pack(f"<{count}Q", *sizes) + bytes(where)
                         + struct.pack(f"<{count}I", *ids))
                 retired = peer.pool.take_retired() if used or one_offs else None
@@ -278,7 +360,10 @@ class SocketTransport(StreamTransport):
                 if freed:
                     head = _ids_message(_FREE, freed) + head
                 try:
-                    pending = peer.write_locked([head, frame.header, *parts], fds)
+                    pending = peer.write_locked(
+                        [head, frame.header, *parts], fds, later,
+                        may_pass=not (fds or used)
+                        and inline + len(head) + len(frame.header) <= _PASS_MAX)
                 except OSError as exc:
                     raise lost_error(exc) from None
                 # Sent, or queued with copies of the descriptors: in order either way.
@@ -286,7 +371,7 @@ class SocketTransport(StreamTransport):
                     segment.descriptor_sent()
                 sent = True
         finally:
-            del parts  # views over the tensors' memory: release before the tensors go
+            del parts, later  # views of the tensors' memory: released before they go
             for fd in one_offs.values():  # the receiver holds its own copy of each now
                 os.close(fd)
             if not sent:
@@ -344,20 +429,31 @@ class SocketTransport(StreamTransport):
         assert isinstance(link, _Peer)
         while True:
             frame = self._read_frame(link)
+            if frame is _MORE:
+                continue
             if not isinstance(frame, tuple):
-                return frame
+                return frame  # type: ignore[return-value]
             kind, ids = frame
             if kind == _FREE:
                 link.pool.release(ids)
             else:
                 link.received.retire(ids)
 
-    def _read_frame(self, peer: _Peer) -> Frame | tuple[int, list[int]] | None:
-        """The next message from ``peer``: a frame, (kind, ids) of a FREE or RETIRE, or
-        None for BYE."""
+    def _read_frame(self, peer: _Peer) -> Frame | tuple[int, list[int]] | object | None:
+        """The next message from ``peer``: a frame, (kind, ids) of a FREE or RETIRE,
+        ``_MORE`` for a piece of a frame not yet whole, or None for BYE."""
         reader = peer.reader
-        reader.fill(_HEAD.size)
+        assembly = peer.assembly
+        # (While a frame comes in pieces, a piece's head is read alone: its bytes go
+        # straight into their tensor.)
+        reader.fill(_HEAD.size, exact=assembly is not None)
         kind, count, header_len = _HEAD.unpack(reader.take(_HEAD.size))
+        if kind == _PIECE and assembly is not None:
+            frame = assembly.read_piece(reader, count)
+            if frame is None:
+                return _MORE
+            peer.assembly = None
+            return frame
         if kind == _BYE:
             return None
         # Checked before anything is read or allocated for it (max_frame_bytes).
@@ -372,7 +468,7 @@ class SocketTransport(StreamTransport):
             reader.fill(header_len)
             reader.recent.append((0, header_len))
             return Frame(bytes(reader.take(header_len)), [])
-        if kind != _FRAME:
+        if kind not in (_FRAME, _PIECED) or (kind == _PIECED and assembly is not None):
             raise ProtocolError(f"unknown frame kind {kind} (count {count}, header "
                                 f"{header_len}; frames before: {list(reader.recent)})")
         reader.fill(13 * count + header_len)
@@ -384,6 +480,8 @@ class SocketTransport(StreamTransport):
         if any(w > _MAPPED_SEGMENT for w in where):
             raise ProtocolError(f"unknown buffer placements {sorted(set(where))}")
         check_frame_size(sum(sizes) + header_len, self.max_frame)
+        if kind == _PIECED:
+            return self._begin_pieces(peer, header, sizes, where)
         small = sum(size for size, w in zip(sizes, where, strict=True)
                     if w == _INLINE and size < _DIRECT_READ)
         if small == sum(size for size, w in zip(sizes, where, strict=True) if w == _INLINE):
@@ -413,6 +511,22 @@ class SocketTransport(StreamTransport):
             else:
                 buffers.append(torch.empty(0, dtype=torch.uint8))
         return Frame(header, buffers)
+
+    @staticmethod
+    def _begin_pieces(peer: _Peer, header: bytes, sizes: tuple[int, ...], where: bytes
+                      ) -> object:
+        """A frame that comes in pieces: its buffers, to be filled as they arrive."""
+        if any(where):
+            raise ProtocolError("a frame in pieces with buffers in shared memory")
+        buffers = []
+        for size in sizes:
+            try:  # (pages are touched as bytes land: memory follows what was received)
+                buffers.append(empty_bytes(size) if size >= _DIRECT_READ
+                               else torch.empty(size, dtype=torch.uint8))
+            except RuntimeError as exc:
+                raise ProtocolError(f"a buffer of {size} bytes: {exc}") from None
+        peer.assembly = _Assembly(header, buffers)
+        return _MORE
 
     # ------------------------------------------------------------------------ close
 
@@ -454,7 +568,7 @@ class ShmTransport(SocketTransport):
     """Workers of one host only: Unix sockets and shared memory."""
 
     capabilities = Capabilities(multi_process=True, multi_host=False, dynamic=True,
-                                shows_progress=True)
+                                shows_progress=True, interleaves=True)
     policy = Policy.SHM
     label = "shm"
 

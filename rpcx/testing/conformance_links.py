@@ -9,6 +9,8 @@ on both ends, as a shared or long-distance link is. The cases:
   frame is still arriving is not silent;
 - a peer stopped (``SIGSTOP``) in the middle of such a transfer is still found silent,
   about ``heartbeat_timeout`` after it stopped;
+- on a 1 Gbit/s link, small calls made while a 64 MiB transfer is in flight are
+  answered while it is, not after it (``TestBulkBeside``, backends that ``interleave``);
 - the link cut (one end's interface down: packets vanish, nothing is reset) for less
   than a call's timeout loses nothing; cut for longer, a call fails by its deadline
   naming the peer; once the link is back the world answers and shuts down at once,
@@ -20,6 +22,7 @@ Needs root, ``ip netns`` and ``tc``; skips with the reason where they are missin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -34,7 +37,7 @@ import pytest
 from rpcx.testing.conformance_hosts import INTERFACE_VARIABLES, Hosts, two_hosts
 from rpcx.testing.world import free_port
 
-__all__ = ["TestPartitions", "TestSlowLinks"]
+__all__ = ["TestBulkBeside", "TestPartitions", "TestSlowLinks"]
 
 BOUND = 120.0  # seconds any one world of these tests may take
 RATE = "20mbit"  # the shaped link: 2.5 MB/s
@@ -96,11 +99,26 @@ def _tc(namespace: str, *args: str) -> None:
                    capture_output=True, text=True, timeout=30)
 
 
-def shape(hosts: Hosts, rate: str) -> None:
-    """Shape both ends of the pair to ``rate`` (``tc``'s units: ``20mbit``, ``1gbit``)."""
+def shape(hosts: Hosts, rate: str, burst: str = "32kbit", latency: str = "400ms") -> None:
+    """Shape both ends of the pair to ``rate`` (``tc``'s units: ``20mbit``, ``1gbit``),
+    with a token bucket of ``burst`` and a queue of ``latency`` at that rate."""
     for namespace, interface in zip(hosts.namespaces, hosts.interfaces, strict=True):
         _tc(namespace, "qdisc", "replace", "dev", interface, "root", "tbf", "rate", rate,
-            "burst", "32kbit", "latency", "400ms")
+            "burst", burst, "latency", latency)
+
+
+@contextlib.contextmanager
+def shaped_hosts(*shaping: str) -> Iterator[Hosts]:
+    """Two namespaces whose link is shaped by ``shape(hosts, *shaping)``; skips the test
+    where that cannot be done."""
+    if shutil.which("tc") is None:
+        pytest.skip("needs iproute2's tc command")
+    with two_hosts() as hosts:
+        try:
+            shape(hosts, *shaping)
+        except subprocess.CalledProcessError as exc:
+            pytest.skip(f"cannot shape the link here: {exc.stderr}")
+        yield hosts
 
 
 def _start(hosts: Hosts, script: str, *args: str, stdin: bool = False
@@ -159,13 +177,7 @@ class TestSlowLinks:
     @pytest.fixture(name="slow_hosts")
     def slow_hosts_fixture(self) -> Iterator[Hosts]:
         """Two namespaces whose link is shaped to RATE."""
-        if shutil.which("tc") is None:
-            pytest.skip("needs iproute2's tc command")
-        with two_hosts() as hosts:
-            try:
-                shape(hosts, RATE)
-            except subprocess.CalledProcessError as exc:
-                pytest.skip(f"cannot shape the link here: {exc.stderr}")
+        with shaped_hosts(RATE) as hosts:
             yield hosts
 
     def _world(self, hosts: Hosts, backend: str, tmp_path: object, mode: str
@@ -222,6 +234,78 @@ class TestSlowLinks:
         # sender stopped waiting for room once the call was over), not at its timeout.
         small_at = float(small.split(" at ")[1].split()[0])
         assert small_at - found_at < 5.0, (small_at - found_at, small)
+
+
+BESIDE_WORKER = textwrap.dedent("""
+    import statistics, sys, threading, time, torch, rpcx
+    rank, backend, url = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    options = rpcx.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=60)
+    rpcx.init_rpc(f"h{rank}", rank=rank, world_size=2, backend=backend,
+                  rpc_backend_options=options)
+
+    def small():
+        started = time.perf_counter()
+        rpcx.rpc_sync("h1", len, args=("x",))
+        return time.perf_counter() - started
+
+    if rank == 0:
+        for _ in range(20):
+            small()
+        idle = statistics.median(small() for _ in range(50))
+        big = torch.ones(16 << 20)  # 64 MiB of float32: 0.54 s at 1 Gbit/s
+        done = threading.Event()
+        took = []
+
+        def bulk():
+            started = time.perf_counter()
+            rpcx.rpc_sync("h1", torch.sum, args=(big,))
+            took.append(time.perf_counter() - started)
+            done.set()
+
+        sender = threading.Thread(target=bulk)
+        sender.start()
+        during = []
+        while not done.is_set():
+            seconds = small()
+            if not done.is_set():  # (answered while the transfer was still in flight)
+                during.append(seconds)
+        sender.join(60)
+        print(f"beside idle {idle * 1e3:.2f} ms, during {len(during)} calls, median "
+              f"{statistics.median(during or [0]) * 1e3:.2f} ms, transfer {took[0]:.2f} s",
+              flush=True)
+    rpcx.shutdown()
+""")
+
+
+@pytest.mark.rpcx_requires("multi_host", reason="workers of this backend share one host")
+@pytest.mark.rpcx_requires("interleaves", reason="this backend writes a large frame whole: "
+                           "a small call sent meanwhile waits for all of it")
+class TestBulkBeside:
+    """Small calls beside a bulk transfer on a 1 Gbit/s link (a queue of 5 ms)."""
+
+    @pytest.fixture(name="fast_hosts")
+    def fast_hosts_fixture(self) -> Iterator[Hosts]:
+        """Two namespaces whose link is shaped to 1 Gbit/s."""
+        with shaped_hosts("1gbit", "256kb", "5ms") as hosts:
+            yield hosts
+
+    def test_small_calls_are_answered_while_a_bulk_transfer_is_in_flight(
+        self, rpcx_backend: str, fast_hosts: Hosts, tmp_path: object
+    ) -> None:
+        script = os.path.join(str(tmp_path), "beside_worker.py")
+        with open(script, "w") as file:
+            file.write(BESIDE_WORKER)
+        url = f"tcp://{fast_hosts.addresses[0]}:{free_port()}"
+        runs = _start(fast_hosts, script, rpcx_backend, url)
+        try:
+            line = _line(runs[0], "beside ")
+        finally:
+            outputs = _finish(runs)
+        assert [run.returncode for run in runs] == [0, 0], outputs
+        # Written whole, the transfer answers at most the call already in flight as it
+        # began; in pieces, a call waits about a piece (2 ms): hundreds are answered.
+        answered = int(line.split("during ")[1].split()[0])
+        assert answered >= 10, line
 
 
 # A cut of 7 s: TCP's retransmissions of a store call sent as the cut began come at

@@ -61,12 +61,11 @@ from rpcx.transport_kit.basics import (
     without_cpp_locations,
 )
 from rpcx.transport_kit.links import BYE_TIMEOUT, Arrivals, Link, Peers
+from rpcx.transport_kit.socket_link import SocketLink, SocketReader, send_all, send_now
 from rpcx.transport_kit.sockets import (
     ADMITTED,
     HANDSHAKE_TIMEOUT,
     Doorway,
-    SocketLink,
-    SocketReader,
     StreamTransport,
     admit,
     connect_stream_mesh,
@@ -77,8 +76,6 @@ from rpcx.transport_kit.sockets import (
     join_stream_mesh,
     publish_stream_address,
     receive_exactly,
-    send_all,
-    send_now,
 )
 from rpcx.transport_kit.writer import Backlog, Pending
 

@@ -16,6 +16,13 @@ How a transport uses it, under its per-peer lock::
             return
         pending = link.backlog.put(rest_of_the_frame)   # copies, or views + detach()
     pending.wait(frame.deadline)
+
+Small frames may pass a large one (``put(job, overtake=True)``): a transport that writes
+a large frame in pieces (its ``write`` returning ``False`` at a boundary between two)
+lets a small frame sent meanwhile go between them, so a call beside a bulk transfer
+waits for one piece, not for the whole transfer. Per-peer order still holds as the
+transport contract states it: a frame passes only a frame whose sender is still waiting
+for it (``job.passable``), so no ``send`` that returned is overtaken by a later one.
 """
 
 from __future__ import annotations
@@ -108,25 +115,30 @@ class Backlog:
     Args:
         lock: the peer's send lock; :meth:`put` and ``bool(backlog)`` are called under it.
         write: writes one job, waiting for the peer as long as it takes (called on the
-            writer thread, without the lock). Raises when the connection broke.
+            writer thread, without the lock). Raises when the connection broke. It may
+            return ``False`` at a boundary in a job written in pieces, where frames
+            queued to overtake it (:attr:`overtaking`) go before it is called again.
         name: the writer thread's name.
         on_error: called, under ``lock``, when ``write`` raised: end the connection
             (every queued job fails with the same error).
         after: called on the writer thread after each job written (optional).
     """
 
-    __slots__ = ("_after", "_failed", "_held", "_jobs", "_on_error", "_running", "_stopping",
-                 "_thread", "_wakeup", "_write", "lock", "name")
+    __slots__ = ("_after", "_failed", "_held", "_jobs", "_on_error", "_passing", "_running",
+                 "_stopping", "_thread", "_wakeup", "_write", "lock", "name")
 
-    def __init__(self, lock: threading.Lock, write: Callable[[Any], None], name: str,
+    def __init__(self, lock: threading.Lock, write: Callable[[Any], bool | None], name: str,
                  on_error: Callable[[BaseException], None] | None = None,
                  after: Callable[[], None] | None = None) -> None:
         self.lock = lock
         self.name = name
-        self._write = write
+        self._write = write  # (False: stopped at a boundary between two pieces)
         self._on_error = on_error
         self._after = after
         self._jobs: collections.deque[Pending] = collections.deque()
+        # Small jobs put to overtake the first job while its sender waits for it: the
+        # writer writes them at its next boundary (in order among themselves).
+        self._passing: collections.deque[Pending] = collections.deque()
         self._wakeup = threading.Condition(lock)
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -146,13 +158,30 @@ class Backlog:
         """The writer thread last started (``None`` before the first queued job)."""
         return self._thread
 
-    def put(self, job: Any) -> Pending:
+    @property
+    def overtaking(self) -> int:
+        """How many jobs wait to overtake the one being written (a racy read is fine:
+        the writer looks again under the lock)."""
+        return len(self._passing)
+
+    def put(self, job: Any, overtake: bool = False) -> Pending:
         """Queue ``job`` behind the others (call under ``lock``). Once a write failed,
         the job fails at once with that error (the connection is over); a writer that
-        ended after :meth:`stop` is started again."""
+        ended after :meth:`stop` is started again.
+
+        ``overtake``: ``job`` is small and may go ahead of the job being written, if
+        that is the only one queued and its sender still waits for it (its
+        ``passable`` is true: a large frame written in pieces). Otherwise it queues
+        as any other."""
         pending = Pending(job)
         if self._failed is not None:
             pending.finish(self._failed)
+            return pending
+        # (Checked as the job is put: a job whose sender stopped waiting since is
+        # still overtaken by those put before then, which began before it returned.)
+        if overtake and self._running and len(self._jobs) == 1 and getattr(
+                self._jobs[0].job, "passable", False):
+            self._passing.append(pending)
             return pending
         self._jobs.append(pending)
         if not self._running and not self._held:
@@ -214,7 +243,8 @@ class Backlog:
         queued jobs, for the caller to fail."""
         self._held = False
         self._failed = error
-        failed = list(self._jobs)
+        failed = [*self._passing, *self._jobs]
+        self._passing.clear()
         self._jobs.clear()
         return failed
 
@@ -238,6 +268,23 @@ class Backlog:
             self._running = False
             raise
 
+    def _write_overtaking(self, first: Pending | None) -> None:
+        """Write the jobs waiting to overtake; with ``first`` (the job just written),
+        then take it off the queue, under the lock once none are left, so no job put to
+        overtake it is stranded."""
+        while True:
+            with self.lock:
+                if not self._passing:
+                    if first is not None:
+                        self._jobs.popleft()
+                    return
+                passing = self._passing[0]
+            while self._write(passing.job) is False:  # (a small job has no boundary)
+                pass
+            with self.lock:
+                self._passing.popleft()
+            passing.finish()
+
     def stop(self) -> None:
         """Let the writer end once nothing is queued (at close). A writer blocked on a
         peer that reads nothing ends when the connection is shut down."""
@@ -253,7 +300,8 @@ class Backlog:
 
     def _run(self) -> None:
         """Write the queued jobs in order. A job stays first in the queue until written,
-        so no sender writes past it; a failed write fails every queued job."""
+        so no sender writes past it (only those put to overtake it, at its boundaries
+        and before it is done with); a failed write fails every queued job."""
         while True:
             with self.lock:
                 while not self._jobs and not self._stopping:
@@ -263,7 +311,9 @@ class Backlog:
                     return
                 pending = self._jobs[0]
             try:
-                self._write(pending.job)
+                while self._write(pending.job) is False:  # (a boundary)
+                    self._write_overtaking(None)
+                self._write_overtaking(pending)
             except BaseException as exc:
                 with self.lock:
                     self._running = False
@@ -271,8 +321,6 @@ class Backlog:
                 for each in failed:
                     each.finish(exc)
                 return
-            with self.lock:
-                self._jobs.popleft()
             pending.finish()
             if self._after is not None:
                 try:
