@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import nox
@@ -431,7 +432,9 @@ def bench(session: nox.Session) -> None:
     only ``--quick``. Run it alone as ``python bench/examples.py ...`` for the rest.
     Then bench/world_sizes.py: 8 to 64 worker processes start, call each other and shut
     down, torch beside the default backend and gloo (``--quick``: one round). Last
-    bench/start_methods.py: workers forked from a warm server against spawned ones.
+    bench/start_methods.py: workers forked from a warm server against spawned ones, and
+    bench/beside_bulk.py where this runs as root (small calls beside a bulk transfer
+    between two namespaces on a shaped link).
     """
     _install(session, "bench")
     for directory in PLUGINS.values():  # their backends are measured too
@@ -441,3 +444,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "bench/examples.py", *quick)
     session.run("python", "bench/world_sizes.py", *quick)
     session.run("python", "bench/start_methods.py", *(["--rounds", "1"] if quick else []))
+    if os.geteuid() == 0 and shutil.which("tc"):
+        session.run("python", "bench/beside_bulk.py", *(["--rounds", "1"] if quick else []))
+    else:
+        session.log("bench/beside_bulk.py skipped: it needs root and tc (two namespaces)")
