@@ -3,8 +3,8 @@
 Two network namespaces joined by a veth pair (the conformance kit's helper), each end
 shaped by ``tc tbf`` (default ``rate 1gbit burst 256kb latency 5ms``). Rank 0 measures
 a small ``rpc_sync`` round trip idle (median of 100), then sends rank 1 a large tensor
-(default 64 MiB) from another thread and, while that is in flight, makes small calls
-back to back. Beside them, a plain TCP connection of its own pings rank 1's host (one
+(default 64 MiB) from another thread and, while that is in flight (from 50 ms after it
+began), makes small calls back to back. Beside them, a plain TCP connection of its own pings rank 1's host (one
 byte each way): the round trip the network itself gives a small message through the
 same queue.
 
@@ -38,6 +38,7 @@ from typing import Any
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 WORLD_LIMIT_S = 300.0
+SETTLE_S = 0.05  # after the transfer began, before the first small call beside it
 
 
 # ----------------------------------------------------------------- one worker
@@ -110,6 +111,9 @@ def _measure(rpc: Any, torch: Any, mib: int, peer: str, echo_port: int) -> dict[
     pinger = threading.Thread(target=ping)
     sender.start()
     pinger.start()
+    # (the transfer under way first: calls made before its first bytes leave would
+    # count as answered beside it)
+    done.wait(SETTLE_S)
     during = []
     while not done.is_set():
         seconds = small()
