@@ -4,9 +4,9 @@ Two network namespaces joined by a veth pair (the conformance kit's helper), eac
 shaped by ``tc tbf`` (default ``rate 1gbit burst 256kb latency 5ms``). Rank 0 measures
 a small ``rpc_sync`` round trip idle (median of 100), then sends rank 1 a large tensor
 (default 64 MiB) from another thread and, while that is in flight (from 50 ms after it
-began), makes small calls back to back. Beside them, a plain TCP connection of its own pings rank 1's host (one
-byte each way): the round trip the network itself gives a small message through the
-same queue.
+began), makes small calls back to back. Beside them, a plain TCP connection of its own
+pings rank 1's host (one byte each way): the round trip the network itself gives a
+small message through the same queue.
 
 Systems alternate within each round, round after round (torch.distributed.rpc with
 TCP-only channels, as between real hosts, and rpcx backends). Reported per system

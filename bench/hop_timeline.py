@@ -75,13 +75,13 @@ def _instrument() -> None:
     from rpcx._call_path import CallPath
     from rpcx.autograd.engine import LocalEngine
     from rpcx.backends.sockets import SocketTransport
-    from rpcx.transport_kit.sockets import SocketReader
+    from rpcx.transport_kit.socket_link import SocketReader
 
     _wrap(SocketTransport, "send", "send", "sent")
     _wrap(SocketTransport, "read_one", None, "parsed")
     # Only reads that had to wait for bytes: the wake-up of a receiving thread.
     _wrap(SocketReader, "fill", None, "woke",
-          when=lambda reader, needed: reader.buffered < needed)
+          when=lambda reader, needed, exact=False: reader.buffered < needed)
     _wrap(CallPath, "on_frame", "deliver", "delivered")
     _wrap(LocalEngine, "run_plan", "pass", "pass_end")
 

@@ -58,7 +58,7 @@ from rpcx.errors import (
     SerializationError,
 )
 from rpcx.futures import RpcFuture, add_internal_callback, settle_inline
-from rpcx.messages import CONTROL_KINDS, MessageKind
+from rpcx.messages import CONTROL_KINDS, PASSING_KINDS, MessageKind
 from rpcx.serialization import (
     DecodeContext,
     EncodeContext,
@@ -322,11 +322,14 @@ class CallPath:
                 taken.append((source, notes))
                 ctx.notes.extend(notes)
         try:
-            return encode(kind, rid, payload, ctx)
+            frame = encode(kind, rid, payload, ctx)
         except BaseException:
             for source, notes in taken:
                 source.notes_not_sent(ctx.peer, notes)
             raise
+        # (a frame with bookkeeping in it, or announced by a hook, keeps its order)
+        frame.may_pass = kind in PASSING_KINDS and not ctx.notes and not ctx.before_send
+        return frame
 
     def _request_context(self, dst: int) -> EncodeContext:
         return EncodeContext(dst, agent=self._host, routes=self._routes,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["CONTROL_KINDS", "MessageKind"]
+__all__ = ["CONTROL_KINDS", "PASSING_KINDS", "MessageKind"]
 
 
 class MessageKind(enum.IntEnum):
@@ -55,3 +55,14 @@ PING, PONG = 0, 1  # HEARTBEAT payloads
 # LEAVING payloads: why a worker leaves without shutdown()
 LEAVING_AT_EXIT = 0  # its program is exiting (rpcx's atexit handler)
 LEAVING_THREAD_ENDED = 1  # its rpcx.spawn thread ended
+
+# Kinds whose frames may pass a large frame still being written (``Frame.may_pass``): user
+# calls and their replies, fetches, heartbeats and clock reads. No rpcx protocol orders
+# them after a frame whose send had not returned; bookkeeping kinds (RRef forks and
+# deletions, autograd rounds and releases, LEAVING) keep strict per-pair order, as the
+# acknowledgements of releases and deletions count on it.
+PASSING_KINDS = frozenset({
+    MessageKind.RESULT, MessageKind.ERROR, MessageKind.CALL, MessageKind.REMOTE_CALL,
+    MessageKind.RREF_CALL, MessageKind.PROFILED, MessageKind.RREF_FETCH,
+    MessageKind.HEARTBEAT, MessageKind.CLOCK,
+})

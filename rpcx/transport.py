@@ -59,6 +59,11 @@ class Frame:
     # peer to take the frame stops waiting then, as at the deadline: a caller must not
     # stay in ``rpc_async`` writing to a peer the heartbeat gave up on.
     settled: Callable[[], bool] | None = None
+    # Nothing depends on this frame's order among frames sent meanwhile (a user call or
+    # reply, a fetch, a heartbeat, with no bookkeeping riding in it), set by the agent. A
+    # transport that lets a small frame pass a large one still being written
+    # (``Capabilities.interleaves``) lets only these pass.
+    may_pass: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -119,10 +124,10 @@ class Capabilities:
             ``heartbeat_timeout`` (a slow link, a huge tensor) does not make its peer look
             silent. False for tensorpipe: torch's agent hands rpcx a message only whole.
         interleaves: a small frame sent while a large one is still being written (its
-            ``send`` not yet returned) may go ahead of it, between its pieces: a call
-            beside a bulk transfer waits for about one piece, not for the transfer. Per
-            destination order still holds as ``Transport.send`` states it. True for the
-            socket backends (auto, shm, tcp).
+            ``send`` not yet returned) may go ahead of it, between its pieces, if the
+            agent marked it ``Frame.may_pass``: a call beside a bulk transfer waits for
+            about one piece, not for the transfer. Per destination order still holds as
+            ``Transport.send`` states it. True for the socket backends (auto, shm, tcp).
     """
 
     multi_process: bool
@@ -322,9 +327,11 @@ class Transport(Protocol):
     def send(self, dst: int, frame: Frame) -> None:
         """Send ``frame`` to rank ``dst`` (never this worker's own rank).
 
-        Thread-safe. Frames to one destination arrive in the order their ``send`` calls
-        returned, whichever threads made them, and the receiver delivers them one at a
-        time in that order (the RRef protocol depends on this). When ``send`` returns the
+        Thread-safe. Frames to one destination arrive in order, whichever threads sent
+        them: a frame whose ``send`` returned before another ``send`` to the destination
+        began arrives first, and the receiver delivers them one at a time in arrival
+        order (the RRef protocol depends on this). Frames whose sends overlap may arrive
+        either way. When ``send`` returns the
         buffers have been written or copied: the caller may modify them. Raises
         ``PeerLostError`` if the peer is known to be gone.
         """

@@ -134,6 +134,20 @@ def test_nothing_passes_while_another_job_waits_behind_the_large_one(
     assert wire.written == ["J0", "J1", "k", "s"]
 
 
+def test_a_stream_of_small_jobs_does_not_hold_a_large_one_back(wire: PiecedWire) -> None:
+    # At a boundary only the small jobs already waiting go: one put while they are
+    # written waits for the next boundary.
+    large = _put(wire, Pieces("J", 3))
+    wire.wait_for_step()
+    first = _put(wire, "s1", overtake=True)
+    wire.step()  # J0; then s1's write begins
+    wire.wait_for_step()
+    second = _put(wire, "s2", overtake=True)
+    wire.step(4)
+    _done(large, first, second)
+    assert wire.written == ["J0", "s1", "J1", "s2", "J2"]
+
+
 def test_a_small_job_with_nothing_to_pass_is_written_as_any_other(wire: PiecedWire) -> None:
     small = _put(wire, "s", overtake=True)
     wire.step()
@@ -253,7 +267,7 @@ def test_a_small_frame_passes_a_large_one_whose_sender_still_waits(
     # The large frame fills both ends' buffers; the rest is queued, its sender waiting.
     _wait_until(lambda: len(_backlog(pair)) == 1)
     small = threading.Thread(target=pair.a.send,
-                             args=(1, Frame(b"small", [torch.arange(4)])))
+                             args=(1, Frame(b"small", [torch.arange(4)], may_pass=True)))
     small.start()
     _wait_until(lambda: _backlog(pair).overtaking == 1)
     gate.set()
@@ -273,11 +287,36 @@ def test_a_frame_sent_after_a_large_send_returned_arrives_after_it(
     # Its send returns at its deadline, the rest still queued: order binds now.
     pair.a.send(1, Frame(b"large", [_large(3)], deadline=time.monotonic() + 0.2))
     assert len(_backlog(pair)) == 1
-    pair.a.send(1, Frame(b"small", deadline=time.monotonic() + 0.2))
+    pair.a.send(1, Frame(b"small", deadline=time.monotonic() + 0.2, may_pass=True))
     assert _backlog(pair).overtaking == 0 and len(_backlog(pair)) == 2
     gate.set()
     assert pair.headers(3) == [b"gate", b"large", b"small"]
     assert bool((pair.arrived[1].buffers[0] == 3).all())
+
+
+def test_a_frame_the_agent_did_not_mark_keeps_its_order(
+        held_pair: tuple[_TcpPair, threading.Event]) -> None:
+    # Bookkeeping (an acknowledgement that covers the notes sent before it, say) is not
+    # marked may_pass: it waits behind the large frame even while that one's sender
+    # still waits.
+    pair, gate = held_pair
+    pair.a.send(1, Frame(b"gate"))
+    sender = threading.Thread(target=pair.a.send, args=(1, Frame(b"large", [_large(5)])))
+    sender.start()
+    _wait_until(lambda: len(_backlog(pair)) == 1)
+    pair.a.send(1, Frame(b"bookkeeping", deadline=time.monotonic() + 0.2))
+    assert _backlog(pair).overtaking == 0 and len(_backlog(pair)) == 2
+    gate.set()
+    assert pair.headers(3) == [b"gate", b"large", b"bookkeeping"]
+    sender.join(BOUND)
+    assert not sender.is_alive()
+
+
+def test_only_user_calls_replies_and_liveness_may_pass() -> None:
+    from rpcx.messages import PASSING_KINDS, MessageKind
+    assert {MessageKind.CALL, MessageKind.RESULT, MessageKind.HEARTBEAT} <= PASSING_KINDS
+    assert not {MessageKind.RREF_DELETE, MessageKind.RREF_FORKS, MessageKind.AUTOGRAD_RELEASE,
+                MessageKind.AUTOGRAD_FORGET, MessageKind.LEAVING} & PASSING_KINDS
 
 
 def test_frames_in_pieces_and_small_ones_from_many_threads_all_arrive_whole() -> None:
@@ -293,7 +332,7 @@ def test_frames_in_pieces_and_small_ones_from_many_threads_all_arrive_whole() ->
                 pair.a.send(1, Frame(f"{index}:{step}:large".encode(),
                                      [torch.full((size,), fill, dtype=torch.uint8),
                                       torch.arange(3) + fill]))
-                pair.a.send(1, Frame(f"{index}:{step}:small".encode()))
+                pair.a.send(1, Frame(f"{index}:{step}:small".encode(), may_pass=True))
 
         _all(sender, [(i,) for i in range(4)])
         pair.headers(4 * 2 * len(sizes))

@@ -104,6 +104,7 @@ def test_a_copy_of_a_frame_keeps_every_field() -> None:
         "owned": frozenset({1}),
         "deadline": 123.5,
         "settled": lambda: True,
+        "may_pass": True,
     }
     fields = dataclasses.fields(Frame)
     assert {f.name for f in fields} == set(values), "give each field of Frame a value here"

@@ -378,6 +378,19 @@ def test_a_frame_that_cannot_be_written_ends_the_connection_on_both_sides(
      "over max_frame_bytes (16777216)"),
     (transport_module._HEAD.pack(transport_module._FRAME, 1, 0) + struct.pack("<Q", 1 << 62)
      + bytes(5), "over max_frame_bytes"),
+    # Frames in pieces (the socket backends' large frames): a piece of no frame, a frame
+    # too small to come in pieces (it could never be whole), one in shared memory, and
+    # one begun while another is.
+    (transport_module._HEAD.pack(transport_module._PIECE, 4, 0) + bytes(4),
+     "a piece of 4 bytes, with no frame in pieces begun"),
+    (transport_module._HEAD.pack(transport_module._PIECED, 0, 0), "announced in pieces"),
+    (transport_module._HEAD.pack(transport_module._PIECED, 1, 0) + struct.pack("<Q", 1 << 20)
+     + bytes([1]) + bytes(4), "in pieces with buffers in shared memory"),
+    (2 * (transport_module._HEAD.pack(transport_module._PIECED, 1, 0)
+          + struct.pack("<Q", 1 << 20) + bytes(5)), "begun before the last one was whole"),
+    (transport_module._HEAD.pack(transport_module._PIECED, 1, 0) + struct.pack("<Q", 1 << 20)
+     + bytes(5) + transport_module._HEAD.pack(transport_module._PIECE, (1 << 20) + 1, 0),
+     "a piece of 1048577 bytes, with 1048576 left"),
 ])
 def test_bytes_that_are_no_frame_end_the_connection_on_both_sides(
     head: bytes, why: str,

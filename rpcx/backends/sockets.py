@@ -302,7 +302,7 @@ class SocketTransport(StreamTransport):
             head = _HEAD.pack(_FRAME, 0, len(frame.header)) + frame.header
             peer.send([_ids_message(_FREE, freed) + head if freed else head],
                       deadline=frame.deadline, cork=self.cork_bytes, settled=frame.settled,
-                      may_pass=len(head) <= _PASS_MAX)
+                      may_pass=frame.may_pass and len(head) <= _PASS_MAX)
             return
         shm_min = peer.shm_min
         buffers = [as_bytes(b) for b in frame.buffers]
@@ -362,7 +362,7 @@ class SocketTransport(StreamTransport):
                 try:
                     pending = peer.write_locked(
                         [head, frame.header, *parts], fds, later,
-                        may_pass=not (fds or used)
+                        may_pass=frame.may_pass and not (fds or used)
                         and inline + len(head) + len(frame.header) <= _PASS_MAX)
                 except OSError as exc:
                     raise lost_error(exc) from None
@@ -419,7 +419,9 @@ class SocketTransport(StreamTransport):
             if peer.bye_sent or peer.gone:
                 return
             with contextlib.suppress(OSError):  # a lost peer is seen by its receiver
-                peer.write_locked([message], [])
+                # (a FREE is small and ordered with no frame: it may pass one being
+                # written; a RETIRE must precede the frames that map anew)
+                peer.write_locked([message], [], may_pass=kind == _FREE)
 
     # ---------------------------------------------------------------------- receive
 
@@ -448,12 +450,18 @@ class SocketTransport(StreamTransport):
         # straight into their tensor.)
         reader.fill(_HEAD.size, exact=assembly is not None)
         kind, count, header_len = _HEAD.unpack(reader.take(_HEAD.size))
-        if kind == _PIECE and assembly is not None:
+        if kind == _PIECE:
+            if assembly is None:
+                raise ProtocolError(f"a piece of {count} bytes, with no frame in pieces "
+                                    f"begun (frames before: {list(reader.recent)})")
             frame = assembly.read_piece(reader, count)
             if frame is None:
                 return _MORE
             peer.assembly = None
             return frame
+        if kind == _PIECED and assembly is not None:
+            raise ProtocolError("a frame in pieces begun before the last one was whole "
+                                f"({assembly.left} bytes of it still to come)")
         if kind == _BYE:
             return None
         # Checked before anything is read or allocated for it (max_frame_bytes).
@@ -468,7 +476,7 @@ class SocketTransport(StreamTransport):
             reader.fill(header_len)
             reader.recent.append((0, header_len))
             return Frame(bytes(reader.take(header_len)), [])
-        if kind not in (_FRAME, _PIECED) or (kind == _PIECED and assembly is not None):
+        if kind not in (_FRAME, _PIECED):
             raise ProtocolError(f"unknown frame kind {kind} (count {count}, header "
                                 f"{header_len}; frames before: {list(reader.recent)})")
         reader.fill(13 * count + header_len)
@@ -518,6 +526,8 @@ class SocketTransport(StreamTransport):
         """A frame that comes in pieces: its buffers, to be filled as they arrive."""
         if any(where):
             raise ProtocolError("a frame in pieces with buffers in shared memory")
+        if sum(sizes) < _PIECED_MIN:  # (no sender pieces it: it could never be whole)
+            raise ProtocolError(f"a frame of {sum(sizes)} bytes announced in pieces")
         buffers = []
         for size in sizes:
             try:  # (pages are touched as bytes land: memory follows what was received)

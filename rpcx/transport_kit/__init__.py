@@ -11,12 +11,16 @@ here, public and stable for plugin authors (a plugin needs nothing private from 
 :class:`Backlog`, :class:`Pending` (:mod:`~rpcx.transport_kit.writer`)
     The per-peer writer thread that lets ``send`` return by ``frame.deadline`` when a
     peer stops reading.
-:class:`StreamTransport`, :class:`SocketLink`, :class:`SocketReader`, :func:`introduce`,
-:func:`admit`, :func:`connect_stream_mesh` (:mod:`~rpcx.transport_kit.sockets`)
+:class:`StreamTransport`, :func:`introduce`, :func:`admit`, :func:`connect_stream_mesh`
+(:mod:`~rpcx.transport_kit.sockets`)
     A transport over stream sockets: a new socket backend writes ``connect``,
     ``read_one`` and ``pack``, and the kit does the rest (the handshake, with a world
     key's challenge-response, included). In a dynamic world, :func:`join_stream_mesh`
     connects a newcomer to every member and a :class:`Doorway` admits later ones.
+:class:`SocketLink`, :class:`SocketReader`, :func:`send_now`
+(:mod:`~rpcx.transport_kit.socket_link`)
+    One peer over a stream socket: its buffered reader, writes that never wait, and a
+    large frame written in pieces that small frames (``Frame.may_pass``) may pass.
 Sentences, checks, views, options (:mod:`~rpcx.transport_kit.basics`)
     ``SHUT_DOWN``, ``CLOSED_CONNECTION``, :func:`unreachable`, :func:`classify`,
     :func:`check_frame_size`, :func:`check_count`, :func:`as_bytes`, :func:`memory_of`,

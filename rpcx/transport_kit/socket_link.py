@@ -259,7 +259,7 @@ class SocketLink(Link):
     burst of small calls is then answered in a few writes instead of one each.
     """
 
-    __slots__ = ("attached", "corked", "moved", "reader", "sock")
+    __slots__ = ("attached", "corked", "corked_may_pass", "moved", "reader", "sock")
 
     def __init__(self, rank: int, name: str, sock: socket.socket | None,
                  writer_name: str, progress: Callable[[int], None] | None = None) -> None:
@@ -282,6 +282,7 @@ class SocketLink(Link):
                                    size=READ_CHUNK if self.attached.is_set() else 0,
                                    moved=self.moved)
         self.corked = bytearray()  # one byte string: a write takes at most 1,024 pieces
+        self.corked_may_pass = True  # (every frame corked now was sent ``may_pass``)
 
     def attach(self, sock: socket.socket) -> None:
         """Give a link being connected its socket (call under ``lock``, before its
@@ -314,6 +315,7 @@ class SocketLink(Link):
                 if len(self.corked) + size <= cork:
                     for part in parts:
                         self.corked += part
+                    self.corked_may_pass = self.corked_may_pass and may_pass
                     return
             try:
                 pending = self.write_locked(parts, fds, may_pass=may_pass)
@@ -360,6 +362,8 @@ class SocketLink(Link):
         if self.corked:
             parts = [bytes(self.corked), *parts]
             self.corked.clear()
+            may_pass = may_pass and self.corked_may_pass
+            self.corked_may_pass = True
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         rest = collections.deque([memoryview(p).cast("B") for p in piece if len(p)]
                                  for piece in later)
@@ -384,7 +388,9 @@ class SocketLink(Link):
             with self.lock:
                 if not (self.gone or self.bye_sent):
                     with contextlib.suppress(OSError):
-                        self.write_locked([])
+                        # (corked since a large frame began: they may pass it, if
+                        # each of them may)
+                        self.write_locked([], may_pass=True)
 
     def shutdown(self) -> None:
         """End the connection both ways: wakes a reader blocked on it (end of file) and

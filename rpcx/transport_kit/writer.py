@@ -268,11 +268,14 @@ class Backlog:
             self._running = False
             raise
 
-    def _write_overtaking(self, first: Pending | None) -> None:
-        """Write the jobs waiting to overtake; with ``first`` (the job just written),
-        then take it off the queue, under the lock once none are left, so no job put to
-        overtake it is stranded."""
-        while True:
+    def _write_overtaking(self, first: Pending | None, most: int = -1) -> None:
+        """Write the jobs waiting to overtake: at a boundary, the ``most`` waiting when
+        it was reached (a stream of small calls must not hold a large frame back for
+        good); with ``first`` (the job just written) every one, then take that off the
+        queue, under the lock once none are left, so no job put to overtake it is
+        stranded."""
+        while most:
+            most -= 1
             with self.lock:
                 if not self._passing:
                     if first is not None:
@@ -312,7 +315,7 @@ class Backlog:
                 pending = self._jobs[0]
             try:
                 while self._write(pending.job) is False:  # (a boundary)
-                    self._write_overtaking(None)
+                    self._write_overtaking(None, self.overtaking)
                 self._write_overtaking(pending)
             except BaseException as exc:
                 with self.lock:
