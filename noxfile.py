@@ -433,8 +433,9 @@ def bench(session: nox.Session) -> None:
     Then bench/world_sizes.py: 8 to 64 worker processes start, call each other and shut
     down, torch beside the default backend and gloo (``--quick``: one round). Last
     bench/start_methods.py: workers forked from a warm server against spawned ones, and
-    bench/beside_bulk.py where this runs as root (small calls beside a bulk transfer
-    between two namespaces on a shaped link).
+    bench/beside_bulk.py and bench/faults.py where this runs as root (small calls beside
+    a bulk transfer between two namespaces on a shaped link; a slow link, a partition and
+    a lone worker, torch beside rpcx).
     """
     _install(session, "bench")
     for directory in PLUGINS.values():  # their backends are measured too
@@ -446,5 +447,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "bench/start_methods.py", *(["--rounds", "1"] if quick else []))
     if os.geteuid() == 0 and shutil.which("tc"):
         session.run("python", "bench/beside_bulk.py", *(["--rounds", "1"] if quick else []))
+        session.run("python", "bench/faults.py",
+                    *(["--systems", "torch,auto", "--lone-limit", "20"] if quick else []))
     else:
-        session.log("bench/beside_bulk.py skipped: it needs root and tc (two namespaces)")
+        session.log("bench/beside_bulk.py and bench/faults.py skipped: they need root and "
+                    "tc (two namespaces)")

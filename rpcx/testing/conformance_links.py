@@ -366,10 +366,12 @@ PARTITION_WORKER = textwrap.dedent("""
 
 # What rpcx itself may print in these runs (one line each): the notice of a world
 # without a key, and the heartbeat's notes on the peer across the cut.
-_OWN_NOTES = ("runs without authentication", "is unresponsive", "answers again")
+OWN_NOTES = ("runs without authentication", "is unresponsive", "answers again")
 
 
-def _set_link(hosts: Hosts, side: int, up: bool) -> None:
+def set_link(hosts: Hosts, side: int, up: bool) -> None:
+    """Bring host ``side``'s end of the pair up or down (down: packets vanish, nothing
+    is reset, as when a cable or a switch fails)."""
     subprocess.run(["ip", "-n", hosts.namespaces[side], "link", "set", hosts.interfaces[side],
                     "up" if up else "down"], check=True, capture_output=True, timeout=30)
 
@@ -401,24 +403,24 @@ class TestPartitions:
 
         try:
             _line(runs[0], "ready")
-            _set_link(hosts, side, up=False)
+            set_link(hosts, side, up=False)
             step()
             time.sleep(SHORT_CUT_S)  # (the cut itself: how long the link stays down)
-            _set_link(hosts, side, up=True)
+            set_link(hosts, side, up=True)
             short = _line(runs[0], "short ")
-            _set_link(hosts, side, up=False)
+            set_link(hosts, side, up=False)
             cut_at = time.monotonic()
             step()
             long = _line(runs[0], "long ")
             time.sleep(max(0.0, CUT_S - (time.monotonic() - cut_at)))
-            _set_link(hosts, side, up=True)
+            set_link(hosts, side, up=True)
             step()
             back = _line(runs[0], "back ")
             shutting = _line(runs[0], "shutting down at ")
             done = _line(runs[0], "shut down in ")
             server_done = _line(runs[1], "shut down at ")
         finally:
-            _set_link(hosts, side, up=True)
+            set_link(hosts, side, up=True)
             outputs = _finish(runs)
         assert short.startswith("short ok"), f"{short}\n{outputs[0]}"
         # By its deadline (2 s; the heartbeat would say h1 is silent only after 3).
@@ -433,6 +435,6 @@ class TestPartitions:
         for output in outputs:  # (what the workers printed after the lines read above)
             noise = [line for line in output.splitlines() if line.strip()
                      and not line.startswith(("ready", "short", "long", "back", "shut"))
-                     and not any(note in line for note in _OWN_NOTES)]
+                     and not any(note in line for note in OWN_NOTES)]
             assert not noise, "\n".join(noise[:40])
         assert [run.returncode for run in runs] == [0, 0], outputs
