@@ -24,8 +24,9 @@ torch runs with TCP-only channels (``_transports=["uv"], _channels=["basic"]``, 
 ``TP_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` naming the host's interface, which it needs
 there) as between real hosts. "Printed" counts every line either worker wrote to its
 terminal beyond the benchmark's own, rpcx's own one-line notes (an unauthenticated world,
-a peer silent or answering again) apart from the rest; the first of the rest is shown. ``--conditions busy`` runs
-the cases beside one CPU-bound process per core (``conditions.py``).
+a peer silent or answering again) apart from the rest; the first of the rest is shown.
+``--conditions busy`` runs the cases beside one CPU-bound process per core
+(``conditions.py``).
 
 Needs root, ``ip`` and ``tc`` for ``slow`` and ``partition``.
 
