@@ -215,9 +215,10 @@ def test_a_peer_the_kernel_knows_is_asked_about_not_pinged(
     assert [r for r, _ in seen.heard] == [1]
 
 
-def test_a_silent_peer_is_looked_at_and_pinged_more_often_until_heard_again() -> None:
+def test_a_silent_peer_is_looked_at_more_often_until_heard_again() -> None:
     # Calls to a silent peer are refused until it is heard: once a partition heals, it
-    # must be seen back within a fraction of a second, not a whole interval later.
+    # must be taken back as soon as a frame from it is counted, not a tick later. Its
+    # pings keep their interval (more of them queue behind a cut link).
     seen = Recorder()
     watch = Heartbeat("test", [1], 3, interval=1.0, timeout=4.0, ping=seen.pinged.append,
                       on_silent=seen._silent, on_heard=seen._heard)
@@ -230,10 +231,10 @@ def test_a_silent_peer_is_looked_at_and_pinged_more_often_until_heard_again() ->
         assert now < 10.0, "never reported"
     assert watch._next_wait() == pytest.approx(0.1)
     pings = len(seen.pinged)
-    for _ in range(10):  # a second of looks while it is silent
+    for _ in range(10):  # about a second of looks while it is silent
         now += watch._next_wait()
         watch._step(now)
-    assert len(seen.pinged) - pings >= 3  # every 0.25 s (once a second before it was silent)
+    assert 0 <= len(seen.pinged) - pings <= 1  # still one ping an interval
     assert watch.stalled == 0.0  # the shorter waits are not taken for lateness
     watch.heard[1] += 1
     now += watch._next_wait()
