@@ -137,24 +137,23 @@ def _partition_worker(rank: int, system: str, url: str) -> None:
             raise AssertionError("wrong answer")
 
     facts: dict[str, Any] = {}
+
+    def timed(key: str, timeout: float) -> None:
+        """One call: its outcome as ``facts[key]``, its seconds as ``facts[key_s]``."""
+        started = time.monotonic()
+        try:
+            call(timeout)
+            facts[key] = "ok"
+        except Exception as exc:
+            facts[key] = _error(exc)
+        facts[f"{key}_s"] = time.monotonic() - started
+
     _say("STEP ", ready=True)
     sys.stdin.readline()  # the link is down, for less than the call's timeout
-    started = time.monotonic()
-    try:
-        call(30)
-        facts["short"] = "ok"
-    except Exception as exc:
-        facts["short"] = _error(exc)
-    facts["short_s"] = time.monotonic() - started
+    timed("short", 30)
     _say("STEP ", short=facts["short"])
     sys.stdin.readline()  # down again, for longer than the next call's timeout
-    started = time.monotonic()
-    try:
-        call(3)
-        facts["long"] = "ok"
-    except Exception as exc:
-        facts["long"] = _error(exc)
-    facts["long_s"] = time.monotonic() - started
+    timed("long", 3)
     facts["long_names_peer"] = "h1" in facts["long"]
     _say("STEP ", long=facts["long"])
     sys.stdin.readline()  # the link is back
