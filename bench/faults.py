@@ -63,23 +63,25 @@ PROTOCOL = ("RESULT ", "STEP ")  # the benchmark's own lines; anything else is "
 
 def _module(system: str) -> Any:
     """torch.distributed.rpc for ``torch``, else rpcx (imported before any clock starts)."""
-    if system == "torch":
-        import torch.distributed.rpc as torch_rpc
-        return torch_rpc
-    import rpcx
-    return rpcx
+    import systems
+
+    return systems.api(system).rpc
 
 
 def _init(system: str, rank: int, url: str, timeout: float) -> Any:
-    """``init_rpc`` as ``h{rank}`` of a world of two on ``system``; the module used."""
+    """``init_rpc`` as ``h{rank}`` of a world of two on ``system``; the module used.
+    (Not ``systems.init_worker``: the timeout differs per case, and torch is given the
+    TCP-only channels two real hosts would leave it.)"""
     rpc = _module(system)
     if system == "torch":
         options: Any = rpc.TensorPipeRpcBackendOptions(
             init_method=url, rpc_timeout=timeout, _transports=["uv"], _channels=["basic"])
         rpc.init_rpc(f"h{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     else:
+        import systems
+
         options = rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=timeout)
-        rpc.init_rpc(f"h{rank}", rank=rank, world_size=2, backend=system,
+        rpc.init_rpc(f"h{rank}", rank=rank, world_size=2, backend=systems.backend_of(system),
                      rpc_backend_options=options)
     return rpc
 
@@ -265,12 +267,14 @@ class _World:
 
 
 def _env(system: str, interface: str | None = None) -> dict[str, str]:
+    import systems
+
     from rpcx.testing.conformance_hosts import INTERFACE_VARIABLES
 
     env = {k: v for k, v in os.environ.items() if k not in INTERFACE_VARIABLES}
     env.setdefault("OMP_NUM_THREADS", "1")
-    if system == "torch" and interface:  # (torch picks its interface by these)
-        env.update(TP_SOCKET_IFNAME=interface, GLOO_SOCKET_IFNAME=interface)
+    if interface:
+        env.update(systems.interface_variables(system, interface))
     return env
 
 
@@ -326,30 +330,38 @@ def run_partition(system: str, args: argparse.Namespace) -> dict[str, Any]:
         url = f"tcp://{hosts.addresses[0]}:{free_port()}"  # (rank 0 hosts the store)
         commands, envs = _on_hosts(hosts, system, "partition", url)
         world = _World(commands, envs, limit=180, stdin=True)
-        result: dict[str, Any] = {}
+        result: dict[str, Any] = {"short": "did not start"}
         try:
-            if world.step(0, "ready") is None:
-                return {"short": "did not start", **_noise(world.finish())}
-            set_link(hosts, side, up=False)
-            world.tell(0)
-            time.sleep(args.short_cut)  # (the cut itself: how long the link stays down)
-            set_link(hosts, side, up=True)
-            world.step(0, "short")
-            set_link(hosts, side, up=False)
-            cut_at = time.monotonic()
-            world.tell(0)
-            world.step(0, "long")
-            time.sleep(max(0.0, args.long_cut - (time.monotonic() - cut_at)))
-            set_link(hosts, side, up=True)
-            world.tell(0)
-            result = world.step(0, "shutdown_s") or {"short": "no result"}
-            server = world.step(1, "server_down_at")
-            if server and "shutdown_started_at" in result:
-                result["server_down_s"] = server["server_down_at"] - result["shutdown_started_at"]
+            if world.step(0, "ready") is not None:
+                result = _cut_and_restore(world, hosts, side, args)
         finally:
             set_link(hosts, side, up=True)
             printed = world.finish()
         return {**result, **_noise(printed)}
+
+
+def _cut_and_restore(world: _World, hosts: Any, side: int, args: argparse.Namespace
+                     ) -> dict[str, Any]:
+    """Drive rank 0 through the cuts (it waits for a line on stdin before each step)."""
+    from rpcx.testing.conformance_links import set_link
+
+    set_link(hosts, side, up=False)
+    world.tell(0)
+    time.sleep(args.short_cut)  # (the cut itself: how long the link stays down)
+    set_link(hosts, side, up=True)
+    world.step(0, "short")
+    set_link(hosts, side, up=False)
+    cut_at = time.monotonic()
+    world.tell(0)
+    world.step(0, "long")
+    time.sleep(max(0.0, args.long_cut - (time.monotonic() - cut_at)))
+    set_link(hosts, side, up=True)
+    world.tell(0)
+    result = world.step(0, "shutdown_s") or {"short": "no result"}
+    server = world.step(1, "server_down_at")
+    if server and "shutdown_started_at" in result:
+        result["server_down_s"] = server["server_down_at"] - result["shutdown_started_at"]
+    return result
 
 
 def run_lone(system: str, args: argparse.Namespace) -> dict[str, Any]:
