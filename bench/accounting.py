@@ -117,8 +117,8 @@ class FrameCounter:
         it (requests, replies, one-way messages).
         """
         try:
-            from rpcx._call_path import CallPath
-            from rpcx.serialization import decode_envelope
+            from rpcx._core.call_path import CallPath
+            from rpcx._wire.codec import decode_envelope
         except ImportError:
             return False
         original_init = CallPath.__init__

@@ -72,7 +72,7 @@ def _wrap(owner: Any, name: str, before: str | None, after: str | None,
 
 
 def _instrument() -> None:
-    from rpcx._call_path import CallPath
+    from rpcx._core.call_path import CallPath
     from rpcx.autograd.engine import LocalEngine
     from rpcx.backends.sockets import SocketTransport
     from rpcx.transport_kit.socket_link import SocketReader

@@ -84,7 +84,7 @@ def _wrap(owner: Any, name: str, before: str | None, after: str | None = None) -
 
 
 def _instrument(rank: int, backend: str) -> None:
-    import rpcx._call_path as call_path_module
+    import rpcx._core.call_path as call_path_module
     from rpcx.registry import resolve_backend
 
     side = "c" if rank == 0 else "s"

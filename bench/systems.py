@@ -15,7 +15,7 @@ from typing import Any
 # Without rpcx (or before its registry answers), the systems named when none are given.
 FALLBACK_SYSTEMS = ("torch",)
 # A system is a backend name, optionally with flags: "gloo+auth" runs gloo with a world
-# key (rpcx.auth: every frame's header MACed), "gloo+auth+payload" MACs tensors too;
+# key (rpcx._wire.auth: every frame's header MACed), "gloo+auth+payload" MACs tensors too;
 # "auto+trace" records every call with rpcx.tracing (files written at shutdown, outside
 # the timed part).
 AUTH_FLAG, PAYLOAD_FLAG, TRACE_FLAG = "auth", "payload", "trace"

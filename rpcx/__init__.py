@@ -5,9 +5,10 @@
 transport chosen by name (``init_rpc(backend="gloo")``, ``$RPCX_BACKEND``).
 """
 
-import rpcx._torch_import  # noqa: F401  (first: torch without its numpy warning)
+import rpcx._util.torch_import  # noqa: F401  (first: torch without its numpy warning)
 from rpcx import autograd, for_torch, functions, nn, optim
-from rpcx._membership_events import MembershipChange
+from rpcx._util import moved as _moved
+from rpcx._world.membership_events import MembershipChange
 from rpcx.api import (
     UNSET_RPC_TIMEOUT,
     _set_rpc_timeout,
@@ -110,6 +111,8 @@ __all__ = [
     "use_for_torch",
     "used_for_torch",
 ]
+
+_moved.install()  # (the module paths of rpcx 0.1 keep working for one release, with a warning)
 
 if for_torch.switch_requested():  # (also when the start-up hook is not installed)
     try:

@@ -12,16 +12,25 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from rpcx import _context, _cpp_log, auth, calls, hosts, joining, rref, trace_session
-from rpcx._membership_events import MembershipChange
-from rpcx.agent import RpcAgent
+from rpcx import hosts, rref
+from rpcx._core import context as _context
+from rpcx._core import joining
+from rpcx._core.agent import RpcAgent
+from rpcx._core.service_host import ServiceHost
+from rpcx._services import calls
+from rpcx._services.calls import (  # (the public API's, defined with the call service)
+    rpc_async,
+    rpc_sync,
+)
+from rpcx._util import cpp_log as _cpp_log
+from rpcx._wire import auth
+from rpcx._world.membership_events import MembershipChange
 from rpcx.autograd import service as autograd_service
-from rpcx.calls import rpc_async, rpc_sync  # (the public API's, defined with the call service)
 from rpcx.errors import RpcError, RpcShutdownError
 from rpcx.messages import LEAVING_AT_EXIT
 from rpcx.options import RpcBackendOptions, as_backend_options, as_rpcx_options
 from rpcx.registry import BackendSpec, resolve_backend
-from rpcx.service_host import ServiceHost
+from rpcx.tracing import session as trace_session
 from rpcx.worker import WorkerInfo, validate_worker_name
 
 __all__ = [

@@ -202,7 +202,7 @@ class RemoteErrorInfo:
 class _ExceptionPickling:
     """How :class:`RemoteErrorInfo` pickles an exception on its own, and reads it back.
 
-    Only the codec pickles, and it sits above this module: :mod:`rpcx.serialization`
+    Only the codec pickles, and it sits above this module: :mod:`rpcx._wire.codec`
     installs its two functions here when it loads (:func:`use_exception_pickling`), so
     this module imports nothing of rpcx. Until then an error travels by description.
     """

@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from rpcx._wire.codec import decode_envelope
 from rpcx.messages import MessageKind
-from rpcx.serialization import decode_envelope
 from rpcx.transport import Capabilities, DescribesRoutes, Frame, Transport, TransportContext
 
 __all__ = ["FAULTS_ENV", "PREFIX", "REPLY_PREFIX", "Faults", "FaultyTransport", "faulty_class"]

@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from rpcx import _context, api, autograd, nn, optim, torch_originals
+from rpcx import api, autograd, nn, optim, torch_originals
+from rpcx._core import context as _context
 from rpcx.options import RpcBackendOptions, TensorPipeRpcBackendOptions
 from rpcx.registry import BackendType
 from rpcx.rref import RRef

@@ -16,7 +16,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 
-from rpcx._pool import blocking
+from rpcx._util.pool import blocking
 from rpcx.errors import RpcShutdownError
 
 __all__ = [

@@ -43,7 +43,7 @@ class MessageKind(enum.IntEnum):
 
 
 # Requests whose payload is bookkeeping, never user code or user objects: the codec reads
-# them with an unpickler that accepts plain data and tensors only (rpcx.serialization).
+# them with an unpickler that accepts plain data and tensors only (rpcx._wire.codec).
 CONTROL_KINDS = frozenset({
     MessageKind.RREF_FETCH, MessageKind.RREF_FORKS, MessageKind.RREF_DELETE,
     MessageKind.RREF_CONFIRM, MessageKind.AUTOGRAD_BACKWARD, MessageKind.AUTOGRAD_RELEASE,

@@ -3,7 +3,7 @@
 An RRef names a value that lives on one worker, its *owner*. Other workers hold RRefs to
 it, pass them around in calls, fetch copies with ``to_here()`` and run its methods on the
 owner through the proxies. The owner keeps the value while any RRef to it exists
-anywhere; :mod:`rpcx.rref_protocol` explains how (forks, announcements, deletions).
+anywhere; :mod:`rpcx._services.rref_protocol` explains how (forks, announcements, deletions).
 
 Requests (all through the agent, so they time out and fail like any call):
 
@@ -29,22 +29,22 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from rpcx import _context
-from rpcx._pool import blocking
-from rpcx.calls import run_user_function
-from rpcx.errors import RpcError, RpcShutdownError, RpcTimeoutError
-from rpcx.functions import async_execution, is_async_execution
-from rpcx.futures import RpcFuture, add_internal_callback, wait, wait_done
-from rpcx.messages import MessageKind
-from rpcx.rref_fork import ForkId, ForkState, RRefId
-from rpcx.rref_protocol import RRefService
-from rpcx.serialization import (
+from rpcx._core import context as _context
+from rpcx._core.service_host import Deferred, ServiceHost, describe_callable
+from rpcx._services.calls import run_user_function
+from rpcx._services.rref_fork import ForkId, ForkState, RRefId
+from rpcx._services.rref_protocol import RRefService
+from rpcx._util.pool import blocking
+from rpcx._wire.codec import (
     EncodeContext,
     ReduceError,
     current_decode_context,
     register_extension,
 )
-from rpcx.service_host import Deferred, ServiceHost, describe_callable
+from rpcx.errors import RpcError, RpcShutdownError, RpcTimeoutError
+from rpcx.functions import async_execution, is_async_execution
+from rpcx.futures import RpcFuture, add_internal_callback, wait, wait_done
+from rpcx.messages import MessageKind
 from rpcx.worker import WorkerInfo
 
 __all__ = ["RRef", "create_remote", "install", "service"]
@@ -609,7 +609,7 @@ def _reduce_rref(rref: RRef[Any], ctx: EncodeContext) -> Any:
         ctx.keep_alive.append(rref)
     else:
         # Announce the fork before the frame leaves, holding ``rref`` (so its own fork)
-        # alive until then; see rpcx.rref_protocol for why that order makes early frees
+        # alive until then; see rpcx._services.rref_protocol for why that order makes early frees
         # impossible.
         ctx.before_send.append(lambda: svc.announce(rref, fork, holder))
     return (
@@ -648,7 +648,7 @@ def install(agent: ServiceHost) -> None:
         on_decode_error=_remote_call_undecodable(agent),
     )
     # A fetch needs no ordering: the fetching RRef stays alive until the reply. Reference
-    # bookkeeping is handled in arrival order (see rpcx.rref_protocol).
+    # bookkeeping is handled in arrival order (see rpcx._services.rref_protocol).
     agent.register_handler(MessageKind.RREF_FETCH, _handle_fetch(agent))
     agent.register_handler(MessageKind.RREF_CALL, _handle_rref_call(agent))
     agent.register_handler(MessageKind.RREF_FORKS, _handle_forks(agent), in_order=True)

@@ -8,7 +8,7 @@ where the parent has none, ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` 
 ``torchrun --standalone`` does), so ``env://``, the default ``init_method``, just works.
 
 Worker processes are forked from a server that imported torch and rpcx once
-(:mod:`rpcx._forkserver`), not started as fresh interpreters that import torch each:
+(:mod:`rpcx._util.forkserver`), not started as fresh interpreters that import torch each:
 a worker is ready in milliseconds. ``start_method="spawn"`` asks for fresh interpreters.
 """
 
@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch.multiprocessing.spawn import start_processes
 
-from rpcx import _context, _forkserver, api
+from rpcx import api
+from rpcx._core import context as _context
+from rpcx._util import forkserver as _forkserver
 from rpcx.errors import RpcError
 from rpcx.messages import LEAVING_THREAD_ENDED
 from rpcx.registry import ENV_VAR, resolve_backend

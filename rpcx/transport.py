@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from rpcx._memory import copy_of
+from rpcx._util.memory import copy_of
 from rpcx.errors import LostCause
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class Capabilities:
             kit fuzzes every listener of a worker to check it.
         lossy: frames may be dropped or duplicated (never reordered between a pair). rpcx
             then acknowledges its bookkeeping and sends it again until answered (see
-            ``rpcx._retransmit``); user calls whose frames are lost fail with their
+            ``rpcx._core.retransmit``); user calls whose frames are lost fail with their
             timeout. False for every built-in transport (a lost connection is a lost peer).
         dynamic: workers may join after this one started (``init_rpc`` without
             ``world_size``): started with ``TransportContext.admit`` set, the transport
@@ -180,10 +180,10 @@ class ConnectionAuth(Protocol):
     """
 
     def challenge(self) -> bytes:
-        """A fresh random challenge (``rpcx.auth.NONCE_BYTES`` long)."""
+        """A fresh random challenge (``rpcx._wire.auth.NONCE_BYTES`` long)."""
 
     def proof(self, purpose: str, src: int, dst: int, challenge: bytes = b"") -> bytes:
-        """What ``src`` answers ``dst``'s ``challenge`` with (``rpcx.auth.TAG_BYTES``)."""
+        """What ``src`` answers ``dst``'s ``challenge`` with (``rpcx._wire.auth.TAG_BYTES``)."""
 
     def check(self, purpose: str, src: int, dst: int, challenge: bytes, proof: bytes) -> bool:
         """Whether ``proof`` is ``src``'s answer to ``challenge``."""

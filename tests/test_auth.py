@@ -1,4 +1,4 @@
-"""rpcx.auth on its own: sealed store values, frame MACs, replay windows, connection proofs.
+"""rpcx._wire.auth on its own: sealed store values, frame MACs, replay windows, connection proofs.
 
 The same checks on live worlds, per backend, are in the conformance kit
 (``rpcx/testing/conformance_auth.py``).
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import rpcx
-from rpcx import auth, rendezvous
-from rpcx._recent import RecentIds
+from rpcx._util.recent import RecentIds
+from rpcx._wire import auth
+from rpcx._world import rendezvous
 from rpcx.errors import AuthenticationError, ProtocolError
 from rpcx.transport import Frame
 

@@ -20,12 +20,12 @@ import torch
 
 import rpcx
 import rpcx.autograd as dist_autograd
-from rpcx import _context
+from rpcx._core import context as _context
+from rpcx._wire.codec import decode_envelope
 from rpcx.autograd import releases
 from rpcx.autograd.releases import ReleaseNotes
 from rpcx.errors import PeerLostError
 from rpcx.messages import MessageKind
-from rpcx.serialization import decode_envelope
 from rpcx.testing.world import world
 from rpcx.worker import WorkerInfo
 

@@ -1,4 +1,4 @@
-"""rpcx._budget.PeerBudget: bytes in flight per peer, capped; waits bounded. And the
+"""rpcx._core.budget.PeerBudget: bytes in flight per peer, capped; waits bounded. And the
 agent's use of it: a call refused after it took its bytes gives them back."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import rpcx
-from rpcx import _context
-from rpcx._budget import PeerBudget
+from rpcx._core import context as _context
+from rpcx._core.budget import PeerBudget
 from rpcx.testing import remote
 from rpcx.testing.world import world
 

@@ -1,4 +1,4 @@
-"""Unit tests for rpcx.serialization, the codec, used directly without an agent.
+"""Unit tests for rpcx._wire.codec, the codec, used directly without an agent.
 
 Covers envelopes, tensors travelling out of band (every dtype family, odd shapes and
 strides, frames re-delivered as flat uint8 copies the way the gloo transport delivers
@@ -15,9 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from rpcx.errors import SerializationError
-from rpcx.messages import MessageKind
-from rpcx.serialization import (
+from rpcx._wire.codec import (
     DecodeContext,
     EncodeContext,
     Placed,
@@ -31,6 +29,8 @@ from rpcx.serialization import (
     has_notes,
     register_extension,
 )
+from rpcx.errors import SerializationError
+from rpcx.messages import MessageKind
 from rpcx.transport import Frame
 
 KIND = 3
@@ -266,7 +266,7 @@ def test_non_cpu_tensor_without_a_map_refused_naming_the_device_and_the_fix() ->
 
 
 def test_unmapped_device_error_comes_from_the_routes() -> None:
-    from rpcx.devices import WorkerDevices, plan_routes
+    from rpcx._wire.devices import WorkerDevices, plan_routes
 
     routes = plan_routes(0, [WorkerDevices("a", 0), WorkerDevices("b", 0)])
     tensor = torch.empty(2, device="meta")
@@ -276,7 +276,7 @@ def test_unmapped_device_error_comes_from_the_routes() -> None:
 
 
 def test_placed_tensor_on_cpu_round_trips_unchanged() -> None:
-    from rpcx.serialization import Placed
+    from rpcx._wire.codec import Placed
 
     tensor = torch.arange(4.0)
     ctx = EncodeContext(0)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from rpcx import _cpp_log
+from rpcx._util import cpp_log as _cpp_log
 
 # A c10d warning on demand: a TCPStore wait that times out prints two lines
 # ("[W... socket.cpp:...] [c10d] waitForInput: ...").

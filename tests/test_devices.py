@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import rpcx
-from rpcx.devices import SAME_DEVICE, WorkerDevices, plan_routes
-from rpcx.serialization import DecodeContext, EncodeContext, decode_payload, encode
+from rpcx._wire.codec import DecodeContext, EncodeContext, decode_payload, encode
+from rpcx._wire.devices import SAME_DEVICE, WorkerDevices, plan_routes
 from rpcx.testing.world import start_world, world
 
 CPU = torch.device("cpu")
@@ -163,7 +163,7 @@ def test_a_crafted_store_value_fails_init_rpc_and_runs_nothing(tmp_path: Any) ->
     # transport exists.
     import threading
 
-    from rpcx import rendezvous
+    from rpcx._world import rendezvous
 
     init_method = f"file://{tmp_path / 'rendezvous'}"
     posed: list[BaseException] = []

@@ -13,9 +13,9 @@ import time
 import pytest
 from torch._C._distributed_c10d import HashStore
 
-from rpcx._process_watch import local_mark
-from rpcx._store import BoundedStore
-from rpcx.dynamic_world import DynamicWorld
+from rpcx._util.process_watch import local_mark
+from rpcx._world.dynamic import DynamicWorld
+from rpcx._world.store import BoundedStore
 from rpcx.errors import RpcTimeoutError
 
 BOUND = 30.0
@@ -24,7 +24,7 @@ BOUND = 30.0
 def _dead_mark() -> str:
     """The process mark (hex) of a process that ran and is gone."""
     done = subprocess.run(
-        [sys.executable, "-c", "from rpcx._process_watch import local_mark; "
+        [sys.executable, "-c", "from rpcx._util.process_watch import local_mark; "
                                "print(local_mark().hex())"],
         capture_output=True, text=True, timeout=BOUND, check=True)
     return done.stdout.strip()

@@ -1,4 +1,4 @@
-"""rpcx._environ: a variable set for a block, then put back as it was."""
+"""rpcx._util.environ: a variable set for a block, then put back as it was."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rpcx._environ import environment_variable
+from rpcx._util.environ import environment_variable
 
 NAME = "RPCX_TEST_ENVIRON_VARIABLE"
 

@@ -3,7 +3,7 @@ frames it is told to; and rpcx under it: a duplicated request runs once, a dupli
 reply is taken once (RRefs in it neither leak nor are freed early).
 
 On a lossy transport (this one) bookkeeping is acknowledged and sent again until
-answered (rpcx._retransmit): lost or duplicated RRef and autograd messages change nothing,
+answered (rpcx._core.retransmit): lost or duplicated RRef and autograd messages change nothing,
 and a lost reply is sent again from the one the callee kept.
 """
 
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import rpcx
-from rpcx import _context
 from rpcx import autograd as dist_autograd
+from rpcx._core import context as _context
 from rpcx.errors import BackendNotFoundError
 from rpcx.faulty import FAULTS_ENV, Faults
 from rpcx.registry import resolve_backend

@@ -150,8 +150,8 @@ def test_all_gather_per_worker_in_one_process(switched: None, tmp_path: Path) ->
 def test_the_agent_view_reads_this_worker_s_device_maps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from rpcx import _context
-    from rpcx.devices import DeviceRoutes
+    from rpcx._core import context as _context
+    from rpcx._wire.devices import DeviceRoutes
 
     routes = DeviceRoutes(0, ["w0", "w1"])
     routes.outgoing[1] = {torch.device("cpu"): torch.device("meta")}

@@ -1,4 +1,4 @@
-"""Workers forked from a server that imported torch (rpcx._forkserver) behave as spawned
+"""Workers forked from a server that imported torch (rpcx._util.forkserver) behave as spawned
 ones: the starter's environment and output at the time it starts them, their own random
 numbers, exit handlers run; rpcx.spawn starts its workers that way unless told not to."""
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 import rpcx
-import rpcx._call_path
-from rpcx import _context
-from rpcx._pool import WorkerPool
+import rpcx._core.call_path
+from rpcx._core import context as _context
+from rpcx._util.pool import WorkerPool
 from rpcx.errors import RpcShutdownError
 from rpcx.testing.world import World, start_world
 
@@ -79,11 +79,11 @@ def test_a_call_made_while_the_agent_closes_fails_instead_of_hanging(
     loopback_pair: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agent = _context.current_agent()
-    real_encode = rpcx._call_path.encode
+    real_encode = rpcx._core.call_path.encode
 
     def encode_then_close(*args: Any, **kwargs: Any) -> Any:
         frame = real_encode(*args, **kwargs)
-        monkeypatch.setattr(rpcx._call_path, "encode", real_encode)
+        monkeypatch.setattr(rpcx._core.call_path, "encode", real_encode)
         # The agent closes after request() checked its state, before it registers the
         # call: the cancellation of pending calls must not miss it.
         closer = threading.Thread(target=agent.shutdown, kwargs={"graceful": False})
@@ -92,7 +92,7 @@ def test_a_call_made_while_the_agent_closes_fails_instead_of_hanging(
         assert not closer.is_alive()
         return frame
 
-    monkeypatch.setattr(rpcx._call_path, "encode", encode_then_close)
+    monkeypatch.setattr(rpcx._core.call_path, "encode", encode_then_close)
     with pytest.raises(RpcShutdownError, match="has shut down"):
         future = rpcx.rpc_async("worker1", max, args=(1, 2), timeout=0)  # no deadline
         done = threading.Event()
@@ -112,7 +112,7 @@ def _held_echo(value: int) -> int:
 def test_a_callback_attached_while_a_reply_completes_inline_runs_on_the_lane(
     loopback_pair: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_settle_inline = rpcx._call_path.settle_inline
+    real_settle_inline = rpcx._core.call_path.settle_inline
     settled_on: list[threading.Thread] = []
     ran_on: list[threading.Thread] = []
     ran = threading.Event()
@@ -128,7 +128,7 @@ def test_a_callback_attached_while_a_reply_completes_inline_runs_on_the_lane(
         future.add_done_callback(callback)
         real_settle_inline(future, *args)
 
-    monkeypatch.setattr(rpcx._call_path, "settle_inline", attach_then_settle)
+    monkeypatch.setattr(rpcx._core.call_path, "settle_inline", attach_then_settle)
     _gate.clear()
     future = rpcx.rpc_async("worker1", _held_echo, args=(7,))
     future.has_waiter = True  # as if a thread already waited: the inline path

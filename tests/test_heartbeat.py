@@ -1,4 +1,4 @@
-"""rpcx._heartbeat on its own: pings for quiet peers, one report per silence, recovery.
+"""rpcx._core.heartbeat on its own: pings for quiet peers, one report per silence, recovery.
 
 Real time with short intervals; every wait is on an event the callbacks set, bounded.
 """
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from rpcx._heartbeat import Heartbeat
+from rpcx._core.heartbeat import Heartbeat
 
 BOUND = 10.0
 INTERVAL, TIMEOUT = 0.05, 0.25

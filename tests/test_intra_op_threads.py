@@ -2,7 +2,7 @@
 
 A worker process that calls ``torch.set_num_threads(1)`` without ``OMP_NUM_THREADS`` set
 must not run handlers and backward passes on rpcx's threads with OpenMP's default (every
-usable core): that is what a thread gets until torch initialises it (rpcx._intra_op).
+usable core): that is what a thread gets until torch initialises it (rpcx._util.intra_op).
 Checked in fresh interpreters with ``OMP_NUM_THREADS`` removed, reading OpenMP's setting
 of each thread straight from the OpenMP runtime torch loaded: on a plain thread (the
 control), on a pool thread (loopback serves there) and on a receiving thread of a worker
@@ -41,7 +41,7 @@ PROBE = textwrap.dedent("""
 
 
     def on_a_thread(adopt):
-        from rpcx._intra_op import adopt_intra_op_threads
+        from rpcx._util.intra_op import adopt_intra_op_threads
         out = []
 
         def run():

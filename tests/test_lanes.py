@@ -1,4 +1,4 @@
-"""Receive lanes (rpcx._lanes): the receiving role moves when a served request blocks."""
+"""Receive lanes (rpcx._core.lanes): the receiving role moves when a served request blocks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from rpcx import _pool
-from rpcx._lanes import LaneWatch, ReceiveLane, current_lane
+from rpcx._core.lanes import LaneWatch, ReceiveLane, current_lane
+from rpcx._util import pool as _pool
 
 TIMEOUT = 10.0
 

@@ -1,5 +1,5 @@
 """The bottom of the house stays layered: leaves import nothing above them, services see
-the agent only through rpcx.service_host, and nobody reaches into _context's globals.
+the agent only through rpcx._core.service_host, and nobody reaches into _context's globals.
 
 Read from the source (every import, type-only and function-level ones included), so a
 new upward import fails here before it knots the package again.
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import rpcx
+from rpcx._services.rref_fork import ForkState
 from rpcx.options import RpcBackendOptions, TensorPipeRpcBackendOptions, as_backend_options
-from rpcx.rref_fork import ForkState
 from rpcx.worker import WorkerInfo
 
 PACKAGE = Path(rpcx.__file__).parent
@@ -28,12 +28,19 @@ def rpcx_imports(relative: str) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("rpcx"))
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "rpcx":
-                found.update(f"rpcx.{a.name}" for a in node.names)
-            elif node.module.startswith("rpcx."):
-                found.add(node.module)
+        elif (isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+              and (node.module == "rpcx" or node.module.startswith("rpcx."))):
+            found.add(node.module)
+            # from a package, a name may be a module: from rpcx._core import context
+            found.update(f"{node.module}.{a.name}" for a in node.names
+                         if _is_module(f"{node.module}.{a.name}"))
+    found.discard("rpcx")
     return found
+
+
+def _is_module(dotted: str) -> bool:
+    path = PACKAGE.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def test_errors_is_a_leaf() -> None:
@@ -41,23 +48,23 @@ def test_errors_is_a_leaf() -> None:
 
 
 def test_devices_imports_only_the_options() -> None:
-    assert rpcx_imports("devices.py") == {"rpcx.options"}
+    assert rpcx_imports("_wire/devices.py") == {"rpcx.options"}
 
 
 def test_the_fork_state_sits_below_rref_and_its_protocol() -> None:
-    assert rpcx_imports("rref_fork.py") == {"rpcx.worker"}
-    assert "rpcx.rref" not in rpcx_imports("rref_protocol.py")
+    assert rpcx_imports("_services/rref_fork.py") == {"rpcx.worker"}
+    assert "rpcx.rref" not in rpcx_imports("_services/rref_protocol.py")
 
 
-SERVICES = ["rref.py", "rref_protocol.py", "rref_fork.py", "calls.py", "functions.py",
-            *(str(p.relative_to(PACKAGE)) for d in ("autograd", "nn", "optim")
+SERVICES = ["rref.py", "functions.py",
+            *(str(p.relative_to(PACKAGE)) for d in ("_services", "autograd", "nn", "optim")
               for p in sorted((PACKAGE / d).glob("*.py")))]
 
 
 @pytest.mark.parametrize("module", SERVICES)
 def test_services_see_the_agent_only_through_the_service_host(module: str) -> None:
     imported = rpcx_imports(module)
-    assert "rpcx.agent" not in imported
+    assert "rpcx._core.agent" not in imported
     assert "rpcx.api" not in imported  # the public API sits above the services
 
 
@@ -71,7 +78,7 @@ def test_hookspecs_does_not_import_the_registry() -> None:
 
 def test_joining_the_world_is_init_time_only() -> None:
     users = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                   if "rpcx.joining" in rpcx_imports(str(p.relative_to(PACKAGE))))
+                   if "rpcx._core.joining" in rpcx_imports(str(p.relative_to(PACKAGE))))
     assert users == ["api.py"]
 
 

@@ -14,8 +14,8 @@ import uuid
 import pytest
 
 import rpcx
-from rpcx import _context
-from rpcx import _shutdown as shutdown_module
+from rpcx._core import context as _context
+from rpcx._core import shutdown as shutdown_module
 from rpcx.registry import resolve_backend
 from rpcx.testing import remote
 from rpcx.testing.world import LOG_LEVEL_ENV, free_port, world
@@ -272,7 +272,7 @@ def test_dead_peer_fails_pending_calls_and_later_calls_fast(
 _JOIN_THEN_VANISH = """
 import sys, threading, time
 import rpcx
-from rpcx import rendezvous
+from rpcx._world import rendezvous
 
 url, backend = sys.argv[1], sys.argv[2]
 
@@ -360,7 +360,7 @@ def test_worker_that_exits_without_shutdown_is_not_said_to_have_shut_down(
 def test_telling_peers_of_a_departure_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     # A send to a stopped peer whose socket is full waits until written: the farewell of
     # a program that exits without shutdown() must not keep it from exiting.
-    from rpcx import agent as agent_module
+    from rpcx._core import agent as agent_module
     from rpcx.messages import LEAVING_AT_EXIT
 
     with world("loopback", size=3):

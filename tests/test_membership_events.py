@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from rpcx._membership_events import MembershipChange, MembershipWatchers
+from rpcx._world.membership_events import MembershipChange, MembershipWatchers
 from rpcx.worker import WorkerInfo
 
 BOUND = 10.0

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 import rpcx
-from rpcx import _context
-from rpcx._heartbeat import Heartbeat
+from rpcx._core import context as _context
+from rpcx._core.heartbeat import Heartbeat
 from rpcx.backends.socket_options import CONNECT_ON_DEMAND_ENV, SocketRpcBackendOptions
 from rpcx.testing import remote
 from rpcx.testing import world as world_module

@@ -1,4 +1,4 @@
-"""Unit tests for rpcx._pool.WorkerPool, the elastic pool that runs incoming requests.
+"""Unit tests for rpcx._util.pool.WorkerPool, the elastic pool that runs incoming requests.
 
 Every wait is an Event/join with a timeout; nothing sleeps to wait for state.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from rpcx._pool import WorkerPool, current_pool
+from rpcx._util.pool import WorkerPool, current_pool
 from rpcx.errors import RpcShutdownError
 
 TIMEOUT = 10.0

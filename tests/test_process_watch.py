@@ -1,4 +1,4 @@
-"""rpcx._process_watch: what the kernel says of a peer's process, from its published mark.
+"""rpcx._util.process_watch: what the kernel says of a peer's process, from its published mark.
 
 Real processes: a child that sleeps, is stopped (``SIGSTOP``, waited for with
 ``waitpid(WUNTRACED)``), and exits. No sleeping to wait for state.
@@ -15,12 +15,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from rpcx._process_watch import PeerProcesses, local_mark, process_state
+from rpcx._util.process_watch import PeerProcesses, local_mark, process_state
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
 
 CHILD = ("import os, sys\n"
-         "from rpcx._process_watch import local_mark\n"
+         "from rpcx._util.process_watch import local_mark\n"
          "sys.stdout.buffer.write(local_mark() + b'\\n'); sys.stdout.flush()\n"
          "sys.stdin.read()\n")  # until the test closes stdin
 

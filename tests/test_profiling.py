@@ -21,7 +21,7 @@ from torch.autograd.profiler_legacy import profile as legacy_profile
 import rpcx
 import rpcx.autograd
 import rpcx.functions
-from rpcx._profiling import span_name
+from rpcx._core.profiling import span_name
 from rpcx.registry import DEFAULT_BACKEND
 from rpcx.testing.world import free_port
 

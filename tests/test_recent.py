@@ -1,8 +1,8 @@
-"""rpcx._recent.RecentIds: seen once, in any order, in bounded memory."""
+"""rpcx._util.recent.RecentIds: seen once, in any order, in bounded memory."""
 
 from __future__ import annotations
 
-from rpcx._recent import RecentIds
+from rpcx._util.recent import RecentIds
 
 
 def test_each_id_is_new_once_in_any_order() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rpcx import rendezvous
+from rpcx._world import rendezvous
 from rpcx.testing.world import free_port
 
 TIMEOUT = 30.0

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from rpcx import _store
+from rpcx._world import store as _store
 from rpcx.testing.world import world
 
 POLL = "check"  # one look for every key still missing

@@ -1,4 +1,4 @@
-"""rpcx._retransmit: requests sent again with growing pauses until answered; copies of a
+"""rpcx._core.retransmit: requests sent again with growing pauses until answered; copies of a
 request answered from the reply kept, or dropped while it runs; a copy of a frame keeps
 every field."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rpcx._retransmit import FIRST_PAUSE, LAST_PAUSE, ReplyCache, Resender
+from rpcx._core.retransmit import FIRST_PAUSE, LAST_PAUSE, ReplyCache, Resender
 from rpcx.transport import Frame
 
 BOUND = 10.0

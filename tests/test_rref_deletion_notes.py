@@ -1,4 +1,4 @@
-"""RRef deletions ride as notes in the next frame to their owner (rpcx.rref_protocol).
+"""RRef deletions ride as notes in the next frame to their owner (rpcx._services.rref_protocol).
 
 A stub agent records what the service sends, so each test sees exactly which messages
 a deletion cost: none of its own when a frame to the owner takes it, one one-way
@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from rpcx._services.rref_fork import ForkState
+from rpcx._services.rref_protocol import RRefService
 from rpcx.messages import MessageKind
-from rpcx.rref_fork import ForkState
-from rpcx.rref_protocol import RRefService
 from rpcx.worker import WorkerInfo
 
 TIMEOUT = 10.0

@@ -1,4 +1,4 @@
-"""The messages an RRef costs on the hot paths, pinned (rpcx.rref, rpcx.rref_protocol).
+"""The messages an RRef costs on the hot paths, pinned (rpcx.rref, rpcx._services.rref_protocol).
 
 * A proxy call (``rref.rpc_sync().m()``) is one ``RREF_CALL`` request: no function to
   pickle, and the owner runs the method without a future when the value exists.
@@ -21,11 +21,11 @@ import pytest
 import torch
 
 import rpcx
-from rpcx import _context
+from rpcx._core import context as _context
+from rpcx._services.rref_fork import ForkState
+from rpcx._services.rref_protocol import RRefService, _inert
+from rpcx._wire.codec import decode_envelope
 from rpcx.messages import MessageKind
-from rpcx.rref_fork import ForkState
-from rpcx.rref_protocol import RRefService, _inert
-from rpcx.serialization import decode_envelope
 from rpcx.testing.world import world
 from rpcx.worker import WorkerInfo
 

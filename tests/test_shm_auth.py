@@ -16,11 +16,11 @@ import pytest
 import torch.distributed as dist
 
 import rpcx
-from rpcx import auth
+from rpcx._wire import auth
 from rpcx.errors import AuthenticationError
 from rpcx.transport import TransportContext
 from rpcx.transport_kit import admit, hello, introduce
-from rpcx.transport_kit import sockets as kit_sockets
+from rpcx.transport_kit import mesh as kit_mesh
 
 LABEL = "shm"  # the shm backend's label: its handshake's magic and proof purposes
 
@@ -97,7 +97,7 @@ def test_a_stray_claiming_a_rank_without_a_proof_is_refused(
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_bytes_are_refused(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kit_sockets, "HANDSHAKE_TIMEOUT", 0.5)
+    monkeypatch.setattr(kit_mesh, "HANDSHAKE_TIMEOUT", 0.5)
     rng = random.Random(seed)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
@@ -111,7 +111,7 @@ def test_random_bytes_are_refused(seed: int, monkeypatch: pytest.MonkeyPatch) ->
 def test_a_silent_connection_is_dropped_after_the_handshake_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(kit_sockets, "HANDSHAKE_TIMEOUT", 0.2)
+    monkeypatch.setattr(kit_mesh, "HANDSHAKE_TIMEOUT", 0.2)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
         admitted: list[Any] = []

@@ -31,7 +31,7 @@ STOPPED_FOR = 4 * HEARTBEAT_TIMEOUT  # the silence under test (not a wait for st
 _PROGRAM = f"""
 import os, signal, sys
 import rpcx
-from rpcx import agent
+from rpcx._core import agent
 from rpcx.testing import remote
 
 rank = int(os.environ["RANK"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import rpcx
-from rpcx import _context
+from rpcx._core import context as _context
 
 JOIN = 60.0  # generous bound: the world below takes well under a second
 

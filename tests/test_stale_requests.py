@@ -1,5 +1,5 @@
 """A request of a worker that died is not served once another worker has taken its rank
-(rpcx._call_path): a ``remote()`` still queued here when its sender was killed would
+(rpcx._core.call_path): a ``remote()`` still queued here when its sender was killed would
 register the dead creator's reference under the new worker's rank, and the value would
 stay here for good (the churn's "owned rrefs left")."""
 
@@ -11,8 +11,8 @@ from typing import Any, cast
 import pytest
 
 import rpcx
-from rpcx import _context
-from rpcx.agent import RpcAgent
+from rpcx._core import context as _context
+from rpcx._core.agent import RpcAgent
 from rpcx.messages import MessageKind
 from rpcx.testing import remote
 from rpcx.testing.soak import leftover_problems, settled_leftovers

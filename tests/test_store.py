@@ -1,4 +1,4 @@
-"""rpcx._store.BoundedStore: no store operation outlives its deadline, and waits are quiet.
+"""rpcx._world.store.BoundedStore: no store operation outlives its deadline, and waits are quiet.
 
 The situations behind it, each reproduced here: a worker stopped while it holds a
 ``file://`` store's lock (the ``flock`` FileStore takes, which has no timeout), a
@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 from torch.distributed import DistNetworkError, FileStore, Store, TCPStore
 
-from rpcx import _store, rendezvous
-from rpcx._store import BoundedStore
+from rpcx._world import rendezvous
+from rpcx._world import store as _store
+from rpcx._world.store import BoundedStore
 from rpcx.errors import RpcError, RpcTimeoutError
 from rpcx.testing.stopping import stopped
 

@@ -1,4 +1,4 @@
-"""Unit tests for rpcx._timer.DeadlineTimer, the one-thread-per-agent deadline scheduler.
+"""Unit tests for rpcx._util.timer.DeadlineTimer, the one-thread-per-agent deadline scheduler.
 
 The contract tested here is the code's: every scheduled key whose deadline passes is
 handed to ``on_expire``, live or not (the caller ignores keys that already completed);
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from rpcx._timer import _COMPACT_MIN, DeadlineTimer, within
+from rpcx._util.timer import _COMPACT_MIN, DeadlineTimer, within
 
 TIMEOUT = 10.0
 LATE = 4.0  # how late a deadline may fire on a loaded machine; a 10x slow timer fails

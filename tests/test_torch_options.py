@@ -16,7 +16,7 @@ import torch
 import torch.distributed.rpc as torch_rpc
 
 import rpcx
-from rpcx import _context
+from rpcx._core import context as _context
 from rpcx.options import RpcBackendOptions, TensorPipeRpcBackendOptions, as_rpcx_options
 
 CUDA0 = torch.device("cuda:0")

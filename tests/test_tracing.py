@@ -22,13 +22,13 @@ import torch
 
 import rpcx
 import rpcx.tracing
-from rpcx._trace_ring import TraceRing
 from rpcx.messages import MessageKind
 from rpcx.registry import DEFAULT_BACKEND
 from rpcx.testing.conformance_hosts import INTERFACE_VARIABLES, run_on_hosts, two_hosts
 from rpcx.testing.world import free_port
 from rpcx.tracing.merge import causality_violations, load_traces, match_calls
 from rpcx.tracing.plot import plot_timeline
+from rpcx.tracing.ring import TraceRing
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 BOUND = 240.0

@@ -181,7 +181,7 @@ KNOWN: dict[str, Known] = {
     ),
     # ----------------------------------------------------------------- profiler
     # rpcx records every call's span and the callee's operators in torch's profiler
-    # (rpcx._profiling); these remain, each for its own reason:
+    # (rpcx._core.profiling); these remain, each for its own reason:
     "RpcTest.test_profiler_rpc_memory": Known(
         PROFILER, "the caller's profiler settings cannot be read from Python, so the callee "
         "records shapes but never memory (torch's C++ agent ships its config)"),

@@ -4,7 +4,7 @@ torch's ``RpcAgentTestFixture`` leaves a new agent four hooks: the backend, its 
 and two regular expressions for the errors it raises when a peer has gone and when a call
 timed out. torch's own TensorPipe fixture answers ``".*"`` for the shutdown one (any
 message matches, so those assertions cannot fail); this one matches only rpcx's own
-messages (``rpcx/agent.py``), so a test that expects a dead-peer error fails if it gets
+messages (``rpcx/_core/agent.py``), so a test that expects a dead-peer error fails if it gets
 some other error.
 
 Import it after :func:`torch_suite.shim.install`: torch's test helpers it imports bind

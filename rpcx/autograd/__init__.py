@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rpcx import _context
+from rpcx._core import context as _context
 from rpcx.autograd.service import _current, current_context_id
 from rpcx.autograd.service import service as _service_of
 

@@ -143,7 +143,7 @@ class LocalEngine:
         never runs if a reachable recv node gives no gradient.
 
         The caller holds the service's ``grad_lock`` (taken with
-        ``rpcx._pool.holding``), for the pass and for what it does with the result.
+        ``rpcx._util.pool.holding``), for the pass and for what it does with the result.
         """
         leaves = plan.leaves
         if earlier:

@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
+from rpcx._core.service_host import ServiceHost
 from rpcx.errors import RpcError
 from rpcx.futures import RpcFuture, add_internal_callback
 from rpcx.messages import MessageKind
-from rpcx.service_host import ServiceHost
 
 __all__ = ["ACK_EVERY", "LINGER", "ReleaseNotes"]
 

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from rpcx._pool import holding
+from rpcx._core.service_host import ServiceHost
+from rpcx._util.pool import holding
+from rpcx._wire.codec import Placed
 from rpcx.autograd.context import AutogradContext
 from rpcx.autograd.engine import LocalEngine, OnOutboxFull
 from rpcx.autograd.schedule import Outbox
@@ -26,8 +28,6 @@ from rpcx.autograd.share import BackwardId, Share
 from rpcx.errors import PeerLostError, RemoteErrorInfo, RpcTimeoutError
 from rpcx.futures import RpcFuture, wait, wait_done
 from rpcx.messages import MessageKind
-from rpcx.serialization import Placed
-from rpcx.service_host import ServiceHost
 from rpcx.worker import WorkerInfo
 
 __all__ = ["Chain", "Report", "Rounds"]

@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
-from rpcx._timer import within
+from rpcx._core.service_host import Deferred, ServiceHost, first_id
+from rpcx._util.timer import within
+from rpcx._wire.codec import DecodeContext, EncodeContext, Placed, set_scope_hooks
 from rpcx.autograd.context import AutogradContext
 from rpcx.autograd.engine import LocalEngine
 from rpcx.autograd.releases import ReleaseNotes
 from rpcx.autograd.rounds import Rounds
 from rpcx.futures import all_done, wait_done
 from rpcx.messages import MessageKind
-from rpcx.serialization import DecodeContext, EncodeContext, Placed, set_scope_hooks
-from rpcx.service_host import Deferred, ServiceHost, first_id
 from rpcx.worker import WorkerInfo
 
 __all__ = ["AutogradContext", "AutogradService", "current_context_id", "install", "service"]

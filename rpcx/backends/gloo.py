@@ -58,7 +58,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 
-from rpcx import rendezvous
 from rpcx.hookspecs import hookimpl
 from rpcx.hosts import default_address
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES, TensorPipeRpcBackendOptions
@@ -83,6 +82,7 @@ from rpcx.transport_kit import (
     dial_tcp,
     empty_bytes,
     join_stream_mesh,
+    keep_if_file_store,
     lost_error,
     options_as,
     pieces,
@@ -610,7 +610,7 @@ def _connect_mesh(ctx: TransportContext, opts: Any) -> Any:
     # (including the teardown of the failed init).
     try:
         store = ctx.store.clone()  # type: ignore[attr-defined]
-        rendezvous.keep_if_file_store(store)  # (destroying a FileStore may freeze)
+        keep_if_file_store(store)  # (destroying a FileStore may freeze)
     except RuntimeError:  # stores that cannot be cloned do not block one another
         store = ctx.store
     return run_bounded(

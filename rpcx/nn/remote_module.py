@@ -8,12 +8,12 @@ from typing import Any, NoReturn
 
 import torch
 
-from rpcx import _context
-from rpcx.calls import rpc_async, rpc_sync
+from rpcx._core import context as _context
+from rpcx._services.calls import rpc_async, rpc_sync
+from rpcx._wire.codec import current_encode_context
 from rpcx.errors import SerializationError
 from rpcx.futures import RpcFuture
 from rpcx.rref import RRef
-from rpcx.serialization import current_encode_context
 from rpcx.worker import WorkerInfo
 
 __all__ = ["RemoteModule", "parse_remote_device"]

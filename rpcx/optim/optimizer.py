@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from rpcx import _context
-from rpcx._pool import holding
+from rpcx._core import context as _context
+from rpcx._services.calls import rpc_async
+from rpcx._util.pool import holding
 from rpcx.autograd.service import service as autograd_service
-from rpcx.calls import rpc_async
 from rpcx.futures import wait_all
 from rpcx.rref import RRef
 from rpcx.worker import WorkerInfo

@@ -99,7 +99,7 @@ class TestCalls:
     ) -> None:
         # The first call blocks on a plain Event that only the second call, from the
         # same worker, opens. A transport serving requests on its receiving thread must
-        # move receiving elsewhere (rpcx._lanes: the watchdog), or this never finishes.
+        # move receiving elsewhere (rpcx._core.lanes: the watchdog), or this never finishes.
         key = f"event-{uuid.uuid4().hex}"
         blocked = rpcx.rpc_async(W1, remote.wait_for_event, args=(key, 30.0))
         assert rpcx.rpc_sync(W1, remote.set_event, args=(key,), timeout=30) == W1

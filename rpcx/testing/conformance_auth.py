@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 
 import rpcx
-from rpcx import _context, auth, rendezvous
-from rpcx import serialization as codec
+from rpcx._core import context as _context
+from rpcx._wire import auth, codec
+from rpcx._world import rendezvous
 from rpcx.errors import AuthenticationError
 from rpcx.messages import MessageKind
 from rpcx.registry import resolve_backend
@@ -84,13 +85,16 @@ def listening_addresses(process: Any) -> list[tuple[int, Any]]:
     return found
 
 
-def call_frames(marker: str) -> list[bytes]:
-    """Headers of a call that would set ``marker`` on its callee: as the codec writes it,
-    and sealed for rank 1 with a key that is not the world's."""
+def call_frames(marker: str, payload: Any = None) -> list[bytes]:
+    """Headers of a call to rank 1 that would leave ``marker`` on its callee: as the
+    codec writes it, and sealed with a key that is not the world's. The call's payload is
+    ``payload`` (e.g. ``(remote.tally, (marker,), {})``), by default an object whose
+    unpickling sets the environment variable ``marker``."""
     agent = _context.current_agent()
     ctx = codec.EncodeContext(1, agent=agent, routes=agent.routes)
-    frame = codec.encode(MessageKind.CALL, 0, remote.SetsEnvironmentWhenUnpickled(marker),
-                         ctx)
+    if payload is None:
+        payload = remote.SetsEnvironmentWhenUnpickled(marker)
+    frame = codec.encode(MessageKind.CALL, 0, payload, ctx)
     stranger = auth.FrameGuard(b"not this world's key, 32 bytes..", 0,
                                [auth.new_nonce() for _ in range(3)], ["a", "b", "c"])
     return [frame.header, stranger.seal(1, frame).header]

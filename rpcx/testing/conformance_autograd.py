@@ -18,7 +18,7 @@ import torch
 
 import rpcx
 import rpcx.autograd as dist_autograd
-from rpcx import _context
+from rpcx._core import context as _context
 from rpcx.autograd import service as autograd_service_module
 from rpcx.autograd.service import AutogradService
 from rpcx.autograd.service import service as autograd_service

@@ -23,8 +23,8 @@ import torch
 
 import rpcx
 import rpcx.autograd as dist_autograd
-from rpcx import _context
-from rpcx.agent import RpcAgent
+from rpcx._core import context as _context
+from rpcx._core.agent import RpcAgent
 from rpcx.errors import PeerLostError, RpcError, UnknownWorkerError
 from rpcx.registry import resolve_backend
 from rpcx.testing import remote, training

@@ -23,9 +23,9 @@ import torch
 
 import rpcx
 import rpcx.autograd as dist_autograd
-from rpcx import _context
-from rpcx._budget import BytesInFlight
-from rpcx.agent import RpcAgent
+from rpcx._core import context as _context
+from rpcx._core.agent import RpcAgent
+from rpcx._core.budget import BytesInFlight
 from rpcx.futures import wait_done
 from rpcx.testing import remote, training
 from rpcx.testing.fixtures import WorldKeeper

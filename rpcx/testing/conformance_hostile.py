@@ -13,8 +13,8 @@ import uuid
 from typing import cast
 
 import rpcx
-from rpcx import _context
-from rpcx.agent import RpcAgent
+from rpcx._core import context as _context
+from rpcx._core.agent import RpcAgent
 from rpcx.messages import MessageKind
 from rpcx.testing import remote
 from rpcx.testing.world import World

@@ -1,7 +1,7 @@
 """Worker processes for test worlds, started without a torch import each.
 
 Test worlds start their worker processes with :func:`worker_context`: forked from a
-server that imported torch, rpcx and the harness once (:mod:`rpcx._forkserver`), each
+server that imported torch, rpcx and the harness once (:mod:`rpcx._util.forkserver`), each
 ready in milliseconds instead of the 2-3 s of CPU a spawned interpreter spends on
 importing torch, and otherwise as a spawned one: the starter's environment at the
 time, fresh seeds, the exit handlers run.
@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from rpcx import _forkserver
+from rpcx._util import forkserver as _forkserver
 
 __all__ = ["PRELOAD", "START_METHOD_ENV", "WorkerContext", "start_method", "worker_context"]
 
@@ -34,7 +34,7 @@ PRELOAD = ("rpcx.backends", "rpcx.testing.world", "rpcx.testing.remote",
 
 def start_method() -> str:
     """``forkserver`` on Linux, unless ``$RPCX_TEST_START_METHOD`` says otherwise;
-    ``spawn`` elsewhere (see :func:`rpcx._forkserver.available`)."""
+    ``spawn`` elsewhere (see :func:`rpcx._util.forkserver.available`)."""
     chosen = os.environ.get(START_METHOD_ENV, "").strip()
     if chosen:
         if chosen not in multiprocessing.get_all_start_methods():

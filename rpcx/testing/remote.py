@@ -517,7 +517,7 @@ def autograd_settle(timeout: float = 30.0) -> int:
 
 
 def _context_agent() -> Any:
-    from rpcx import _context
+    from rpcx._core import context as _context
 
     return _context.current_agent()
 
@@ -631,7 +631,7 @@ def lifecycle_phase() -> str:
     ``exiting`` (the interpreter is finalizing) or ``unbound`` (no worker here)."""
     import sys
 
-    from rpcx import _context
+    from rpcx._core import context as _context
 
     if sys.is_finalizing():
         return "exiting"
@@ -741,8 +741,8 @@ def not_a_module() -> int:
 def forge_reply(to_rank: int, request_id: int, value: Any) -> None:
     """Send ``value`` to ``to_rank`` as the answer to its request ``request_id``,
     although that request went to another worker."""
+    from rpcx._wire.codec import EncodeContext, encode
     from rpcx.messages import MessageKind
-    from rpcx.serialization import EncodeContext, encode
 
     agent = _context_agent()
     ctx = EncodeContext(to_rank, agent=agent, routes=agent.routes, response=True)
@@ -754,7 +754,7 @@ def forge_reply(to_rank: int, request_id: int, value: Any) -> None:
 def send_noted_frame(to_rank: int, kind: int, payload: Any, notes: bytes) -> None:
     """Send ``to_rank`` a one-way frame of ``kind`` whose notes are the raw bytes
     ``notes`` (a pickle of the sender's choosing)."""
-    from rpcx import serialization as codec
+    from rpcx._wire import codec
     from rpcx.transport import Frame
 
     agent = _context_agent()
@@ -793,7 +793,7 @@ def send_unauthenticated_call(to_rank: int, how: str, marker: str) -> None:
     :func:`tally` (``marker``) whose MAC is ``"bad"`` (one bit flipped),
     ``"missing"`` (an unsealed frame, as a stray socket would send), or ``"replayed"``
     (a genuine frame, sent twice)."""
-    from rpcx import serialization as codec
+    from rpcx._wire import codec
     from rpcx.messages import MessageKind
     from rpcx.transport import Frame
 

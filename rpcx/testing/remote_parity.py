@@ -11,7 +11,7 @@ import torch
 
 import rpcx
 import rpcx.autograd as dist_autograd
-from rpcx import _context
+from rpcx._core import context as _context
 from rpcx.messages import MessageKind
 from rpcx.testing import training
 

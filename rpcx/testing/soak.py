@@ -30,8 +30,8 @@ import torch
 
 import rpcx
 import rpcx.autograd as dist_autograd
-from rpcx._environ import environment_variable
-from rpcx.calls import UNSET_RPC_TIMEOUT
+from rpcx._services.calls import UNSET_RPC_TIMEOUT
+from rpcx._util.environ import environment_variable
 from rpcx.faulty import FAULTS_ENV
 from rpcx.testing import remote, training
 from rpcx.testing.world import world

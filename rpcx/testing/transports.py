@@ -6,14 +6,17 @@ of their own) or look at the running worker's; these give them the real pieces.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
+from typing import Any
 
-from rpcx import _context
-from rpcx._lanes import ReceiveLane
-from rpcx.agent import RpcAgent
+from rpcx._core import context as _context
+from rpcx._core.agent import RpcAgent
+from rpcx._core.lanes import ReceiveLane
+from rpcx._world import rendezvous
 
-__all__ = ["ReceiveLane", "current_agent", "receive_lane"]
+__all__ = ["ReceiveLane", "current_agent", "published_address", "receive_lane"]
 
 
 def receive_lane(
@@ -36,3 +39,11 @@ def current_agent() -> RpcAgent:
     agent = _context.current_agent()
     assert isinstance(agent, RpcAgent)
     return agent
+
+
+def published_address(key: str) -> Any:
+    """What a transport of the calling thread's world published in the store under
+    ``key`` (its own prefix, e.g. ``"zmq/1"``), decoded from JSON: where a test finds a
+    worker's listening address to knock on it as a stranger."""
+    agent = current_agent()
+    return json.loads(rendezvous.prefixed(agent._store, "transport").get(key))

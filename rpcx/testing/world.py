@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rpcx
-from rpcx import _context
+from rpcx._core import context as _context
 from rpcx.registry import resolve_backend
 from rpcx.testing.processes import worker_context
 

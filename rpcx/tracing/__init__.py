@@ -24,10 +24,10 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
-from rpcx import _context
-from rpcx._trace_ring import DEFAULT_CAPACITY
-from rpcx.calls import rpc_sync
-from rpcx.trace_session import TraceSession, begin_session, end_session, session_of
+from rpcx._core import context as _context
+from rpcx._services.calls import rpc_sync
+from rpcx.tracing.ring import DEFAULT_CAPACITY
+from rpcx.tracing.session import TraceSession, begin_session, end_session, session_of
 
 __all__ = ["DEFAULT_CAPACITY", "TraceFiles", "is_tracing", "start", "stop", "trace"]
 

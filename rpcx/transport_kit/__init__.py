@@ -11,8 +11,8 @@ here, public and stable for plugin authors (a plugin needs nothing private from 
 :class:`Backlog`, :class:`Pending` (:mod:`~rpcx.transport_kit.writer`)
     The per-peer writer thread that lets ``send`` return by ``frame.deadline`` when a
     peer stops reading.
-:class:`StreamTransport`, :func:`introduce`, :func:`admit`, :func:`connect_stream_mesh`
-(:mod:`~rpcx.transport_kit.sockets`)
+:class:`StreamTransport` (:mod:`~rpcx.transport_kit.sockets`), :func:`introduce`,
+:func:`admit`, :func:`connect_stream_mesh` (:mod:`~rpcx.transport_kit.mesh`)
     A transport over stream sockets: a new socket backend writes ``connect``,
     ``read_one`` and ``pack``, and the kit does the rest (the handshake, with a world
     key's challenge-response, included). In a dynamic world, :func:`join_stream_mesh`
@@ -27,10 +27,14 @@ Sentences, checks, views, options (:mod:`~rpcx.transport_kit.basics`)
     :func:`empty_bytes`, :func:`copy_of`, :func:`options_as`, :func:`run_bounded`,
     :func:`connect_timeout`, :func:`environment_variable` (a variable set for a block,
     for libraries that read the environment), and the host facts of :mod:`rpcx.hosts`.
+The store (:func:`keep_if_file_store`)
+    A transport that clones the world's store marks each clone so that a FileStore is
+    never destroyed under another worker.
 
 See ``docs/plugins.md`` for a walk-through.
 """
 
+from rpcx._world.rendezvous import keep_if_file_store
 from rpcx.errors import LostCause, PeerLostError, ProtocolError, lost_reason
 from rpcx.hosts import address_towards, host_identity
 from rpcx.transport import (
@@ -65,12 +69,10 @@ from rpcx.transport_kit.basics import (
     without_cpp_locations,
 )
 from rpcx.transport_kit.links import BYE_TIMEOUT, Arrivals, Link, Peers
-from rpcx.transport_kit.socket_link import SocketLink, SocketReader, send_all, send_now
-from rpcx.transport_kit.sockets import (
+from rpcx.transport_kit.mesh import (
     ADMITTED,
     HANDSHAKE_TIMEOUT,
     Doorway,
-    StreamTransport,
     admit,
     connect_stream_mesh,
     dial_pair,
@@ -81,6 +83,8 @@ from rpcx.transport_kit.sockets import (
     publish_stream_address,
     receive_exactly,
 )
+from rpcx.transport_kit.socket_link import SocketLink, SocketReader, send_all, send_now
+from rpcx.transport_kit.sockets import StreamTransport
 from rpcx.transport_kit.writer import Backlog, Pending
 
 __all__ = [
@@ -94,6 +98,7 @@ __all__ = [
     "connect_stream_mesh", "connect_timeout", "copy_of", "describe", "dial_pair", "dial_tcp",
     "empty_bytes",
     "environment_variable", "hello", "host_identity", "introduce", "join_stream_mesh",
+    "keep_if_file_store",
     "lost_error",
     "lost_reason", "memory_of",
     "options_as", "owning_memory", "pieces", "publish_stream_address", "receive_exactly",

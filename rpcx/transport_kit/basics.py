@@ -13,8 +13,8 @@ from typing import TypeVar
 
 import torch
 
-from rpcx._environ import environment_variable
-from rpcx._memory import copy_of, empty_bytes
+from rpcx._util.environ import environment_variable
+from rpcx._util.memory import copy_of, empty_bytes
 from rpcx.errors import (
     CLOSED_CONNECTION,
     LostCause,

@@ -11,8 +11,8 @@ serves both peers, and its memory grew by less than a bound.
 from __future__ import annotations
 
 import contextlib
-import json
 import random
+import secrets
 import socket
 import struct
 import uuid
@@ -22,11 +22,9 @@ import psutil
 import pytest
 import rpcx
 import zmq
-from rpcx import auth, rendezvous
-from rpcx import serialization as codec
-from rpcx.messages import MessageKind
 from rpcx.testing import remote
-from rpcx.testing.transports import current_agent
+from rpcx.testing.conformance_auth import call_frames
+from rpcx.testing.transports import published_address
 from rpcx.testing.world import World, world
 
 from rpcx_zmq import transport as zmq_transport
@@ -47,23 +45,15 @@ def keyed_world() -> Iterator[World]:
 
 
 def _endpoint_of_worker1_for_worker0() -> str:
-    agent = current_agent()
-    published = json.loads(rendezvous.prefixed(agent._store, "transport").get("zmq/1"))
-    endpoint: str = published["rx"]["0"]["tcp"]
+    endpoint: str = published_address("zmq/1")["rx"]["0"]["tcp"]
     return endpoint
 
 
 def _call_frames(marker: str) -> list[bytes]:
     """Data messages as zmq's wire carries them, each a call that would bump ``marker``:
     unsealed, and sealed with another key."""
-    agent = current_agent()
-    ctx = codec.EncodeContext(1, agent=agent, routes=agent.routes)
-    frame = codec.encode(MessageKind.CALL, 0, (remote.tally, (marker,), {}),
-                         ctx)
-    stranger = auth.FrameGuard(b"not the world key, 32 bytes long", 0,
-                               [auth.new_nonce() for _ in range(3)], ["a", "b", "c"])
     head = zmq_transport._PLAIN_HEAD
-    return [head + frame.header, head + stranger.seal(1, frame).header]
+    return [head + header for header in call_frames(marker, (remote.tally, (marker,), {}))]
 
 
 def _mutations(rng: random.Random, genuine: list[bytes], count: int) -> Iterator[list[bytes]]:
@@ -114,7 +104,7 @@ def test_strangers_at_the_listening_port_run_nothing(keyed_world: World) -> None
         push.sndhwm = MESSAGES_PER_SOCKET * 2
         if index % 2:
             push.plain_username = b"0"  # worker0's name, a wrong password
-            push.plain_password = auth.new_nonce().hex().encode()
+            push.plain_password = secrets.token_hex(16).encode()
         push.connect(endpoint)
         sockets.append(push)
         for message in _mutations(rng, genuine, MESSAGES_PER_SOCKET):

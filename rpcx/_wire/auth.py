@@ -1,0 +1,308 @@
+"""Authentication with a shared key: who may join a world, and which frames are genuine.
+
+With a key set (``RPCX_AUTH_KEY``, or the ``auth_key`` field of the backend options,
+which wins), three things hold on every backend, plugins included:
+
+* every value rpcx reads back from the rendezvous store carries an HMAC, so a worker
+  holding another key, or a stray store client, makes ``init_rpc`` fail naming the rank
+  (:class:`ValueSeal`);
+* each worker draws a fresh random *session nonce* at ``init_rpc`` and publishes it,
+  sealed. Every frame from ``src`` to ``dst`` carries HMAC-SHA256 over its sequence
+  number, its buffer sizes and its header, under a key derived from the world key and
+  both workers' nonces: a frame is only accepted if its sender holds the key *and* knows
+  this session's nonce of the receiver (the challenge), and only once (the sequence
+  number). It is checked before the codec reads a byte of it (:class:`FrameGuard`);
+* transports that accept connections of their own prove the key on each connection
+  before reading frames from it (:class:`ConnectionAuth`).
+
+The key never leaves the process: only HMACs of it travel. Nothing is encrypted.
+docs/security.md gives the threat model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rpcx._util.recent import RecentIds
+from rpcx.errors import ProtocolError
+from rpcx.transport import Frame
+
+__all__ = [
+    "AUTH_KEY_ENV",
+    "ConnectionAuth",
+    "FrameGuard",
+    "ValueSeal",
+    "new_nonce",
+    "resolve_key",
+]
+
+log = logging.getLogger("rpcx.auth")
+
+AUTH_KEY_ENV = "RPCX_AUTH_KEY"
+NONCE_BYTES = 16
+TAG_BYTES = 32  # HMAC-SHA256, untruncated
+_SEALED = b"rpcx-v1\x00"  # starts every sealed store value: an unkeyed worker can tell
+_SEQ = struct.Struct("<Q")
+_FRAME_HEAD = struct.Struct("<QQI")  # seq, header length, number of buffers
+_SEALED_PREFIX = _SEQ.size + TAG_BYTES  # what a sealed frame's header starts with
+_LOG_EVERY = 10.0  # seconds between log lines about one source's refused frames
+
+
+def resolve_key(options: Any) -> bytes | None:
+    """The world key: ``options.auth_key`` if set, else ``$RPCX_AUTH_KEY``, else ``None``.
+
+    A ``str`` is taken as UTF-8. An empty key is an error rather than "no key": a
+    launcher that exports an empty variable meant to set one.
+    """
+    key = getattr(options, "auth_key", None)
+    source = "auth_key option"
+    if key is None:
+        key = os.environ.get(AUTH_KEY_ENV)
+        source = AUTH_KEY_ENV
+    if key is None:
+        return None
+    raw = key.encode() if isinstance(key, str) else bytes(key)
+    if not raw:
+        raise ValueError(f"the {source} is empty; unset it to run without authentication")
+    if len(raw) < 16:
+        log.warning("the %s is %d bytes long; use at least 16 random bytes "
+                    "(python -c 'import secrets; print(secrets.token_hex(32))')",
+                    source, len(raw))
+    return raw
+
+
+def new_nonce() -> bytes:
+    """A fresh random session nonce."""
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def _derive(key: bytes, purpose: bytes, *parts: bytes) -> bytes:
+    """A subkey of ``key`` for one purpose: keys for different jobs never coincide."""
+    return hmac.digest(key, b"\x00".join((b"rpcx", purpose, *parts)), "sha256")
+
+
+class ValueSeal:
+    """Seals and opens values in the rendezvous store with the world key.
+
+    A sealed value is ``_SEALED + HMAC(label, value) + value``; the label (the value's key
+    in the store) is covered, so a value cannot be moved to another rank's slot.
+    """
+
+    def __init__(self, key: bytes) -> None:
+        self._key = _derive(key, b"store")
+
+    def seal(self, label: str, value: bytes) -> bytes:
+        """``value`` with its seal, for the store key ``label``."""
+        return _SEALED + self._tag(label, value) + value
+
+    def open(self, label: str, sealed: bytes) -> bytes | None:
+        """The value inside ``sealed`` if its seal is genuine for ``label``, else ``None``."""
+        start = len(_SEALED) + TAG_BYTES
+        if not sealed.startswith(_SEALED) or len(sealed) < start:
+            return None
+        value = sealed[start:]
+        if not hmac.compare_digest(sealed[len(_SEALED):start], self._tag(label, value)):
+            return None
+        return value
+
+    def _tag(self, label: str, value: bytes) -> bytes:
+        return hmac.digest(self._key, label.encode() + b"\x00" + value, "sha256")
+
+
+def is_sealed(value: bytes) -> bool:
+    """Whether a store value was sealed (by a worker that holds a key)."""
+    return value.startswith(_SEALED)
+
+
+class ConnectionAuth:
+    """Proofs of the key for transports that accept connections of their own.
+
+    Each end sends a fresh challenge and answers the other's with :meth:`proof`; the
+    proof also covers both ranks, both session nonces and a ``purpose`` naming the
+    transport and the role, so a proof cannot be replayed in another session, in the
+    other direction or on another transport.
+    """
+
+    def __init__(self, key: bytes, nonces: Sequence[bytes]) -> None:
+        self._key = _derive(key, b"connection")
+        self._nonces = list(nonces)
+
+    @staticmethod
+    def challenge() -> bytes:
+        """A fresh random challenge (``NONCE_BYTES`` long)."""
+        return new_nonce()
+
+    def proof(self, purpose: str, src: int, dst: int, challenge: bytes = b"") -> bytes:
+        """What rank ``src`` answers ``dst``'s ``challenge`` with (``TAG_BYTES`` long)."""
+        return hmac.digest(self._key, b"\x00".join((
+            purpose.encode(), _SEQ.pack(src), _SEQ.pack(dst),
+            self._nonces[src], self._nonces[dst], challenge,
+        )), "sha256")
+
+    def check(self, purpose: str, src: int, dst: int, challenge: bytes, proof: bytes) -> bool:
+        """Whether ``proof`` is rank ``src``'s genuine answer to ``challenge``."""
+        if not 0 <= src < len(self._nonces) or not 0 <= dst < len(self._nonces):
+            return False
+        return hmac.compare_digest(self.proof(purpose, src, dst, challenge), proof)
+
+
+class FrameGuard:
+    """Seals every frame a worker sends and checks every frame it receives.
+
+    A sealed frame's header is ``seq (8 bytes) + tag (32 bytes) + the codec's header``.
+    The tag is HMAC-SHA256, under a key for the ordered pair (src, dst) derived from the
+    world key and both session nonces, over the sequence number, the header's length, the
+    number and sizes of the buffers and the header itself; with ``payload=True`` also
+    over every buffer's bytes (a pass over each tensor at both ends).
+    """
+
+    def __init__(
+        self,
+        key: bytes,
+        rank: int,
+        nonces: Sequence[bytes],
+        names: Sequence[str],
+        *,
+        payload: bool = False,
+    ) -> None:
+        self.rank = rank
+        self._names = list(names)
+        self._payload = payload
+        base = _derive(key, b"frame")
+        world = len(nonces)
+
+        def pair_key(src: int, dst: int) -> bytes:
+            return _derive(base, b"pair", _SEQ.pack(src), _SEQ.pack(dst), nonces[src],
+                           nonces[dst])
+
+        self._send_keys = [pair_key(rank, dst) for dst in range(world)]
+        self._receive_keys = [pair_key(src, rank) for src in range(world)]
+        self._next_seq = [0] * world
+        self._seq_lock = threading.Lock()
+        # Sequence numbers seen, per source. Senders number frames before the transport
+        # has them, so two sending threads may put them on the wire swapped: any order is
+        # accepted, each number once.
+        self._windows = [RecentIds() for _ in range(world)]
+        self._refused_from: set[int] = set()  # sources whose connection is condemned
+        self._refused = [0] * world
+        self._last_logged = [0.0] * world
+        self._count_lock = threading.Lock()
+
+    @property
+    def refused(self) -> int:
+        """Frames refused so far, from every source."""
+        return sum(self._refused)
+
+    # --------------------------------------------------------------------------- send
+
+    def seal(self, dst: int, frame: Frame) -> Frame:
+        """Seal ``frame`` for ``dst`` (its header is replaced by the sealed one) and
+        return it. (In place: this runs on every send, and a frame is sent once.)"""
+        with self._seq_lock:
+            seq = self._next_seq[dst] = self._next_seq[dst] + 1
+        header = frame.header
+        frame.header = _SEQ.pack(seq) + self._tag(self._send_keys[dst], seq, header,
+                                                  frame.buffers) + header
+        return frame
+
+    # ------------------------------------------------------------------------ receive
+
+    def guarding(self, deliver: Callable[[int, Frame], None],
+                 refuse: Callable[[int, str], None]) -> Callable[[int, Frame], None]:
+        """A ``deliver`` for transports: checks each frame, passes genuine ones on.
+
+        A frame that fails is dropped and counted, its source logged (at most once per
+        ``_LOG_EVERY`` seconds each), ``refuse(src, detail)`` is called once per source
+        (a protocol error), and :class:`~rpcx.errors.ProtocolError` is raised, so the
+        transport ends that connection. Later frames from that source are refused too.
+        """
+
+        def checked(src: int, frame: Frame) -> None:
+            problem = self._problem(src, frame)
+            if problem is None:
+                deliver(src, frame)
+                return
+            first = self._count(src, problem)
+            detail = f"a frame failed authentication ({problem})"
+            if first:
+                refuse(src, detail)
+            raise ProtocolError(f"a frame from rank {src} failed authentication ({problem})")
+
+        return checked
+
+    def _problem(self, src: int, frame: Frame) -> str | None:
+        """Why ``frame`` from ``src`` is refused, or ``None`` if it is genuine (then its
+        header is the codec's again: the seal is taken off)."""
+        if src in self._refused_from:
+            return "its connection already sent a frame that failed"
+        header = frame.header
+        if len(header) < _SEALED_PREFIX:
+            return "missing MAC"
+        (seq,) = _SEQ.unpack_from(header)
+        tag = header[_SEQ.size:_SEALED_PREFIX]
+        body = header[_SEALED_PREFIX:]
+        if not hmac.compare_digest(tag, self._tag(self._receive_keys[src], seq, body,
+                                                  frame.buffers)):
+            return "bad or missing MAC"
+        # Only after the MAC holds: a forged number must not move the window.
+        if not self._windows[src].add(seq):
+            return f"sequence number {seq} replayed or out of range"
+        frame.header = body
+        return None
+
+    def _count(self, src: int, problem: str) -> bool:
+        """Count a refused frame; log it if due. True for the source's first."""
+        with self._count_lock:
+            first = src not in self._refused_from
+            self._refused_from.add(src)
+            self._refused[src] += 1
+            now = time.monotonic()
+            due = now - self._last_logged[src] >= _LOG_EVERY
+            if due:
+                self._last_logged[src] = now
+            count = self._refused[src]
+        if due:
+            name = self._names[src] if 0 <= src < len(self._names) else "?"
+            log.warning("%s: refused a frame from %r (rank %d): %s; %d refused from it so far",
+                        self._names[self.rank], name, src, problem, count)
+        return first
+
+    # ---------------------------------------------------------------------------- MAC
+
+    def _tag(self, key: bytes, seq: int, header: bytes, buffers: list[torch.Tensor]) -> bytes:
+        if not buffers and not self._payload:  # most calls: one C call, no list
+            return hmac.digest(key, _FRAME_HEAD.pack(seq, len(header), 0) + header, "sha256")
+        sizes = [b.numel() * b.element_size() for b in buffers]
+        head = _FRAME_HEAD.pack(seq, len(header), len(sizes))
+        if sizes:
+            head += struct.pack(f"<{len(sizes)}Q", *sizes)
+        if not self._payload:
+            return hmac.digest(key, head + header, "sha256")
+        mac = hmac.new(key, head, hashlib.sha256)
+        mac.update(header)
+        for buffer in buffers:
+            if buffer.numel():
+                _hash_bytes_of(mac, buffer)
+        return mac.digest()
+
+
+def _hash_bytes_of(mac: Any, tensor: torch.Tensor) -> None:
+    """Feed a tensor's bytes to ``mac`` (through a host copy if it lives elsewhere)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous().view(torch.uint8)
+    # ``flat`` stays referenced until the update returns: the view borrows its memory.
+    mac.update(memoryview((ctypes.c_char * flat.numel()).from_address(flat.data_ptr())))
