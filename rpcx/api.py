@@ -24,6 +24,7 @@ from rpcx._services.calls import (  # (the public API's, defined with the call s
 )
 from rpcx._util import cpp_log as _cpp_log
 from rpcx._wire import auth
+from rpcx._wire.keyed import keyed
 from rpcx._world.membership_events import MembershipChange
 from rpcx.autograd import service as autograd_service
 from rpcx.errors import RpcError, RpcShutdownError
@@ -118,7 +119,8 @@ def _join(name: str, spec: BackendSpec, options: RpcBackendOptions, rank: int,
             rank=world.rank,
             workers=world.workers,
             store=world.store,
-            transport=spec.factory(),
+            transport=(spec.factory() if world.guard is None
+                       else keyed(spec.factory(), world.guard)),
             backend=spec.name,
             options=world.options,
             init_method=world.options.init_method,

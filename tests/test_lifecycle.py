@@ -360,7 +360,7 @@ def test_worker_that_exits_without_shutdown_is_not_said_to_have_shut_down(
 def test_telling_peers_of_a_departure_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     # A send to a stopped peer whose socket is full waits until written: the farewell of
     # a program that exits without shutdown() must not keep it from exiting.
-    from rpcx._core import agent as agent_module
+    from rpcx._core import peer_events
     from rpcx.messages import LEAVING_AT_EXIT
 
     with world("loopback", size=3):
@@ -372,8 +372,9 @@ def test_telling_peers_of_a_departure_is_bounded(monkeypatch: pytest.MonkeyPatch
             if dst.name == "worker1":
                 release.wait(60)  # (a peer that does not read)
 
-        monkeypatch.setattr(agent._calls, "send_one_way", send_one_way)  # type: ignore[attr-defined]
-        monkeypatch.setattr(agent_module, "_FAREWELL_BOUND", 0.2)
+        events = agent._events  # type: ignore[attr-defined]
+        monkeypatch.setattr(events, "_send_one_way", send_one_way)
+        monkeypatch.setattr(peer_events, "_FAREWELL_BOUND", 0.2)
         started = time.monotonic()
         agent.say_leaving(LEAVING_AT_EXIT)
         assert time.monotonic() - started < 30, "say_leaving waited for the stuck send"

@@ -87,8 +87,8 @@ class CallPath:
         host: the worker's agent, handed to the codec (RRefs bind to it).
         workers: every worker, by rank; ``workers[rank]`` is this one.
         rank: this worker's rank.
-        transmit_frame: sends a frame to a peer (the transport's ``send``, sealed when the
-            world has a key).
+        transmit_frame: sends a frame to a peer (the transport's ``send``; with a world
+            key, the transport seals it: rpcx._wire.keyed).
         lifecycle: the worker's state (running, stopping, closed).
         executors: the pools and the timer.
         pending: the table of calls waiting for replies.

@@ -99,9 +99,13 @@ class ServiceHost(Protocol):
     scope: MessageScope | None
     """The service whose per-call scope travels with requests (distributed autograd)."""
     on_drain: list[Callable[[float | None], int]]
-    """Hooks run by a graceful shutdown until no worker sends anything more."""
+    """Hooks run by a graceful shutdown, once every worker has stopped calling: each
+    sends what it still owes its peers, waits for the acknowledgements and returns how
+    many messages that took; repeated, world-wide, until nobody sends anything. A hook
+    gets the seconds left of shutdown's budget (``None``: no bound) and must return
+    within them."""
     on_close: list[Callable[[float | None], None]]
-    """Hooks run once the transport closed."""
+    """Hooks run once the transport closed, with the seconds left (as ``on_drain``)."""
     routes: DeviceRoutes
     """The world's device maps as they apply to this worker."""
     backend: str
@@ -157,13 +161,28 @@ class ServiceHost(Protocol):
         self, kind: MessageKind, handler: Handler, *, in_order: bool = False,
         on_decode_error: Callable[[WorkerInfo, Any, BaseException], None] | None = None,
     ) -> None:
-        """Run ``handler`` for every message of ``kind`` this worker receives."""
+        """Run ``handler`` for every message of ``kind`` this worker receives.
+
+        Handlers run on the request pool, concurrently. ``in_order=True`` runs the
+        handler on the thread delivering the frame instead, so messages from one peer
+        are handled in the order sent. Only for rpcx's own bookkeeping: such a handler
+        must not block or run user code. (Whatever it sends goes out from the pool.)
+
+        ``on_decode_error(caller, partial_payload, error)`` is called when a request of
+        this kind cannot be unpickled but a lenient decode (missing classes replaced by
+        placeholders) recovers its structure, so the service can settle its state.
+        """
 
     def request(
         self, dst: WorkerInfo, kind: MessageKind, payload: Any, *, timeout: float | None,
         api: str, target: Any, describe_target: Callable[[Any], str] = ...,
     ) -> RpcFuture[Any]:
-        """Send a request and return the future of its reply."""
+        """Send a request and return the future of its reply.
+
+        ``api`` and ``target`` only name the call in error messages ("rpc_sync(mod.f)").
+        Raises synchronously if the payload cannot be pickled or the agent is shut down;
+        every later failure (timeout, remote error, lost peer) goes to the future.
+        """
 
     def send_one_way(self, dst: WorkerInfo, kind: MessageKind, payload: Any) -> None:
         """Send a one-way message (no reply, no future); failures are only logged."""
@@ -187,10 +206,22 @@ class ServiceHost(Protocol):
         """Seconds for a call's ``timeout`` argument: negative/None = default, 0 = none."""
 
     def stats(self) -> dict[str, Any]:
-        """This worker's call traffic, for ``debug_info``."""
+        """This worker's call traffic, for ``debug_info``: ``pending_calls``,
+        ``request_threads``, ``lost_peers``, ``lost_causes``, ``unresponsive_peers``,
+        ``authenticated``, ``refused_frames``, ``resent_frames``, ``bytes_in_flight``,
+        ``calls_held_back``, ``routes`` (peer name: how the transport reaches it, for
+        transports that choose per peer) and ``connected_peers`` (how many peers this
+        worker has a connection to; every one, unless the transport connects on demand)."""
 
     def shutdown(self, graceful: bool = True, timeout: float | None = None) -> bool:
-        """Leave the world (see ``RpcAgent.shutdown``)."""
+        """Leave the world.
+
+        Graceful: wait until this worker's own calls are done, then for every live worker
+        to arrive (a barrier through the store), then close. ``timeout`` bounds the whole
+        wait (``None`` waits as long as peers are alive, logging progress). Non-graceful:
+        fail pending calls at once and close locally. Returns False if the worker was
+        already shutting down (or shut down) when called.
+        """
 
     def say_leaving(self, why: int) -> None:
         """Tell the live peers this worker leaves without ``shutdown()`` (see

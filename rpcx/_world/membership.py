@@ -16,8 +16,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from rpcx.errors import RpcError
-from rpcx.worker import VacantRank, WorkerInfo, is_member
+from rpcx.errors import RpcError, UnknownWorkerError
+from rpcx.worker import VacantRank, WorkerInfo, find_worker, is_member
 
 __all__ = ["Roster"]
 
@@ -107,3 +107,23 @@ class Roster:
         with self._lock:
             found = self._gone.get(name)
         return None if found is None else f"worker {name!r} (rank {found[0]}) {found[1]}"
+
+    def resolve(self, to: str | int | WorkerInfo) -> WorkerInfo:
+        """The ``WorkerInfo`` for a name, a rank or a ``WorkerInfo`` of a worker in the
+        world now; ``UnknownWorkerError`` naming the workers (and, for a worker that left
+        lately, how it went) otherwise."""
+        if not self.dynamic:
+            return find_worker(self.workers, self.by_name, to)
+        try:
+            found: WorkerInfo | None = find_worker(self.workers, self.by_name, to)
+        except UnknownWorkerError:
+            found = None
+        if found is None or not self.holds(found.id):
+            known = ", ".join(w.name for w in self.members())
+            name = to.name if isinstance(to, WorkerInfo) else to
+            gone = self.how_gone(name) if isinstance(name, str) else None
+            left = (f": {gone}, and is no longer in the world" if gone is not None
+                    else " (it left the world)" if found is not None else "")
+            raise UnknownWorkerError(
+                f"unknown destination worker {name!r}{left}; the workers are: {known}")
+        return found

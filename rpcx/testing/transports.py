@@ -46,4 +46,4 @@ def published_address(key: str) -> Any:
     ``key`` (its own prefix, e.g. ``"zmq/1"``), decoded from JSON: where a test finds a
     worker's listening address to knock on it as a stranger."""
     agent = current_agent()
-    return json.loads(rendezvous.prefixed(agent._store, "transport").get(key))
+    return json.loads(rendezvous.prefixed(agent._presence.store, "transport").get(key))

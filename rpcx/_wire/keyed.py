@@ -1,0 +1,86 @@
+"""The world key as a transport decorator: every frame sealed on its way out and
+checked on its way in (:class:`~rpcx._wire.auth.FrameGuard`).
+
+``init_rpc`` wraps the backend's transport in :class:`KeyedTransport` when the world
+has a key, as ``backend="faulty:<name>"`` wraps it in the fault injector; the agent and
+the call path never see the key. A frame that fails its check is dropped, its sender
+reported lost with a protocol error (once), and its connection ended by the transport.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from rpcx._wire.auth import FrameGuard
+from rpcx.errors import LostCause
+from rpcx.transport import (
+    Capabilities,
+    DescribesRoutes,
+    Frame,
+    ReportsConnections,
+    Transport,
+    TransportContext,
+)
+
+__all__ = ["KeyedTransport", "keyed"]
+
+
+class KeyedTransport:
+    """``inner``, with every frame sealed by ``guard`` for its destination and every
+    frame delivered checked first.
+
+    Other attributes are the inner transport's (a test may ask a backend for its links
+    through it). Made by :func:`keyed`, which gives each the inner one's capabilities.
+    """
+
+    capabilities: ClassVar[Capabilities]
+
+    def __init__(self, inner: Transport, guard: FrameGuard) -> None:
+        self.inner = inner
+        self.guard = guard
+
+    def start(self, ctx: TransportContext) -> None:
+        """Start the inner transport with a ``deliver`` that checks each frame."""
+        def refuse(src: int, why: str) -> None:
+            ctx.peer_lost(src, LostCause.PROTOCOL_ERROR, why)
+
+        self.inner.start(dataclasses.replace(
+            ctx, deliver=self.guard.guarding(ctx.deliver, refuse)))
+
+    def send(self, dst: int, frame: Frame) -> None:
+        """Seal ``frame`` for ``dst`` and send it."""
+        self.inner.send(dst, self.guard.seal(dst, frame))
+
+    def close(self, timeout: float) -> None:
+        """Close the inner transport."""
+        self.inner.close(timeout)
+
+    def routes(self) -> Mapping[int, str]:
+        """The inner transport's routes, if it reports any."""
+        inner = self.inner
+        return inner.routes() if isinstance(inner, DescribesRoutes) else {}
+
+    def connects_on_demand(self) -> bool:
+        """Whether the inner transport connects pairs when they first talk."""
+        inner = self.inner
+        return isinstance(inner, ReportsConnections) and inner.connects_on_demand()
+
+    def connected(self, rank: int) -> bool:
+        """Whether the inner transport has a connection to ``rank`` (always, for one
+        that connects every pair at start)."""
+        inner = self.inner
+        return not isinstance(inner, ReportsConnections) or inner.connected(rank)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def keyed(inner: Transport, guard: FrameGuard) -> Transport:
+    """``inner`` behind the world key's seals (a :class:`KeyedTransport` with its
+    capabilities)."""
+    cls = type(f"Keyed{type(inner).__name__}", (KeyedTransport,),
+               {"capabilities": inner.capabilities})
+    transport: Transport = cls(inner, guard)
+    return transport
