@@ -425,7 +425,9 @@ def bench(session: nox.Session) -> None:
     Every plugin under plugins/ is installed, so its backend runs beside the built-ins.
     Runs bench/run.py: every workload, both sweeps and the raw floors; the table on
     stdout, JSON and plots in bench/results/. Arguments after ``--`` go to it, e.g.
-    ``nox -s bench -- --quick --rounds 1`` or ``-- --only rpc_sync,size_sweep``.
+    ``nox -s bench -- --quick --rounds 1`` or ``-- --only rpc_sync,size_sweep``. Then
+    bench/guard.py judges that run: a line far under its usual ratio to torch
+    (bench/guard.json) is run again, and fails the session if it stays there.
 
     Then bench/examples.py: the example programs on every system, torch included, with
     its own defaults (all examples, 3 rounds); of the arguments after ``--`` it gets
@@ -441,6 +443,9 @@ def bench(session: nox.Session) -> None:
     for directory in PLUGINS.values():  # their backends are measured too
         session.install(*CONSTRAINTS, "-e", directory)
     session.run("python", "bench/run.py", *session.posargs)
+    # A line far under its usual ratio to torch is run again; still under: a regression
+    # (exit 1 fails the session). 2: the run measured no line the guard has a floor for.
+    session.run("python", "bench/guard.py", success_codes=[0, 2])
     quick = ["--quick"] if "--quick" in session.posargs else []
     session.run("python", "bench/examples.py", *quick)
     session.run("python", "bench/world_sizes.py", *quick)
