@@ -1,17 +1,17 @@
-"""Remote references: :class:`RRef`, ``remote()`` and the requests that serve them.
+"""Remote references: :class:`RRef`, the type users hold, and ``remote()``.
 
 An RRef names a value that lives on one worker, its *owner*. Other workers hold RRefs to
 it, pass them around in calls, fetch copies with ``to_here()`` and run its methods on the
 owner through the proxies. The owner keeps the value while any RRef to it exists
 anywhere; :mod:`rpcx._services.rref_protocol` explains how (forks, announcements, deletions).
 
-Requests (all through the agent, so they time out and fail like any call):
+Requests (all through the agent, so they time out and fail like any call; the owner's
+side is :mod:`rpcx._services.rref_requests`):
 
 * ``REMOTE_CALL (id, fork, func, args, kwargs)``: the owner runs ``func`` and keeps the
   result under ``id``; the reply (``None`` or the error) tells the creator it is done.
 * ``RREF_FETCH id``: the owner replies with the value once it exists.
 * ``RREF_FORKS`` / ``RREF_DELETE`` / ``RREF_CONFIRM``: reference bookkeeping.
-
 * ``RREF_CALL (id, name, args, kwargs)``: a proxy call, ``value.name(*args, **kwargs)``
   on the owner, run once the value exists.
 
@@ -21,7 +21,6 @@ Proxy calls (``rref.rpc_sync().m()``) send only the id: the caller's RRef stays 
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
 from collections.abc import Callable
@@ -30,10 +29,9 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from rpcx._core import context as _context
-from rpcx._core.service_host import Deferred, ServiceHost, describe_callable
-from rpcx._services.calls import run_user_function
+from rpcx._core.service_host import ServiceHost, describe_callable
 from rpcx._services.rref_fork import ForkId, ForkState, RRefId
-from rpcx._services.rref_protocol import RRefService
+from rpcx._services.rref_requests import SERVICE, install, invoke_on_owner, service
 from rpcx._util.pool import blocking
 from rpcx._wire.codec import (
     EncodeContext,
@@ -42,7 +40,6 @@ from rpcx._wire.codec import (
     register_extension,
 )
 from rpcx.errors import RpcError, RpcShutdownError, RpcTimeoutError
-from rpcx.functions import async_execution, is_async_execution
 from rpcx.futures import RpcFuture, add_internal_callback, wait, wait_done
 from rpcx.messages import MessageKind
 from rpcx.worker import WorkerInfo
@@ -50,16 +47,9 @@ from rpcx.worker import WorkerInfo
 __all__ = ["RRef", "create_remote", "install", "service"]
 
 T = TypeVar("T")
-_SERVICE = "rref"
 _CONFIRM_WAIT = 60.0  # bound on waiting for an owner's confirmation when calls have none
 
 log = logging.getLogger("rpcx.rref")
-
-
-def service(agent: ServiceHost) -> RRefService:
-    """The RRef service of ``agent``."""
-    svc: RRefService = agent.services[_SERVICE]
-    return svc
 
 
 class RRef(Generic[T]):
@@ -113,7 +103,7 @@ class RRef(Generic[T]):
 
     def __del__(self) -> None:
         try:
-            svc = self._agent.services.get(_SERVICE)
+            svc = self._agent.services.get(SERVICE)
             state = self._fork_state
             if svc is not None:
                 svc.schedule_delete(state.owner, state.rref_id, state.fork)
@@ -394,7 +384,7 @@ class _ProxyMethod:
         describe = _method_describer(name)
         call_args = (rref._id, name, args, kwargs)
         if api == "remote":
-            return create_remote(agent, rref._owner, _invoke_on_owner, call_args, {},
+            return create_remote(agent, rref._owner, invoke_on_owner, call_args, {},
                                  timeout, target=rref, describe_target=describe)
         future = agent.request(
             rref._owner, MessageKind.RREF_CALL, call_args,
@@ -412,55 +402,6 @@ class _ProxyMethod:
 
 def _method_describer(name: str) -> Callable[[Any], str]:
     return lambda rref: f"{rref!r}.{name}"
-
-
-@async_execution
-def _invoke_on_owner(
-    rref_id: RRefId, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> torch.futures.Future[Any]:
-    """Runs on the owner: call ``value.name(*args, **kwargs)`` once the value exists."""
-    result: torch.futures.Future[Any] = torch.futures.Future()
-
-    def run(value_future: torch.futures.Future[Any]) -> None:
-        try:
-            method = getattr(value_future.wait(), name)
-            out = method(*args, **kwargs)
-        except BaseException as exc:
-            result.set_exception(exc)
-            return
-        if is_async_execution(method):
-            out.add_done_callback(lambda f: _forward(f, result))
-        else:
-            result.set_result(out)
-
-    agent = _context.current_agent()
-    # The method may run later, on the thread that makes the value: in this request's
-    # context all the same (its distributed autograd context above all: as on torch,
-    # whose owner runs it in the request, what it sends must be recorded there).
-    request_context = contextvars.copy_context()
-    service(agent).slot(rref_id).add_done_callback(lambda f: request_context.run(run, f))
-    return result
-
-
-def _handle_rref_call(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
-    svc = service(agent)
-
-    def handle(caller: WorkerInfo, payload: Any) -> Any:
-        rref_id, name, args, kwargs = payload
-        slot = svc.slot(rref_id)
-        if not slot.done():  # remote() has not made the value yet: run once it has
-            return Deferred(_invoke_on_owner(rref_id, name, args, kwargs))
-        # The common case, without a future: the value exists (or failed), run it now.
-        return run_user_function(getattr(wait(slot), name), args, kwargs)
-
-    return handle
-
-
-def _forward(source: torch.futures.Future[Any], target: torch.futures.Future[Any]) -> None:
-    try:
-        target.set_result(source.wait())
-    except BaseException as exc:
-        target.set_exception(exc)
 
 
 def create_remote(
@@ -487,100 +428,6 @@ def create_remote(
         describe_target=describe_target,
     )
     return RRef._make(agent, rref_id, dst, fork, created, confirmed=dst.id == agent.rank)
-
-
-# ------------------------------------------------------------------- request handlers
-
-
-def _handle_remote_call(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
-    svc = service(agent)
-
-    def handle(caller: WorkerInfo, payload: Any) -> Any:
-        rref_id, fork, func, args, kwargs = payload
-        slot = svc.begin_creation(rref_id, fork, caller.id)
-        try:
-            out = func(*args, **kwargs)
-        except BaseException as exc:
-            slot.set_exception(exc)
-            raise
-        if not is_async_execution(func):
-            slot.set_result(out)
-            return None
-        if not isinstance(out, torch._C.Future):
-            error = TypeError(
-                f"@async_execution function {describe_callable(func)} must return a "
-                f"torch.futures.Future, but returned {type(out).__name__}"
-            )
-            slot.set_exception(error)
-            raise error
-        ack: torch.futures.Future[Any] = torch.futures.Future()
-
-        def settle(done: torch.futures.Future[Any]) -> None:
-            try:
-                value = done.wait()
-            except BaseException as exc:
-                slot.set_exception(exc)
-                ack.set_exception(exc)
-            else:
-                slot.set_result(value)
-                ack.set_result(None)
-
-        out.add_done_callback(settle)
-        return Deferred(ack)
-
-    return handle
-
-
-def _remote_call_undecodable(
-    agent: ServiceHost,
-) -> Callable[[WorkerInfo, Any, BaseException], None]:
-    svc = service(agent)
-
-    def settle(caller: WorkerInfo, payload: Any, error: BaseException) -> None:
-        # The function or an argument did not unpickle here: the value will never exist.
-        # Record that, so fetches and proxies fail with the reason instead of waiting.
-        rref_id, fork = payload[0], payload[1]
-        slot = svc.begin_creation(rref_id, fork, caller.id)
-        if not slot.done():
-            slot.set_exception(error)
-
-    return settle
-
-
-def _handle_fetch(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
-    svc = service(agent)
-
-    def handle(caller: WorkerInfo, rref_id: Any) -> Any:
-        return Deferred(svc.slot(rref_id))
-
-    return handle
-
-
-def _handle_forks(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
-    svc = service(agent)
-
-    def handle(caller: WorkerInfo, forks: Any) -> None:
-        svc.add_forks(forks, caller.id)
-
-    return handle
-
-
-def _handle_delete(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
-    svc = service(agent)
-
-    def handle(caller: WorkerInfo, forks: Any) -> None:
-        svc.remove_forks(forks)
-
-    return handle
-
-
-def _handle_confirm(agent: ServiceHost) -> Callable[[WorkerInfo, Any], Any]:
-    svc = service(agent)
-
-    def handle(caller: WorkerInfo, forks: Any) -> None:
-        svc.confirm(forks)
-
-    return handle
 
 
 # -------------------------------------------------------------------------- codec
@@ -637,25 +484,3 @@ def _rebuild_rref(
 
 
 register_extension(RRef, _reduce_rref)
-
-
-def install(agent: ServiceHost) -> None:
-    """Give ``agent`` its RRef service and serve RRef requests."""
-    svc = RRefService(agent)
-    agent.services[_SERVICE] = svc
-    agent.register_handler(
-        MessageKind.REMOTE_CALL, _handle_remote_call(agent),
-        on_decode_error=_remote_call_undecodable(agent),
-    )
-    # A fetch needs no ordering: the fetching RRef stays alive until the reply. Reference
-    # bookkeeping is handled in arrival order (see rpcx._services.rref_protocol).
-    agent.register_handler(MessageKind.RREF_FETCH, _handle_fetch(agent))
-    agent.register_handler(MessageKind.RREF_CALL, _handle_rref_call(agent))
-    agent.register_handler(MessageKind.RREF_FORKS, _handle_forks(agent), in_order=True)
-    agent.register_handler(MessageKind.RREF_DELETE, _handle_delete(agent), in_order=True)
-    agent.register_handler(MessageKind.RREF_CONFIRM, _handle_confirm(agent), in_order=True)
-    agent.on_drain.append(svc.flush)
-    agent.note_sources.append(svc)
-    agent.on_peer_lost.append(svc.drop_rank)
-    agent.on_rank_reused.append(svc.rank_reused)
-    agent.on_close.append(svc.close)
