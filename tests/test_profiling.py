@@ -13,6 +13,8 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -160,6 +162,38 @@ def test_no_profiler_no_span_and_the_names_follow_torch() -> None:
             span = "rpc_sync#_udf(p0 -> p1)"
             assert names.count(span) == 1, names
             assert f"{span}#remote_op: aten::mul" in names, names
+        rpcx.shutdown()
+
+    rpcx.spawn(body, args=(f"tcp://127.0.0.1:{free_port()}",), nprocs=2, backend="loopback")
+
+
+def test_remote_events_nest_in_a_span_that_was_slow_to_open(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first span of a fresh process took ~130 ms to open under the legacy profiler
+    # in CI; the remote events must still lie within their call's span.
+    real = torch.autograd.profiler.record_function
+
+    class SlowToOpen(real):  # type: ignore[misc,valid-type]
+        def __enter__(self) -> Any:
+            time.sleep(0.1)  # (a slow open, not a wait for state)
+            return super().__enter__()
+
+    def body(rank: int, url: str) -> None:
+        rpcx.init_rpc(f"s{rank}", rank=rank, world_size=2, backend="loopback",
+                      rpc_backend_options=rpcx.RpcBackendOptions(init_method=url))
+        if rank == 0:
+            monkeypatch.setattr(torch.autograd.profiler, "record_function", SlowToOpen)
+            with legacy_profile() as prof:
+                rpcx.rpc_sync("s1", _udf, args=(torch.ones(2),))
+            monkeypatch.setattr(torch.autograd.profiler, "record_function", real)
+            span = "rpc_sync#_udf(s0 -> s1)"
+            [outer] = [e for e in prof.function_events if e.name == span]
+            remote = [e for e in prof.function_events if e.name.startswith(span + "#remote_op")]
+            assert remote, [e.name for e in prof.function_events]
+            for event in remote:
+                assert (outer.time_range.start <= event.time_range.start
+                        <= event.time_range.end <= outer.time_range.end), (
+                    event.name, event.time_range, outer.time_range)
         rpcx.shutdown()
 
     rpcx.spawn(body, args=(f"tcp://127.0.0.1:{free_port()}",), nprocs=2, backend="loopback")

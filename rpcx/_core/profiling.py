@@ -93,12 +93,15 @@ class CallSpan:
     def __init__(self, name: str, callee_rank: int) -> None:
         self.name = name
         self.callee_rank = callee_rank
-        self.sent_ns = time.monotonic_ns()
         self.sequence = _kept.next_sequence()  # (profiles started later do not take it)
         self.remote = False  # the request went wrapped: the reply carries events
         record: Any = torch.autograd.profiler.record_function(name)
         record.__enter__()
         self._record = record
+        # Timed once the span is open: the remote events are placed from the span's
+        # start, so a round trip counted from before it (a first span can take 100 ms
+        # to open under a profiler in a fresh process) would push them past its end.
+        self.sent_ns = time.monotonic_ns()
 
     def end_with(self, future: RpcFuture[Any]) -> RpcFuture[Any]:
         """End the span when ``future`` completes; the returned future completes after
