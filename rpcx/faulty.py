@@ -31,7 +31,13 @@ from typing import Any, ClassVar
 
 from rpcx._wire.codec import decode_envelope
 from rpcx.messages import MessageKind
-from rpcx.transport import Capabilities, DescribesRoutes, Frame, Transport, TransportContext
+from rpcx.transport import (
+    Capabilities,
+    Frame,
+    Transport,
+    TransportContext,
+    TransportDecorator,
+)
 
 __all__ = ["FAULTS_ENV", "PREFIX", "REPLY_PREFIX", "Faults", "FaultyTransport", "faulty_class"]
 
@@ -107,7 +113,7 @@ class Faults:
         )
 
 
-class FaultyTransport:
+class FaultyTransport(TransportDecorator):
     """Wraps another backend's transport; disturbs the frames :class:`Faults` names.
 
     ``injected`` counts what was done, by ``(fault, kind name)``.
@@ -160,15 +166,6 @@ class FaultyTransport:
             self.inner.send(dst, frame)
             if duplicate:
                 self.inner.send(dst, frame.shallow_copy())
-
-    def close(self, timeout: float) -> None:
-        """Close the inner transport."""
-        self.inner.close(timeout)
-
-    def routes(self) -> Mapping[int, str]:
-        """The inner transport's routes, if it reports any."""
-        inner = self.inner
-        return inner.routes() if isinstance(inner, DescribesRoutes) else {}
 
     def _noting_requests(self, deliver: Callable[[int, Frame], None],
                          answered: frozenset[int]) -> Callable[[int, Frame], None]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -27,6 +27,7 @@ __all__ = [
     "Capabilities", "ConnectionAuth", "DescribesRoutes", "DeviceRoutes", "Frame", "LostCause",
     "PeerLost",
     "ReceiveLane", "ReportsConnections", "Transport", "TransportContext",
+    "TransportDecorator",
 ]
 
 
@@ -342,3 +343,37 @@ class Transport(Protocol):
         Waits at most ``timeout`` seconds for peers to acknowledge, then gives up with a
         logged warning. Frames from peers that arrive before their goodbye are delivered.
         """
+
+
+class TransportDecorator:
+    """What a transport that wraps another (``inner``) passes through: ``close``, the
+    routes and connections it reports, and any other attribute (a test may reach a
+    backend's links through it). A decorator writes ``start`` and ``send``; the fault
+    injector (:mod:`rpcx.faulty`) and the world key's seals are two."""
+
+    inner: Transport
+
+    def close(self, timeout: float) -> None:
+        """Close the inner transport."""
+        self.inner.close(timeout)
+
+    def routes(self) -> Mapping[int, str]:
+        """The inner transport's routes, if it reports any."""
+        inner = self.inner
+        return inner.routes() if isinstance(inner, DescribesRoutes) else {}
+
+    def connects_on_demand(self) -> bool:
+        """Whether the inner transport connects pairs when they first talk."""
+        inner = self.inner
+        return isinstance(inner, ReportsConnections) and inner.connects_on_demand()
+
+    def connected(self, rank: int) -> bool:
+        """Whether the inner transport has a connection to ``rank`` (always, for one
+        that connects every pair at start)."""
+        inner = self.inner
+        return not isinstance(inner, ReportsConnections) or inner.connected(rank)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # (not set yet: no recursion)
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -88,11 +88,9 @@ class Parts:
     presence: Presence
     events: PeerEvents
     shutdown: Shutdown
-
-    def is_lost(self, rank: int) -> bool:
-        """Whether worker ``rank`` is known to be gone (died, or left the world; in a
-        dynamic world also a rank no worker holds)."""
-        return self.health.is_lost(rank) or not self.roster.holds(rank)
+    is_lost: Callable[[int], bool]
+    """Whether worker ``rank`` is known to be gone (died, or left the world; in a
+    dynamic world also a rank no worker holds)."""
 
     def stats(self, transport: Transport, guard: FrameGuard | None,
               names: list[str], rank: int) -> dict[str, Any]:
@@ -157,7 +155,7 @@ def assemble(*, host: Any, name: str, rank: int, workers: list[WorkerInfo], stor
     roster = Roster(workers, dynamic=dynamic is not None)
     roster.growers += [health.grow, calls.grow, back_pressure.grow, retransmission.grow]
 
-    def is_lost(rank: int) -> bool:  # (Parts.is_lost, before there are Parts)
+    def is_lost(rank: int) -> bool:
         return health.is_lost(rank) or not roster.holds(rank)
 
     presence = Presence(name=name, rank=rank, workers=workers, store=store,
@@ -182,4 +180,4 @@ def assemble(*, host: Any, name: str, rank: int, workers: list[WorkerInfo], stor
     return Parts(lifecycle=life, pending=pending, executors=executors,
                  back_pressure=back_pressure, retransmission=retransmission, health=health,
                  calls=calls, roster=roster, membership=membership, presence=presence,
-                 events=events, shutdown=shutdown)
+                 events=events, shutdown=shutdown, is_lost=is_lost)

@@ -10,29 +10,27 @@ reported lost with a protocol error (once), and its connection ended by the tran
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from rpcx._wire.auth import FrameGuard
 from rpcx.errors import LostCause
 from rpcx.transport import (
     Capabilities,
-    DescribesRoutes,
     Frame,
-    ReportsConnections,
     Transport,
     TransportContext,
+    TransportDecorator,
 )
 
 __all__ = ["KeyedTransport", "keyed"]
 
 
-class KeyedTransport:
+class KeyedTransport(TransportDecorator):
     """``inner``, with every frame sealed by ``guard`` for its destination and every
     frame delivered checked first.
 
-    Other attributes are the inner transport's (a test may ask a backend for its links
-    through it). Made by :func:`keyed`, which gives each the inner one's capabilities.
+    The rest passes through (:class:`~rpcx.transport.TransportDecorator`). Made by
+    :func:`keyed`, which gives each the inner one's capabilities.
     """
 
     capabilities: ClassVar[Capabilities]
@@ -52,29 +50,6 @@ class KeyedTransport:
     def send(self, dst: int, frame: Frame) -> None:
         """Seal ``frame`` for ``dst`` and send it."""
         self.inner.send(dst, self.guard.seal(dst, frame))
-
-    def close(self, timeout: float) -> None:
-        """Close the inner transport."""
-        self.inner.close(timeout)
-
-    def routes(self) -> Mapping[int, str]:
-        """The inner transport's routes, if it reports any."""
-        inner = self.inner
-        return inner.routes() if isinstance(inner, DescribesRoutes) else {}
-
-    def connects_on_demand(self) -> bool:
-        """Whether the inner transport connects pairs when they first talk."""
-        inner = self.inner
-        return isinstance(inner, ReportsConnections) and inner.connects_on_demand()
-
-    def connected(self, rank: int) -> bool:
-        """Whether the inner transport has a connection to ``rank`` (always, for one
-        that connects every pair at start)."""
-        inner = self.inner
-        return not isinstance(inner, ReportsConnections) or inner.connected(rank)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def keyed(inner: Transport, guard: FrameGuard) -> Transport:
