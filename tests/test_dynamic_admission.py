@@ -101,8 +101,8 @@ def test_a_segment_freed_after_its_filler_left_is_not_announced_to_the_next_hold
 
         old, new = peer("left", here[0][0]), peer("joined", here[1][0])
         ctx = SimpleNamespace(rank=0, names=["me", "joined"], receive_lane=None)
-        transport.peers = Peers(ctx, {1: new}, lambda link: None,  # type: ignore[arg-type]
-                                lambda link: None)
+        transport._started = Peers(ctx, {1: new}, lambda link: None,  # type: ignore[arg-type]
+                                   lambda link: None)
         transport._segment_freed(old, 7)
         assert list(new.freed) == [] and list(old.freed) == []
         transport._segment_freed(new, 7)  # (the holder's own segment: announced)

@@ -109,6 +109,7 @@ class End:
         self.transport = gloo.GlooTransport()
         ctx = SimpleNamespace(
             rank=rank, world_size=2, names=["w0", "w1"], receive_lane=None,
+            options=gloo.GlooRpcBackendOptions(),
             deliver=lambda src, frame: self.delivered.put((src, frame)),
             peer_lost=lambda peer, cause, detail: (self.causes.append(cause),
                                                    self.lost.put((peer, lost_reason(cause,
@@ -116,7 +117,7 @@ class End:
         )
         peer = 1 - rank
         self.group = FakeGroup(wire, rank)
-        self.transport._begin(ctx, {  # type: ignore[arg-type]
+        self.transport.begin(ctx, {  # type: ignore[arg-type]
             peer: gloo._Link(peer, f"w{peer}", self.group, peer, depth)})
         (self.receiver,) = [t for t in threading.enumerate()
                             if t.name == f"rpcx-w{rank}-recv-w{1 - rank}" and t.is_alive()]
@@ -135,7 +136,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Wire, End, End]]:
     yield wire, a, b
     a.transport.close(TIMEOUT)
     for end in (a, b):
-        for peer in end.transport._peers.values():
+        for peer in end.transport.links.values():
             assert peer.ended.wait(TIMEOUT), "the receive loop did not end after goodbye"
         end.receiver.join(TIMEOUT)
         assert not end.receiver.is_alive()
@@ -237,7 +238,7 @@ def test_the_slot_boundary(pair: tuple[Wire, End, End]) -> None:
                          ids=["full-ring", "ring-of-a-64-worker-world"])
 def test_frames_arrive_whole_and_in_order_both_ways(pair: tuple[Wire, End, End]) -> None:
     _, a, b = pair
-    depth = a.transport._peers[1].depth
+    depth = a.transport.links[1].depth
     frames = []
     for i in range(3 * gloo.RECEIVE_DEPTH):  # more than the receives posted at once
         size = [0, 10, 5000][i % 3]
@@ -309,7 +310,7 @@ def test_bytes_that_are_no_frame_end_the_peer_with_a_protocol_error(
     assert peer == 0 and reason.startswith("is unreachable: protocol error:"), reason
     assert why in reason, reason
     assert b.causes == [LostCause.PROTOCOL_ERROR]
-    assert b.transport._peers[0].ended.wait(TIMEOUT)
+    assert b.transport.links[0].ended.wait(TIMEOUT)
     with pytest.raises(gloo.PeerLostError):
         b.transport.send(0, Frame(b"to a peer that broke the protocol", []))
     # b no longer receives from a, so it cannot answer a's goodbye: say goodbye for it.
@@ -320,7 +321,7 @@ def test_bytes_that_are_no_frame_end_the_peer_with_a_protocol_error(
 
 def test_a_frame_over_max_frame_bytes_is_refused(pair: tuple[Wire, End, End]) -> None:
     wire, a, b = pair
-    b.transport._max_frame = 1 << 20  # what start() reads from options.max_frame_bytes
+    b.transport.max_frame = 1 << 20  # what start() reads from options.max_frame_bytes
     a.transport.send(1, Frame(b"small", [torch.ones(256, dtype=torch.uint8)]))
     assert b.next_frame().header == b"small"
     a.transport.send(1, Frame(b"big", [torch.ones(2 << 20, dtype=torch.uint8)]))
@@ -348,7 +349,7 @@ def test_any_slot_is_a_frame_within_bounds_or_a_protocol_error(
     # others within max_frame_bytes). Never MemoryError, never an allocation by a size
     # the peer merely announced.
     transport = gloo.GlooTransport()
-    transport._max_frame = 1 << 30
+    transport.max_frame = 1 << 30
     slot = bytearray(gloo.SLOT_BYTES)
     head = struct.pack("<BxxxIQ", mode, n, body_len) + rest
     slot[: len(head)] = head
@@ -361,8 +362,8 @@ def test_any_slot_is_a_frame_within_bounds_or_a_protocol_error(
         elif mode == SPLIT:
             sizes = struct.unpack_from(f"<{n}Q", slot, 16)
             transport._check_sizes(sizes, body_len - 8 * n)
-            assert sum(sizes) <= transport._max_frame
+            assert sum(sizes) <= transport.max_frame
         else:
-            assert mode == EXTENDED and body_len <= transport._max_frame
+            assert mode == EXTENDED and body_len <= transport.max_frame
     except gloo.ProtocolError:
         pass

@@ -87,7 +87,7 @@ def _mapped_during(calls: int, big: torch.Tensor, held: int) -> list[int]:
     segments again): otherwise the next call may find its segment still busy and take
     another, depending on how fast the callee's flusher thread ran.
     """
-    pool = current_agent()._transport._peers[1].pool
+    pool = current_agent()._transport.links[1].pool
     seen = []
     for step in range(calls):
         mapped, total = rpcx.rpc_sync("worker1", mappings_while_holding, args=(big + step,))
@@ -307,8 +307,8 @@ def _write_at_once(pair: _Pair, headers: list[bytes]) -> None:
     """Frames with these headers from a to b, in one write (so b reads them at once)."""
     wire = b"".join(transport_module._HEAD.pack(transport_module._FRAME, 0, len(h)) + h
                     for h in headers)
-    with pair.a._peers[1].lock:
-        pair.a._peers[1].sock.sendall(wire)
+    with pair.a.links[1].lock:
+        pair.a.links[1].sock.sendall(wire)
 
 
 def test_replies_to_a_burst_of_requests_leave_in_one_write(monkeypatch: Any) -> None:
@@ -318,7 +318,7 @@ def test_replies_to_a_burst_of_requests_leave_in_one_write(monkeypatch: Any) -> 
     real_send_now = kit_sockets.send_now
 
     def counting_send_now(sock: Any, views: list[memoryview], fds: list[int]) -> list[int]:
-        if sock is pair.b._peers[0].sock:
+        if sock is pair.b.links[0].sock:
             writes.append(b"".join(bytes(v) for v in views))
         return real_send_now(sock, views, fds)
 
@@ -354,7 +354,7 @@ def test_a_frame_that_cannot_be_written_ends_the_connection_on_both_sides(
     real_send_now = kit_sockets.send_now
 
     def failing_send_now(sock: Any, views: list[memoryview], fds: list[int]) -> list[int]:
-        if sock is pair.b._peers[0].sock:
+        if sock is pair.b.links[0].sock:
             raise OSError(errno.EMSGSIZE, "Message too long")
         return real_send_now(sock, views, fds)
 
@@ -406,8 +406,8 @@ def test_bytes_that_are_no_frame_end_the_connection_on_both_sides(
             reasons.append(lost_reason(cause, detail)), causes.append(cause),
             pair.lost[1].set()))
     try:
-        with pair.a._peers[1].lock:
-            pair.a._peers[1].sock.sendall(head)
+        with pair.a.links[1].lock:
+            pair.a.links[1].sock.sendall(head)
         assert pair.lost[1].wait(TIMEOUT) and pair.lost[0].wait(TIMEOUT)
         assert reasons and "protocol error" in reasons[0] and why in reasons[0], reasons
         assert causes == [LostCause.PROTOCOL_ERROR], causes
@@ -421,14 +421,14 @@ def test_freed_segment_ids_ride_on_the_next_frame_to_the_peer(monkeypatch: Any) 
     pair = _Pair(lambda frame, lane: None)  # b drops each frame (and its tensor) at once
     try:
         pair.a.send(1, Frame(b"call", [torch.zeros(1 << 20, dtype=torch.uint8)]))
-        pool = pair.a._peers[1].pool
+        pool = pair.a.links[1].pool
         assert not pool.wait_busy_at_most(0, 0.0)  # b maps a's segment, a waits for it
         assert pair.b._flush_wanted.wait(TIMEOUT), "b never freed the tensor"
-        assert list(pair.b._peers[0].freed), "the id left before any frame to a"
+        assert list(pair.b.links[0].freed), "the id left before any frame to a"
         pair.b.send(0, Frame(b"reply", []))
         assert pair.wait_replies(1) == [b"reply"]
         assert pool.wait_busy_at_most(0, 0.0), "the reply came without the freed id"
-        assert not pair.b._peers[0].freed
+        assert not pair.b.links[0].freed
     finally:
         pair.close()
 
@@ -485,7 +485,7 @@ class _Stalled:
     def fill(self) -> None:
         """Send until a frame is queued for a's writer thread (b's socket is full:
         ~130 frames of 64 KiB), each returning by its deadline."""
-        peer = self.pair.a._peers[1]
+        peer = self.pair.a.links[1]
         while not peer.backlog:
             assert self.sent < 4096, "the socket never filled"
             took = self.send(time.monotonic() + DEADLINE_S)
@@ -505,13 +505,13 @@ def test_sends_to_a_peer_that_reads_nothing_return_by_their_deadline_in_order() 
         for _ in range(3):  # queued behind the first: each waits for its deadline only
             took = stalled.send(time.monotonic() + DEADLINE_S)
             assert DEADLINE_S / 2 < took < DEADLINE_S + SLACK_S, took
-        assert stalled.pair.a._peers[1].lock.acquire(timeout=SLACK_S)  # not held
-        stalled.pair.a._peers[1].lock.release()
+        assert stalled.pair.a.links[1].lock.acquire(timeout=SLACK_S)  # not held
+        stalled.pair.a.links[1].lock.release()
         stalled.release()
         stalled.send()  # no deadline: returns once written, after all the others
         count = stalled.sent
         assert stalled.pair.wait_replies(count) == [b"re:%d" % i for i in range(count)]
-        assert not stalled.pair.a._peers[1].backlog
+        assert not stalled.pair.a.links[1].backlog
     finally:
         stalled.release()
         stalled.pair.close()
@@ -538,7 +538,7 @@ def test_close_is_bounded_with_frames_queued_for_a_peer_that_reads_nothing() -> 
         assert time.monotonic() - started < DEADLINE_S + SLACK_S
         waiting.join(SLACK_S)
         assert not waiting.is_alive() and len(failures) == 1, failures
-        backlog = stalled.pair.a._peers[1].backlog
+        backlog = stalled.pair.a.links[1].backlog
         assert backlog is not None
         writer = backlog.writer
         assert writer is not None and not writer.is_alive()

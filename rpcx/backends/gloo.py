@@ -34,10 +34,10 @@ after its slot (they go only once the peer has read the slot), and any frame beh
 one of those. So a peer that stopped reading cannot hold a call past its timeout (gloo
 cannot cancel a send, and a timed-out gloo wait aborts every pair).
 
-The per-peer link, the receive loop on lanes, goodbyes, lost-peer reports, ``close``
-with its "no goodbye from" warning, the writer thread and the bounded connect are rpcx's
-transport kit (:mod:`rpcx.transport_kit`); this module writes the format, the ring of
-slot receives, and what gloo's errors mean.
+The per-peer link, the receive loop on lanes, goodbyes, lost-peer reports, joining a
+dynamic world, ``close`` with its "no goodbye from" warning, the writer thread and the
+bounded connect are rpcx's transport kit (:class:`rpcx.transport_kit.MessageTransport`);
+this module writes the format, the ring of slot receives, and what gloo's errors mean.
 """
 
 from __future__ import annotations
@@ -60,18 +60,17 @@ from torch.distributed.distributed_c10d import PrefixStore
 
 from rpcx.hookspecs import hookimpl
 from rpcx.hosts import default_address
-from rpcx.options import DEFAULT_MAX_FRAME_BYTES, TensorPipeRpcBackendOptions
+from rpcx.options import TensorPipeRpcBackendOptions
 from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx.transport_kit import (
     ADMITTED,
     BYE_TIMEOUT,
     CLOSED_CONNECTION,
     HANDSHAKE_TIMEOUT,
-    Arrivals,
     Backlog,
-    Doorway,
     Link,
     LostCause,
+    MessageTransport,
     PeerLostError,
     Peers,
     ProtocolError,
@@ -79,9 +78,7 @@ from rpcx.transport_kit import (
     as_bytes,
     check_frame_size,
     connect_limit,
-    dial_tcp,
     empty_bytes,
-    join_stream_mesh,
     keep_if_file_store,
     lost_error,
     options_as,
@@ -214,30 +211,21 @@ class _GlooPeers(Peers[_Link]):
             super().broken(link, ProtocolError(_clean(exc)))
 
 
-class GlooTransport:
+class GlooTransport(MessageTransport[_Link]):
     """Moves frames over a private gloo process group."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True,
                                                         dynamic=True, shows_progress=True)
+    label: ClassVar[str] = "gloo"
+    # (a group released while a receive is pending on it aborts the process at exit)
+    when_stuck: ClassVar[str] = "their connections stay open"
 
     def __init__(self) -> None:
-        self._ctx: TransportContext | None = None
+        super().__init__()
         self._pg: Any = None
         self._opts: Any = None
-        self.peers: _GlooPeers | None = None
-        self._max_frame = DEFAULT_MAX_FRAME_BYTES
-        # A dynamic world: what admits workers that join later, the ranks being admitted
-        # now, and this worker's nonce (names its pair groups: a rank taken again gets
-        # fresh ones).
-        self._doorway: Doorway | None = None
-        self._arrivals: Arrivals[_Link] = Arrivals()
-        self._nonce = ""
-        self._join_bound = HANDSHAKE_TIMEOUT  # a pair's group is made within this
-
-    @property
-    def _peers(self) -> dict[int, _Link]:
-        """Every peer's link, by rank."""
-        return self.peers.links if self.peers is not None else {}
+        self._nonce = ""  # a dynamic world: names this worker's pair groups (a rank
+        # taken again gets fresh ones)
 
     # ------------------------------------------------------------------------ start
 
@@ -245,7 +233,7 @@ class GlooTransport:
         """Create the process group (connects the full mesh) and start receiving. In a
         dynamic world: a group per pair, with every member, and a doorway for later
         workers."""
-        self._max_frame = options_as(ctx, GlooRpcBackendOptions).max_frame_bytes
+        self._ctx = ctx
         opts = self._opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = _PAIR_TIMEOUT
         opts._devices = _devices(ctx)
@@ -255,56 +243,49 @@ class GlooTransport:
         pg = _connect_mesh(ctx, opts)
         self._pg = pg
         depth = ring_depth(ctx.world_size)
-        self._begin(ctx, {rank: _Link(rank, ctx.names[rank], pg, rank, depth)
-                          for rank in range(ctx.world_size) if rank != ctx.rank})
+        self.begin(ctx, {rank: _Link(rank, ctx.names[rank], pg, rank, depth)
+                         for rank in range(ctx.world_size) if rank != ctx.rank})
 
-    def _begin(self, ctx: TransportContext, links: dict[int, _Link]) -> None:
+    def begin(self, ctx: TransportContext, links: dict[int, _Link]) -> None:
         """Send to and receive from every peer over its link's (connected) group."""
         self._ctx = ctx
-        self.peers = peers = _GlooPeers(ctx, links, self._read_one, self._write_bye,
-                                        ended=self._loop_ended)
         for link in links.values():
             link.backlog = self._backlog(link)
-        peers.start_receiving()
+        super().begin(ctx, links)
+
+    def make_peers(self, links: dict[int, _Link]) -> _GlooPeers:
+        return _GlooPeers(self.ctx, links, self.read_one, self.write_bye,
+                          ended=self.loop_ended)
 
     # --------------------------------------------------------------- dynamic world
 
     def _start_dynamic(self, ctx: TransportContext) -> None:
         """Join a dynamic world: tell each member through its doorway (a plain socket:
         a process group cannot grow), then make a group with it; open a doorway."""
-        self._ctx = ctx
-        self._join_bound = connect_limit(ctx) or HANDSHAKE_TIMEOUT
+        self.admission_bound = connect_limit(ctx) or HANDSHAKE_TIMEOUT  # (a pair's group)
         self._nonce = uuid.uuid4().hex
         ctx.store.set(f"gloo/nonce/{ctx.rank}", self._nonce)
         options = options_as(ctx, GlooRpcBackendOptions)
         where = options.hostname or address_towards(ctx.init_method) or default_address()
-        family = socket.AF_INET6 if ":" in where else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
+        sockets = self.join_through_doorways(ctx, where)
+        links = {}
         try:
-            listener.bind((where, 0))
-            listener.listen(16)
-            sockets = join_stream_mesh(
-                ctx, {"tcp": [where, listener.getsockname()[1]]}, dial_tcp, "gloo")
-            links = {}
-            try:
-                for rank in sockets:
-                    links[rank] = self._pair_link(rank, self._nonce)
-            finally:
-                for sock in sockets.values():
-                    sock.close()
+            for rank in sockets:
+                links[rank] = self._pair_link(rank, self._nonce)
         except BaseException:
-            listener.close()
+            assert self.doorway is not None
+            self.doorway.close()
             raise
-        self._begin(ctx, links)
-        self._doorway = Doorway(ctx, [listener], "gloo", self._newcomer, self._welcome,
-                                listener.close)
-        self._doorway.start()
+        finally:
+            for sock in sockets.values():
+                sock.close()
+        self.begin(ctx, links)
+        self.open_doorway()
 
     def _pair_link(self, rank: int, nonce: str) -> _Link:
         """A link to ``rank`` over a new group of the two (both ends make it, bounded;
         ``nonce`` is the newer worker's)."""
-        ctx = self._ctx
-        assert ctx is not None
+        ctx = self.ctx
         low, high = sorted((ctx.rank, rank))
         store = PrefixStore(f"gloo/pair/{low}-{high}/{nonce}/", ctx.store)
         me = 0 if ctx.rank == low else 1
@@ -312,30 +293,18 @@ class GlooTransport:
                             f"the gloo group with {ctx.names[rank]!r}")
         return _Link(rank, ctx.names[rank], group, 1 - me)
 
-    def _newcomer(self, rank: int) -> bool:
-        """Whether a doorway connection from ``rank`` may be a worker joining (the link of
-        a worker that left the rank may still be ending: waited for, bounded, then
-        dropped; its group goes with it)."""
-        assert self.peers is not None
-        return self._arrivals.make_room(self.peers, rank, HANDSHAKE_TIMEOUT)
-
-    def _welcome(self, rank: int, sock: socket.socket) -> None:
-        """A worker joins at ``rank`` (the doorway calls this): admit it, tell it, make
-        the group of the two with it (it makes its end once told) and start receiving."""
-        ctx, peers = self._ctx, self.peers
-        assert ctx is not None and ctx.admit is not None and peers is not None
-        with self._arrivals.linking(rank):
-            ctx.admit(rank)
-            sock.sendall(ADMITTED)
-            sock.close()
-            link = self._pair_link(rank, ctx.store.get(f"gloo/nonce/{rank}").decode())
-            link.backlog = self._backlog(link)
-            peers.add(link)
+    def link_newcomer(self, rank: int, sock: socket.socket) -> _Link:
+        """A worker joins at ``rank``: tell it, then make the group of the two with it
+        (it makes its end once told)."""
+        sock.sendall(ADMITTED)
+        sock.close()
+        link = self._pair_link(rank, self.ctx.store.get(f"gloo/nonce/{rank}").decode())
+        link.backlog = self._backlog(link)
+        return link
 
     def _backlog(self, link: _Link) -> Backlog:
         """The peer's writer: it waits, in posting order, for frames' sends to complete."""
-        assert self.peers is not None
-        return Backlog(link.lock, _write, self.peers.thread_name(link, "send"),
+        return Backlog(link.lock, _write, self.thread_name("send", link.name),
                        on_error=functools.partial(self._write_failed, link),
                        after=functools.partial(self._written, link))
 
@@ -349,14 +318,10 @@ class GlooTransport:
         caller may change them as soon as this returns (arguments are copies), and a
         gloo send Work only completes when waited on, so no other thread can reap it.
         When the peer may not take the frame now, the peer's writer thread waits for it
-        instead (keeping the memory alive) and the sender only until the deadline.
+        instead (keeping the memory alive) and the sender only until the deadline. (Not
+        the kit's ``post``: a gloo send is posted whole, then waited for.)
         """
-        peers = self.peers
-        assert peers is not None
-        try:
-            link = peers.links[dst]
-        except KeyError:  # a worker joining a dynamic world right now: wait for its link
-            link = self._arrivals.link(peers, dst, self._join_bound)
+        link = self.link(dst)
         messages = _pack(frame)
         nbytes = sum(tensor.numel() for _, tensor in messages)
         # A frame's messages after its slot go only once the peer has read the slot (it
@@ -372,7 +337,7 @@ class GlooTransport:
             # Waited for here unless the peer may not take it whole now (see
             # inline_limit), or frames before it are still with the writer (waiting
             # here would wait for those too). Closing: the writers are stopping.
-            pending = None if peers.closing or not (
+            pending = None if self.closing or not (
                 hand_off or backlog or link.unheard > link.inline_limit
             ) else backlog.put((works, messages))
         if pending is None:
@@ -407,7 +372,7 @@ class GlooTransport:
 
     # ---------------------------------------------------------------------- receive
 
-    def _read_one(self, link: _Link) -> Frame | None:
+    def read_one(self, link: _Link) -> Frame | None:
         """The peer's next frame, ``None`` for its goodbye. Raises ``ProtocolError`` for
         a slot no sender of this format writes, gloo's ``RuntimeError`` when the
         connection broke."""
@@ -447,10 +412,10 @@ class GlooTransport:
             raise ProtocolError(f"{n} buffers in a body of {body_len} bytes")
         if mode != _EXTENDED and _HEAD.size + body_len > SLOT_BYTES:
             raise ProtocolError(f"a body of {body_len} bytes announced inside a slot")
-        check_frame_size(body_len, self._max_frame, "a body")
+        check_frame_size(body_len, self.max_frame, "a body")
 
     def _check_sizes(self, sizes: tuple[int, ...], header_len: int) -> None:
-        check_frame_size(sum(sizes) + header_len, self._max_frame)
+        check_frame_size(sum(sizes) + header_len, self.max_frame)
 
     def _repost(self, link: _Link) -> None:
         """Post the slot receives the peer is owed, in order."""
@@ -472,15 +437,14 @@ class GlooTransport:
         buffers = [empty_bytes(size) for size in sizes]
         works = [link.group.recv([piece], link.index, _TAG_DATA)
                  for b in buffers if b.numel() for piece in pieces(b)]
-        ctx = self._ctx
-        assert ctx is not None
+        ctx = self.ctx
         for work in works:
             work.wait()
             if len(works) > 2:  # (a large frame: the peer is alive, piece by piece)
                 ctx.progress(link.rank)
         return Frame(header, buffers)
 
-    def _loop_ended(self, link: _Link) -> None:
+    def loop_ended(self, link: _Link) -> None:
         """The peer's receive loop is over (on its thread): our goodbye, if it answered
         the peer's, is waited for; receives still posted are dropped.
 
@@ -496,7 +460,7 @@ class GlooTransport:
 
     # ------------------------------------------------------------------- goodbye
 
-    def _write_bye(self, link: _Link) -> None:
+    def write_bye(self, link: _Link) -> None:
         """Post the goodbye slot (under ``link.lock``); it is waited for, bounded, when
         the peer's receive loop ends, or by ``close``."""
         slot = bytearray(SLOT_BYTES)
@@ -517,27 +481,20 @@ class GlooTransport:
 
     # ------------------------------------------------------------------------ close
 
-    def close(self, timeout: float) -> None:
-        """Send BYE to every peer, wait for theirs, then release the process group (in
-        a dynamic world the doorway closes first: nobody is admitted any more)."""
-        if self._doorway is not None:
-            self._doorway.close(min(timeout, HANDSHAKE_TIMEOUT))
-        peers = self.peers
-        if peers is None:
-            return
-        deadline = time.monotonic() + timeout
-        peers.closing = True  # from here on senders wait for their frames themselves
-        for link in peers:
-            assert link.backlog is not None
-            link.backlog.stop()  # (a writer blocked on a silent peer stays)
-        if peers.close(timeout, then="their connections stay open"):
-            return  # releasing the group now would abort the process; keep it until exit
-        for link in peers:
-            assert link.backlog is not None
-            link.backlog.join(deadline - time.monotonic())
-            self._wait_bye(link, deadline - time.monotonic())
-        for link in peers:
-            link.group = None
+    def release(self, stuck: list[_Link], deadline: float) -> None:
+        """After the goodbyes (the kit's ``close``): release the process group, unless
+        a receive loop still runs (releasing the group now would abort the process: it
+        is kept until exit)."""
+        if not stuck:
+            super().release(stuck, deadline)
+
+    def release_link(self, link: _Link, deadline: float) -> None:
+        """Wait (bounded) for the writer and for our goodbye, then let go of the group."""
+        super().release_link(link, deadline)
+        self._wait_bye(link, deadline - time.monotonic())
+        link.group = None
+
+    def released(self, timeout: float) -> None:
         self._pg = None
 
 

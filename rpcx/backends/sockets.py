@@ -206,7 +206,7 @@ class _Peer(SocketLink):
         self.assembly: _Assembly | None = None  # a frame arriving in pieces
 
 
-class SocketTransport(StreamTransport):
+class SocketTransport(StreamTransport[_Peer]):
     """Moves frames over one stream socket per pair of workers: Unix and shared memory
     within a host, TCP across hosts, as ``policy`` says."""
 
@@ -228,11 +228,6 @@ class SocketTransport(StreamTransport):
     def routes(self) -> Mapping[int, str]:
         """How this worker reaches each peer, by rank, e.g. ``"shm (same host)"``."""
         return {rank: route.describe() for rank, route in self._routes.items()}
-
-    @property
-    def _peers(self) -> dict[int, _Peer]:
-        """Every peer's link, by rank."""
-        return self.peers.links if self.peers is not None else {}  # type: ignore[return-value]
 
     # ------------------------------------------------------------------------ start
 
@@ -264,23 +259,19 @@ class SocketTransport(StreamTransport):
                                self.welcome, listeners.close)
         return sockets
 
-    def welcome(self, rank: int, sock: socket.socket) -> None:
-        """A worker joined at ``rank``: its route, then the kit's welcome."""
-        ctx = self._ctx
-        assert ctx is not None
-        route = route_to_newcomer(ctx, self.label, self.policy, rank)
+    def link_newcomer(self, rank: int, sock: socket.socket) -> _Peer:
+        """A worker joined at ``rank``: its route, then the kit's link."""
+        route = route_to_newcomer(self.ctx, self.label, self.policy, rank)
         self._routes = {**self._routes, rank: route}
-        super().welcome(rank, tune(sock, route))
+        return super().link_newcomer(rank, tune(sock, route))
 
     def tune_socket(self, rank: int, sock: socket.socket) -> socket.socket:
         """Socket options for ``rank``'s route (a connection made on demand)."""
         return tune(sock, self._routes[rank])
 
     def make_link(self, rank: int, sock: socket.socket | None) -> _Peer:
-        ctx = self._ctx
-        assert ctx is not None
-        return _Peer(rank, ctx.names[rank], sock,
-                     f"rpcx-{ctx.names[ctx.rank]}-send-{ctx.names[rank]}",
+        ctx = self.ctx
+        return _Peer(rank, ctx.names[rank], sock, self.thread_name("send", ctx.names[rank]),
                      self._routes[rank], self._options.shm_min_bytes,
                      SendPool(self._options.shm_pool_bytes), self._segment_freed,
                      ctx.progress)
@@ -296,7 +287,7 @@ class SocketTransport(StreamTransport):
 
         Returns once the frame is written, or at ``frame.deadline`` with the rest queued
         for the peer's writer thread."""
-        peer: _Peer = self.link(dst)  # type: ignore[assignment]
+        peer = self.link(dst)
         freed = _drain(peer.freed) if peer.freed else None
         if not frame.buffers:  # most calls and replies: the head and header, one write
             head = _HEAD.pack(_FRAME, 0, len(frame.header)) + frame.header
@@ -388,25 +379,21 @@ class SocketTransport(StreamTransport):
         a new worker may hold its rank by now, with segments of its own under the same
         ids.
         """
-        if self._closing or self._peers.get(peer.rank) is not peer:
+        if self.closing or self.links.get(peer.rank) is not peer:
             return
         peer.freed.append(segment_id)
         if not self._flush_wanted.is_set():
             self._flush_wanted.set()
 
-    @property
-    def _closing(self) -> bool:
-        return self.peers is not None and self.peers.closing
-
     def _flusher(self) -> None:
         """Send queued FREE ids, off the threads whose finalizers produced them."""
-        while not self._closing:
+        while not self.closing:
             if not self._flush_wanted.wait(_FLUSH_CHECK_S):
                 continue
             # Give frames to the peers a moment to carry the ids (see _FREE_DELAY_S).
             self._closed.wait(_FREE_DELAY_S)
             self._flush_wanted.clear()
-            for peer in self._peers.values():
+            for peer in self.links.values():
                 ids = _drain(peer.freed)
                 if ids:
                     self._send_ids(peer, _FREE, ids)
@@ -425,10 +412,9 @@ class SocketTransport(StreamTransport):
 
     # ---------------------------------------------------------------------- receive
 
-    def read_one(self, link: SocketLink) -> Frame | None:
+    def read_one(self, link: _Peer) -> Frame | None:
         """The next frame from the peer (None for its goodbye); FREE and RETIRE are
         handled on the way."""
-        assert isinstance(link, _Peer)
         while True:
             frame = self._read_frame(link)
             if frame is _MORE:
@@ -547,16 +533,15 @@ class SocketTransport(StreamTransport):
         self._flush_wanted.set()
         super().close(timeout)
 
-    def retire(self, link: SocketLink) -> None:
+    def retire(self, link: _Peer) -> None:
         """Release a peer that left before a new worker takes its rank: its segments
         too."""
         super().retire(link)
-        assert isinstance(link, _Peer)
         link.pool.close()
         link.received.close()
 
     def released(self, timeout: float) -> None:
-        for peer in self._peers.values():
+        for peer in self.links.values():
             peer.pool.close()
             peer.received.close()
         self._flush_wanted.set()

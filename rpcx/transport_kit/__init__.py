@@ -5,15 +5,22 @@ A transport moves :class:`~rpcx.transport.Frame` objects between ranks (the cont
 here, public and stable for plugin authors (a plugin needs nothing private from rpcx):
 
 :class:`Link`, :class:`Peers` (:mod:`~rpcx.transport_kit.links`)
-    The per-peer state (send lock, goodbye flags, lane, stash, ``ended``) and, for every
-    peer, the receive loop that honours the lane protocol, goodbyes, lost-peer reports
-    (``peer_lost(rank, cause, detail)``) and ``close`` with its "no goodbye from" warning.
+    The per-peer state (send lock, goodbye flags, lane, stash, ``ended``), the one way a
+    link ends (``Link.end(cause, detail)``) and, for every peer, the receive loop that
+    honours the lane protocol, goodbyes, lost-peer reports (``peer_lost(rank, cause,
+    detail)``) and ``close`` with its "no goodbye from" warning. ``read_one`` may raise
+    :class:`StopReceiving` or :class:`LinkEnded` to end a loop on the transport's word.
 :class:`Backlog`, :class:`Pending` (:mod:`~rpcx.transport_kit.writer`)
     The per-peer writer thread that lets ``send`` return by ``frame.deadline`` when a
     peer stops reading.
+:class:`MessageTransport` (:mod:`~rpcx.transport_kit.message`)
+    The skeleton of a transport whatever carries its bytes: the context and peers, a
+    dynamic world's joining and doorway, "write now or queue until the deadline"
+    (``post``) and the close template with a per-link release hook. A backend writes
+    its wire format, how it connects, and the hooks it needs (gloo, the zmq plugin).
 :class:`StreamTransport` (:mod:`~rpcx.transport_kit.sockets`), :func:`introduce`,
 :func:`admit`, :func:`connect_stream_mesh` (:mod:`~rpcx.transport_kit.mesh`)
-    A transport over stream sockets: a new socket backend writes ``connect``,
+    The skeleton over stream sockets: a new socket backend writes ``connect``,
     ``read_one`` and ``pack``, and the kit does the rest (the handshake, with a world
     key's challenge-response, included). In a dynamic world, :func:`join_stream_mesh`
     connects a newcomer to every member and a :class:`Doorway` admits later ones.
@@ -68,7 +75,14 @@ from rpcx.transport_kit.basics import (
     unreachable,
     without_cpp_locations,
 )
-from rpcx.transport_kit.links import BYE_TIMEOUT, Arrivals, Link, Peers
+from rpcx.transport_kit.links import (
+    BYE_TIMEOUT,
+    Arrivals,
+    Link,
+    LinkEnded,
+    Peers,
+    StopReceiving,
+)
 from rpcx.transport_kit.mesh import (
     ADMITTED,
     HANDSHAKE_TIMEOUT,
@@ -83,6 +97,7 @@ from rpcx.transport_kit.mesh import (
     publish_stream_address,
     receive_exactly,
 )
+from rpcx.transport_kit.message import MessageTransport
 from rpcx.transport_kit.socket_link import SocketLink, SocketReader, send_all, send_now
 from rpcx.transport_kit.sockets import StreamTransport
 from rpcx.transport_kit.writer import Backlog, Pending
@@ -91,9 +106,10 @@ __all__ = [
     "ADMITTED", "BYE_TIMEOUT", "CLOSED_CONNECTION", "HANDSHAKE_TIMEOUT", "PIECE_BYTES",
     "SHUT_DOWN",
     "Arrivals", "Backlog",
-    "Capabilities", "ConnectionAuth", "Doorway", "Frame", "Link", "LostCause", "PeerLostError",
+    "Capabilities", "ConnectionAuth", "Doorway", "Frame", "Link", "LinkEnded", "LostCause",
+    "MessageTransport", "PeerLostError",
     "Peers", "Pending", "ProtocolError", "ReceiveLane", "SocketLink", "SocketReader",
-    "StreamTransport", "Transport", "TransportContext", "address_towards", "admit",
+    "StopReceiving", "StreamTransport", "Transport", "TransportContext", "address_towards", "admit",
     "as_bytes", "check_count", "check_frame_size", "classify", "connect_limit",
     "connect_stream_mesh", "connect_timeout", "copy_of", "describe", "dial_pair", "dial_tcp",
     "empty_bytes",

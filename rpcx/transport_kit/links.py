@@ -33,11 +33,22 @@ from rpcx.transport import Frame, ReceiveLane, TransportContext
 from rpcx.transport_kit.basics import SHUT_DOWN, classify, unreachable
 from rpcx.transport_kit.writer import Backlog
 
-__all__ = ["BYE_TIMEOUT", "Arrivals", "Link", "Peers"]
+__all__ = ["BYE_TIMEOUT", "Arrivals", "Link", "LinkEnded", "Peers", "StopReceiving"]
 
 log = logging.getLogger("rpcx.transport_kit")
 
 BYE_TIMEOUT = 10.0  # seconds answering a peer's goodbye may wait for the send lock
+
+
+class StopReceiving(Exception):
+    """Raised by a transport's ``read_one`` to end the receive loop quietly: this worker
+    ended it (``close``, for a peer that sent no goodbye); nothing is reported."""
+
+
+class LinkEnded(Exception):
+    """Raised by ``read_one`` once the link was ended from another thread
+    (:meth:`Link.end`: a monitor saw the connection drop) and what had arrived before is
+    delivered: the loop ends, and the peer is reported with the cause the link recorded."""
 
 
 class Link:
@@ -49,9 +60,10 @@ class Link:
             they leave in order. The goodbye flags below are read and set under it.
         bye_sent: this worker's goodbye went (or is queued): nothing more may follow.
         gone: the peer said goodbye or its connection broke: sends fail.
-        why_gone, cause_gone: once the peer is reported lost, the sentence sends fail
-            with (e.g. "is unreachable: could not connect: ...") and its cause; until
-            then "has shut down" and ``None``.
+        bye_received: the peer said goodbye (its connection may now close).
+        why_gone, cause_gone, detail_gone: once the link ended (:meth:`end`), the
+            sentence sends fail with (e.g. "is unreachable: could not connect: ..."),
+            its cause and detail; until then "has shut down", ``None`` and ``""``.
         lane: the receive loop's role, when the agent offers lanes (else ``None``).
         reading: held by the thread reading the peer's frames.
         stash: a frame read by a thread whose role moved on, for the next holder.
@@ -64,14 +76,16 @@ class Link:
     give the subclass ``__slots__`` too.
     """
 
-    __slots__ = ("backlog", "bye_sent", "cause_gone", "ended", "gone", "lane", "lock", "name",
-                 "rank", "reading", "reported", "stash", "why_gone")
+    __slots__ = ("backlog", "bye_received", "bye_sent", "cause_gone", "detail_gone", "ended",
+                 "gone", "lane", "lock", "name", "rank", "reading", "reported", "stash",
+                 "why_gone")
 
     def __init__(self, rank: int, name: str) -> None:
         self.rank = rank
         self.name = name
         self.lock = threading.Lock()
         self.bye_sent = False
+        self.bye_received = False
         self.gone = False
         self.lane: ReceiveLane | None = None
         self.reading = threading.Lock()
@@ -80,7 +94,20 @@ class Link:
         self.reported = False
         self.why_gone = SHUT_DOWN
         self.cause_gone: LostCause | None = None
+        self.detail_gone = ""
         self.backlog: Backlog | None = None
+
+    def end(self, cause: LostCause, detail: str = "") -> bool:
+        """The one way a link ends: sends fail from now on, with why (call under
+        ``lock``). The first cause recorded stays (a monitor that saw the connection
+        drop knows more than the receive loop that ends on it next); ``False`` if one
+        was recorded already. Reporting the peer is :meth:`Peers.lost`'s."""
+        self.gone = True
+        if self.cause_gone is not None:
+            return False
+        self.cause_gone, self.detail_gone = cause, detail
+        self.why_gone = lost_reason(cause, detail)
+        return True
 
     def check_open(self) -> None:
         """Raise ``PeerLostError`` if nothing may be sent to the peer (call under
@@ -299,6 +326,7 @@ class Peers(Generic[L]):
     def goodbye_received(self, link: L) -> None:
         """The peer said goodbye: answer with ours if we had not said it (so its
         receive loop for us ends too) and report it ``DEPARTED`` (not while closing)."""
+        link.bye_received = True
         with link.lock:
             link.gone = True
             answer = not link.bye_sent
@@ -326,9 +354,15 @@ class Peers(Generic[L]):
     # ---------------------------------------------------------------------- loss
 
     def broken(self, link: L, exc: BaseException) -> None:
-        """The peer's connection ended with ``exc``: mark it gone and report it with the
-        cause and detail :func:`~rpcx.transport_kit.basics.classify` reads. A protocol
-        error also ends the connection, so the peer sees it end."""
+        """The receive loop ended with ``exc``: :class:`StopReceiving` reports nothing,
+        :class:`LinkEnded` the loss the link recorded; otherwise the peer is reported
+        with the cause and detail :func:`~rpcx.transport_kit.basics.classify` reads. A
+        protocol error also ends the connection, so the peer sees it end."""
+        if isinstance(exc, StopReceiving):
+            return
+        if isinstance(exc, LinkEnded):
+            self.lost(link, link.cause_gone or LostCause.CONNECTION_LOST, link.detail_gone)
+            return
         cause, detail = classify(exc)
         if cause is LostCause.PROTOCOL_ERROR and not self.closing:
             log.warning("%s: protocol error from %s: %s", self.ctx.names[self.ctx.rank],
@@ -339,14 +373,15 @@ class Peers(Generic[L]):
         self.lost(link, cause, detail)
 
     def lost(self, link: L, cause: LostCause, detail: str = "") -> None:
-        """Mark the peer gone (sends fail from now on) and call ``peer_lost`` once,
-        unless this worker is closing (its peers' goodbyes and losses are expected)."""
+        """End the link (:meth:`Link.end`) and call ``peer_lost`` once, unless this
+        worker is closing (its peers' goodbyes and losses are expected). A loss is
+        reported with the first cause the link recorded; a goodbye as a departure."""
         with link.lock:
-            link.gone = True
+            link.end(cause, detail)
             report = not link.reported
             link.reported = True
-            if report:  # (a send that finds it gone says why, as the lost calls do)
-                link.why_gone, link.cause_gone = lost_reason(cause, detail), cause
+            if cause is not LostCause.DEPARTED and link.cause_gone is not None:
+                cause, detail = link.cause_gone, link.detail_gone
         if report and not self.closing:
             self.ctx.peer_lost(link.rank, cause, detail)
 

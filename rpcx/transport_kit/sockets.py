@@ -1,7 +1,9 @@
 """:class:`StreamTransport`, with which a socket backend writes only ``connect``,
-``read_one`` and ``pack``. Each peer is a
-:class:`~rpcx.transport_kit.socket_link.SocketLink` (its reader, and writes that never
-wait on the socket); the handshake and the mesh are :mod:`~rpcx.transport_kit.mesh`.
+``read_one`` and ``pack``: the kit's :class:`~rpcx.transport_kit.message.MessageTransport`
+over stream sockets. Each peer is a :class:`~rpcx.transport_kit.socket_link.SocketLink`
+(its reader, and writes that never wait on the socket); the handshake and the mesh are
+:mod:`~rpcx.transport_kit.mesh`. A static world may connect its pairs on demand (when
+they first talk), which this module does too.
 """
 
 from __future__ import annotations
@@ -14,18 +16,19 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, TypeVar, cast
 
 from rpcx.errors import AuthenticationError, LostCause, PeerLostError
-from rpcx.options import DEFAULT_MAX_FRAME_BYTES
-from rpcx.transport import Capabilities, Frame, TransportContext
+from rpcx.transport import Frame, TransportContext
 from rpcx.transport_kit.basics import connect_limit, describe, unreachable
 from rpcx.transport_kit.connector import Connector
-from rpcx.transport_kit.links import Arrivals, Peers
-from rpcx.transport_kit.mesh import ADMITTED, GONE, HANDSHAKE_TIMEOUT, THEIRS_WINS, Doorway
+from rpcx.transport_kit.mesh import ADMITTED, GONE, HANDSHAKE_TIMEOUT, THEIRS_WINS
+from rpcx.transport_kit.message import MessageTransport
 from rpcx.transport_kit.socket_link import Buffer, SocketLink, send_all
 
 __all__ = ["StreamTransport"]
+
+S = TypeVar("S", bound=SocketLink)
 
 log = logging.getLogger("rpcx.transport_kit")
 
@@ -38,7 +41,7 @@ LOOK_AGAIN_S = 1.0
 # ------------------------------------------------------------------------- transport
 
 
-class StreamTransport:
+class StreamTransport(MessageTransport[S]):
     """A transport over one stream socket per pair of workers, most of it written.
 
     A subclass sets ``capabilities``, ``label`` (names store keys, the handshake and
@@ -54,22 +57,17 @@ class StreamTransport:
       what is not written at once is copied).
 
     The kit does the rest: links, receive loops on lanes, goodbyes, lost peers, sends
-    that never wait past ``frame.deadline``, corked replies, and ``close``.
+    that never wait past ``frame.deadline``, corked replies, and ``close``. In a
+    dynamic world, ``connect`` sets ``doorway`` (a
+    :class:`~rpcx.transport_kit.mesh.Doorway` calling :meth:`newcomer` and
+    :meth:`welcome`) for the workers that join later.
     """
 
-    capabilities: ClassVar[Capabilities]
-    label: ClassVar[str]
     bye: ClassVar[bytes]
     cork_bytes: ClassVar[int] = 64 << 10  # replies corked at most (0: never cork)
 
     def __init__(self) -> None:
-        self._ctx: TransportContext | None = None
-        self.peers: Peers[SocketLink] | None = None
-        self.max_frame = DEFAULT_MAX_FRAME_BYTES
-        # In a dynamic world, what admits later workers (``connect`` sets it), and the
-        # ranks being admitted now (set once their link is in ``peers``).
-        self.doorway: Doorway | None = None
-        self.arrivals: Arrivals[SocketLink] = Arrivals()
+        super().__init__()
         # In an on-demand mesh (a static world whose pairs connect when they first
         # talk), how to reach a peer (``connect`` sets it, and a doorway that calls
         # :meth:`pair`), and the peers that cannot be reached.
@@ -88,7 +86,7 @@ class StreamTransport:
     def connect(self, ctx: TransportContext) -> dict[int, socket.socket]:
         raise NotImplementedError
 
-    def read_one(self, link: SocketLink) -> Frame | None:
+    def read_one(self, link: S) -> Frame | None:
         raise NotImplementedError
 
     def pack(self, frame: Frame) -> list[Buffer]:
@@ -96,27 +94,27 @@ class StreamTransport:
 
     # ----------------------------------------------------------- hooks, if it needs
 
-    def make_link(self, rank: int, sock: socket.socket | None) -> SocketLink:
+    def make_link(self, rank: int, sock: socket.socket | None) -> S:
         """The link for ``rank`` over ``sock`` (``None``: a link of an on-demand mesh, to be
         connected; override to add state of its own)."""
-        ctx = self._ctx
-        assert ctx is not None
-        me = ctx.names[ctx.rank]
-        return SocketLink(rank, ctx.names[rank], sock, f"rpcx-{me}-send-{ctx.names[rank]}",
-                          ctx.progress)
+        ctx = self.ctx
+        # (a plain SocketLink; a transport with links of its own type overrides this)
+        return cast(S, SocketLink(rank, ctx.names[rank], sock,
+                                  self.thread_name("send", ctx.names[rank]), ctx.progress))
 
-    def loop_ended(self, link: SocketLink) -> None:
+    def end_connection(self, link: S) -> None:
+        """Shut the socket down both ways (after a protocol error: the peer sees it)."""
+        link.shutdown()
+
+    def loop_ended(self, link: S) -> None:
         """A receive loop is over, on its thread: release what only it used."""
         link.reader.close()
-
-    def released(self, timeout: float) -> None:
-        """After ``close`` closed the sockets: release anything else (bounded)."""
 
     def tune_socket(self, rank: int, sock: socket.socket) -> socket.socket:
         """Socket options for a connection to ``rank`` made on demand (see :meth:`pair`)."""
         return sock
 
-    def retire(self, link: SocketLink) -> None:
+    def retire(self, link: S) -> None:
         """A new worker takes the rank of ``link``'s peer, which left (a dynamic world;
         its receive loop is over): release the old link (``close`` only sees the links
         of now). Override to release state of the transport's own, calling this."""
@@ -131,7 +129,6 @@ class StreamTransport:
         """Connect to every peer (``connect``) and start receiving; in a dynamic world,
         open the doorway ``connect`` set up for the workers that join later."""
         self._ctx = ctx
-        self.max_frame = int(getattr(ctx.options, "max_frame_bytes", self.max_frame))
         try:
             links = {rank: self.make_link(rank, sock)
                      for rank, sock in self.connect(ctx).items()}
@@ -139,44 +136,23 @@ class StreamTransport:
             if self.doorway is not None:
                 self.doorway.close()
             raise
-        self.peers = Peers(ctx, links, self.read_one, self.write_bye,
-                           end=SocketLink.shutdown, ended=self.loop_ended)
-        self.peers.start_receiving()
-        if self.doorway is not None:
-            self.doorway.start()
+        self.begin(ctx, links)
+        self.open_doorway()
 
-    def newcomer(self, rank: int) -> bool:
-        """Whether a connection from ``rank`` may be a worker joining (a dynamic world):
-        not this worker, and no live link to it (a worker that left the rank may still
-        be ending its goodbye: waited for, bounded)."""
-        assert self.peers is not None
-        return self.arrivals.make_room(self.peers, rank, HANDSHAKE_TIMEOUT, self.retire)
+    def link_newcomer(self, rank: int, sock: socket.socket) -> S:
+        """A worker joined at ``rank`` over ``sock``: its link, and the answer that it is
+        in (the first byte it reads: nobody can send on the link before it is added)."""
+        sock.settimeout(None)
+        link = self.make_link(rank, sock)
+        send_all(sock, [memoryview(ADMITTED)], ())
+        return link
 
-    def welcome(self, rank: int, sock: socket.socket) -> None:
-        """A worker joined at ``rank`` over ``sock``: enter it (``TransportContext.admit``),
-        tell it it is in, start receiving from it (the :class:`Doorway` calls this).
-
-        Between the agent's admission and the link, a sender that found the newcomer
-        waits for the link (:meth:`link`); the answer is written under the link's send
-        lock before anyone can send on it, so it is the first byte the newcomer reads.
-        """
-        ctx, peers = self._ctx, self.peers
-        assert ctx is not None and ctx.admit is not None and peers is not None
-        with self.arrivals.linking(rank):
-            ctx.admit(rank)
-            sock.settimeout(None)
-            link = self.make_link(rank, sock)
-            with link.lock:
-                send_all(sock, [memoryview(ADMITTED)], ())
-                peers.add(link)
-
-    def link(self, dst: int) -> SocketLink:
+    def link(self, dst: int) -> S:
         """The link to ``dst``. In an on-demand mesh, one not made yet is made now (it
         connects in the background; what is sent meanwhile queues). One for a worker
         being admitted right now (a dynamic world) is waited for, at most
         ``HANDSHAKE_TIMEOUT``. ``PeerLostError`` for a rank with none."""
         peers = self.peers
-        assert peers is not None
         try:
             return peers.links[dst]  # (the hot path: one dict look-up)
         except KeyError:
@@ -195,9 +171,8 @@ class StreamTransport:
     # looks again a while later. Every decision is taken under ``_pairing``, so a link
     # is attached once; no thread is started under it (a start waits for the thread).
 
-    def _link_on_demand(self, dst: int) -> SocketLink:
-        ctx, peers = self._ctx, self.peers
-        assert ctx is not None and peers is not None
+    def _link_on_demand(self, dst: int) -> S:
+        ctx, peers = self.ctx, self.peers
         if not 0 <= dst < ctx.world_size or dst == ctx.rank:
             raise PeerLostError(unreachable(f"no peer has rank {dst}"),
                                 cause=LostCause.CONNECTION_LOST)
@@ -220,7 +195,9 @@ class StreamTransport:
                                                time.monotonic() + bound))
         except RuntimeError as exc:  # (a crowded host: no thread to connect with)
             failure = f"could not connect: {describe(exc)}"
-            self._lose(link, failure)
+            with self._pairing:
+                self._give_up(link, failure)
+            self._lost(link, failure)
             raise PeerLostError(unreachable(failure),
                                 cause=LostCause.CONNECTION_LOST) from None
         return link
@@ -238,18 +215,16 @@ class StreamTransport:
         return self._starter
 
     def _new_connector(self, role: str, limit: int) -> Connector:
-        ctx = self._ctx
-        assert ctx is not None
-        return Connector(f"rpcx-{ctx.names[ctx.rank]}-{self.label}-{role}", limit)
+        return Connector(self.thread_name(f"{self.label}-{role}"), limit)
 
-    def _connect(self, link: SocketLink, bound: float, deadline: float) -> None:
+    def _connect(self, link: S, bound: float, deadline: float) -> None:
         """Connect ``link`` (a connector job): dial the peer. When the peer's own
         connection wins (it comes through the doorway: :meth:`pair`), look again in a
         while, dialing again if it has not come (a peer that died meanwhile then fails
         the dial). The peer is reported lost, and what was queued fails, if no
         connection comes by ``deadline`` (``bound`` seconds after the first send)."""
-        ctx, peers, dial = self._ctx, self.peers, self.dial_peer
-        assert ctx is not None and peers is not None and dial is not None
+        dial = self.dial_peer
+        assert dial is not None
         if link.attached.is_set() or link.ended.is_set():
             return
         failure = None
@@ -285,9 +260,9 @@ class StreamTransport:
         if failure is None:
             self._receive_attached(link)
         else:
-            self._report_lost(link, failure)
+            self._lost(link, failure)
 
-    def _attach(self, link: SocketLink, sock: socket.socket, how: str) -> str | None:
+    def _attach(self, link: S, sock: socket.socket, how: str) -> str | None:
         """(Under ``_pairing``.) ``sock`` is ``link``'s connection from now on;
         :meth:`_receive_attached` follows, after the lock. What went wrong, if it
         could not be (the socket is then closed)."""
@@ -301,65 +276,49 @@ class StreamTransport:
         self._pairing.notify_all()
         return None
 
-    def _give_up(self, link: SocketLink, failure: str) -> None:
-        """(Under ``_pairing``.) ``link``'s peer cannot be reached, for good."""
+    def _give_up(self, link: S, failure: str) -> None:
+        """(Under ``_pairing``.) ``link``'s peer cannot be reached, for good: no dial or
+        connection is taken for it from now on. :meth:`_lost` follows, after the lock."""
         self._unreachable[link.rank] = failure
         link.ended.set()
         self._pairing.notify_all()
 
-    def _fail_queued(self, link: SocketLink, failure: str) -> None:
-        """What was sent to a link that will never connect fails (and so does what is
-        sent to it later)."""
-        assert link.backlog is not None
+    def _lost(self, link: S, failure: str) -> None:
+        """(After :meth:`_give_up`.) The link ends: what queued for it fails, and so do
+        later sends; its connection, if it has one, is shut down; the peer is reported
+        lost."""
         with link.lock:
-            link.backlog.fail(ConnectionError(failure))
-
-    def _report_lost(self, link: SocketLink, failure: str) -> None:
-        """(After :meth:`_give_up`.) What queued for ``link`` fails, and its peer is
-        reported lost."""
-        assert self.peers is not None
-        self._fail_queued(link, failure)
+            link.end(LostCause.CONNECTION_LOST, failure)
+            if link.attached.is_set():
+                link.shutdown()  # (the peer sees the connection end; a writer's write fails)
+            assert link.backlog is not None
+            if not link.backlog.running:
+                link.backlog.fail(ConnectionError(failure))
         self.peers.lost(link, LostCause.CONNECTION_LOST, failure)
 
-    def _lose(self, link: SocketLink, failure: str) -> None:
-        """``link`` will never connect: give its peer up and report it lost."""
-        with self._pairing:
-            self._give_up(link, failure)
-        self._report_lost(link, failure)
-
-    def _receive_attached(self, link: SocketLink) -> None:
+    def _receive_attached(self, link: S) -> None:
         """Write what queued for a link just attached and start receiving on it (not
         under ``_pairing``: a thread start waits for the new thread). A thread that
         cannot start (a crowded host) ends the connection and reports the peer lost."""
-        peers = self.peers
-        assert peers is not None
         try:
             with link.lock:
                 link.release_queued()  # (done already for one the doorway admitted)
-            peers.receive(link)
+            self.peers.receive(link)
         except Exception as exc:
-            self._abandon(link, exc)
+            self._threads_failed(link, exc)
 
-    def _abandon(self, link: SocketLink, exc: BaseException) -> None:
-        """An attached link whose threads could not start: end the connection, give
-        the peer up and report it lost."""
-        assert self.peers is not None and link.backlog is not None
+    def _threads_failed(self, link: S, exc: BaseException) -> None:
+        """An attached link whose threads could not start (a crowded host): the peer is
+        given up and the link ends."""
         failure = f"could not start its threads: {describe(exc)}"
-        with link.lock:
-            link.gone = True
-            link.why_gone, link.cause_gone = unreachable(failure), LostCause.CONNECTION_LOST
-            link.shutdown()  # (the peer sees the connection end; a writer's write fails)
-            if not link.backlog.running:
-                link.backlog.fail(ConnectionError(failure))
         with self._pairing:
             self._give_up(link, failure)
-        self.peers.lost(link, LostCause.CONNECTION_LOST, failure)
+        self._lost(link, failure)
 
     def may_pair(self, rank: int) -> bool:
         """Whether a connection from ``rank`` may be an on-demand mesh's peer (its
         doorway asks before the handshake's proof)."""
-        ctx = self._ctx
-        assert ctx is not None
+        ctx = self.ctx
         return 0 <= rank < ctx.world_size and rank != ctx.rank
 
     def pair(self, rank: int, sock: socket.socket) -> None:
@@ -368,8 +327,7 @@ class StreamTransport:
         ``rank`` itself and is the lower rank (its own connection wins: the dialer is
         told to wait for it), or the pair has a connection already, or this worker is
         closing or gave ``rank`` up (the dialer is told not to wait)."""
-        ctx, peers = self._ctx, self.peers
-        assert ctx is not None and peers is not None
+        ctx, peers = self.ctx, self.peers
         with self._pairing:
             link = peers.links.get(rank)
             if (self._pairs_closed or rank in self._unreachable
@@ -404,7 +362,7 @@ class StreamTransport:
                 self._give_up(link, failure)
             starter = self._starting()
         if failure is not None:  # (the dialer sees the connection end)
-            self._report_lost(link, failure)
+            self._lost(link, failure)
             return
         # What queued for the peer (its requests, when both dialed) goes now, on this
         # thread; the link's threads are started on a starter thread (never behind a
@@ -413,7 +371,7 @@ class StreamTransport:
             with link.lock:
                 link.release_queued()
         except Exception as exc:  # (a writer thread for a rest that cannot start)
-            self._abandon(link, exc)
+            self._threads_failed(link, exc)
             return
         try:
             handed = starter.submit(functools.partial(self._receive_attached, link))
@@ -422,11 +380,11 @@ class StreamTransport:
         if not handed:  # (no thread to hand it to, or this worker began closing)
             self._receive_attached(link)
 
-    def close_pairs(self) -> None:
-        """An on-demand mesh's part of :meth:`close`: connect no pair any more, and let
-        go of the links still connecting (they have no goodbye to wait for)."""
+    def stop_connecting(self) -> None:
+        """An on-demand mesh's part of ``close``: connect no pair any more, and let go
+        of the links still connecting (they have no goodbye to wait for)."""
         peers = self.peers
-        if self.dial_peer is None or peers is None:
+        if self.dial_peer is None:
             return
         with self._pairing:
             self._pairs_closed = True
@@ -441,7 +399,8 @@ class StreamTransport:
         for link in waiting:
             with link.lock:
                 link.reported = True  # (closing: not a loss to report)
-            self._fail_queued(link, "this worker is shutting down")
+                assert link.backlog is not None
+                link.backlog.fail(ConnectionError("this worker is shutting down"))
             link.ended.set()
 
     def connects_on_demand(self) -> bool:
@@ -453,8 +412,7 @@ class StreamTransport:
         once the pair first talked; otherwise always."""
         if self.dial_peer is None:
             return True
-        peers = self.peers
-        link = peers.links.get(rank) if peers is not None else None
+        link = self.links.get(rank)
         return link is not None and link.attached.is_set()
 
     def send(self, dst: int, frame: Frame) -> None:
@@ -464,28 +422,14 @@ class StreamTransport:
                             cork=0 if frame.buffers else self.cork_bytes,
                             settled=frame.settled)
 
-    def write_bye(self, link: SocketLink) -> None:
+    def write_bye(self, link: S) -> None:
         """Write the goodbye (under ``link.lock``; queued behind a peer that reads
         nothing: ``close`` shuts the socket down after waiting, which ends the writer)."""
         link.write_locked([self.bye])
 
-    def close(self, timeout: float) -> None:
-        """Goodbye to every peer, a bounded wait for theirs, then close the sockets (in a
-        dynamic world the doorway closes first: nobody is admitted any more)."""
-        if self.doorway is not None:
-            self.doorway.close(min(timeout, HANDSHAKE_TIMEOUT))
-        self.close_pairs()
-        peers = self.peers
-        if peers is None:
-            return
-        deadline = time.monotonic() + timeout
-        peers.close(timeout)
-        for link in peers:
-            link.shutdown()
-            assert link.backlog is not None
-            link.backlog.stop()
-        for link in peers:
-            assert link.backlog is not None
-            link.backlog.join(deadline - time.monotonic())
-            link.sock.close()
-        self.released(max(0.0, deadline - time.monotonic()))
+    def release_link(self, link: S, deadline: float) -> None:
+        """At ``close``, after the goodbyes: shut the connection down (a writer blocked
+        on a peer that reads nothing ends), wait for the writer, close the socket."""
+        link.shutdown()
+        super().release_link(link, deadline)
+        link.sock.close()

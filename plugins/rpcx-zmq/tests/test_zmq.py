@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from rpcx.errors import LostCause, PeerLostError, ProtocolError, lost_reason
 from rpcx.registry import available_backends
 from rpcx.transport import Frame, TransportContext
+from rpcx.transport_kit import owning_memory
 from torch.distributed import FileStore, HashStore
 
 from rpcx_zmq import ZmqRpcBackendOptions, ZmqTransport
@@ -341,7 +342,7 @@ def test_sends_to_a_peer_that_reads_nothing_return_by_their_deadline_in_order() 
     with transports(2) as (started, inboxes):
         gate = threading.Event()
         inboxes[1].block = gate  # worker1 stops reading after its first frame
-        peer = started[0]._peers[1]
+        peer = started[0].links[1]
         sent = 0
 
         def send(deadline: float = 0.0) -> float:
@@ -369,7 +370,7 @@ def test_sends_to_a_peer_that_reads_nothing_return_by_their_deadline_in_order() 
 
 def test_sent_from_the_tensor_memory_kept_alive_by_zeromq() -> None:
     tensor = torch.arange(1 << 18, dtype=torch.int32)
-    memory = zmq_transport._memory_of(tensor, tensor.numel() * 4)
+    memory = owning_memory(tensor)  # (what send hands ZeroMQ, from the kit)
     assert memoryview(memory).nbytes == tensor.numel() * 4
     import ctypes
 
@@ -445,8 +446,8 @@ def test_heads_that_are_no_frame_end_the_peer_with_a_protocol_error(
     parts: list[bytes], why: str
 ) -> None:
     with transports(3) as (started, inboxes):
-        peer = started[1]._peers[0]
-        with peer.tx_lock:
+        peer = started[1].links[0]
+        with peer.lock:
             assert peer.tx is not None
             peer.tx.send_multipart(parts)
         rank, reason = inboxes[0].lost.get(timeout=10)

@@ -20,15 +20,12 @@ the peer's send lock, so frames leave in the order their ``send`` calls took the
 and a control PUSH (``ctl``) into ``rx``. Same-host peers connect over ``ipc://`` (a
 private temp directory), others over TCP.
 
-What is not ZeroMQ's is rpcx's transport kit (:mod:`rpcx.transport_kit`): the per-peer
-:class:`~rpcx.transport_kit.Link`, the receive loops on receive lanes (requests are
-served on the receiving thread), goodbyes, lost-peer reports and the bounded close
-(:class:`~rpcx.transport_kit.Peers`), and the writer that lets ``send`` honour
-``frame.deadline`` (:class:`~rpcx.transport_kit.Backlog`): a send never waits for room
-in ``tx``'s queue (``_HWM`` messages); a message that finds it full, and every later one
-while any waits, goes to the peer's writer thread, and the send waits for it until the
-frame's deadline at most. ZeroMQ is no byte stream, so the kit's stream transport does
-not apply: this module writes reading one message, writing one, and connecting.
+What is not ZeroMQ's is rpcx's transport kit (:class:`rpcx.transport_kit.MessageTransport`):
+links, receive loops on lanes, goodbyes, lost-peer reports, joining a dynamic world, the
+bounded close, and "write now or queue": a send never waits for room in ``tx``'s queue
+(``_HWM`` messages); what finds it full goes to the peer's writer thread, waited for
+until the frame's deadline at most. This module writes reading one message, writing
+one, and connecting.
 
 Tensors: a buffer of ``ZERO_COPY_SEND`` bytes or more is sent from the tensor's memory
 (``copy=False``) and ``send`` waits for ZeroMQ's message tracker, which fires once
@@ -81,23 +78,21 @@ import zmq
 from rpcx.transport import Capabilities, Frame, TransportContext
 from rpcx.transport_kit import (
     ADMITTED,
-    HANDSHAKE_TIMEOUT,
     PIECE_BYTES,
-    Arrivals,
     Backlog,
-    Doorway,
     Link,
+    LinkEnded,
     LostCause,
+    MessageTransport,
     PeerLostError,
     Peers,
     ProtocolError,
+    StopReceiving,
     as_bytes,
     check_frame_size,
     connect_limit,
     connect_timeout,
-    dial_tcp,
     host_identity,
-    join_stream_mesh,
     lost_reason,
     options_as,
     owning_memory,
@@ -167,15 +162,6 @@ _abandoned: list[zmq.Context[Any]] = []
 _ids = itertools.count()
 
 
-class _Stopped(Exception):
-    """STOP: close() ends a receive loop that waits for a peer that never answered."""
-
-
-class _Drained(Exception):
-    """The peer was marked lost (the monitor, or a ZeroMQ error) and what had arrived
-    before is delivered: its receive loop ends, reporting the loss recorded."""
-
-
 class _Message:
     """A message ZeroMQ's queue to a peer had no room for (or that came while others
     waited), for the peer's writer; ``error`` when it is not to be sent after all."""
@@ -197,8 +183,8 @@ class _Peer(Link):
     kit's) every use of ``rx``, which only the receive loop makes.
     """
 
-    __slots__ = ("bye_received", "connected", "ctl", "ctl_lock", "detail", "draining",
-                 "endpoint", "rx", "tx", "tx_monitor", "wake")
+    __slots__ = ("connected", "ctl", "ctl_lock", "draining", "endpoint", "rx", "tx",
+                 "tx_monitor", "wake")
 
     def __init__(self, rank: int, name: str) -> None:
         super().__init__(rank, name)
@@ -208,89 +194,44 @@ class _Peer(Link):
         self.tx_monitor: zmq.Socket[bytes] | None = None  # owned by the monitor thread
         self.endpoint = ""
         self.ctl_lock = threading.Lock()
-        self.bye_received = False
-        # (the kit's why_gone and cause_gone hold the first loss recorded; this, its detail)
-        self.detail = ""
         self.draining = False  # LOST seen: deliver what is left, then end
         self.connected = threading.Event()  # our connection to the peer shook hands
         self.wake = threading.Event()  # close(): the writer stops waiting for room
 
-    @property
-    def tx_lock(self) -> threading.Lock:
-        """The lock ``tx`` is used under: the kit's send lock."""
-        return self.lock
-
-    def mark(self, cause: LostCause, detail: str) -> bool:
-        """Record the peer gone, and why (the first reason stays); call under ``lock``.
-        False if it was gone already."""
-        if self.cause_gone is not None:
-            return False
-        self.gone = True
-        self.cause_gone, self.detail = cause, detail
-        self.why_gone = lost_reason(cause, detail)
-        return True
-
 
 class _Peers(Peers[_Peer]):
-    """The kit's receive loops, goodbyes and close, with ZeroMQ's own ways to end."""
-
-    def goodbye_received(self, link: _Peer) -> None:
-        link.bye_received = True  # (the monitor expects the disconnect now)
-        super().goodbye_received(link)
+    """The kit's receive loops, goodbyes and close; a ZeroMQ error ends a loop."""
 
     def broken(self, link: _Peer, exc: BaseException) -> None:
-        if isinstance(exc, _Stopped):
-            return  # close() ended the loop: nothing to report
-        if isinstance(exc, _Drained):
-            self.lost(link, link.cause_gone or LostCause.CONNECTION_LOST, link.detail)
-        elif isinstance(exc, zmq.ZMQError):  # the context is gone: nothing more arrives
+        if isinstance(exc, zmq.ZMQError):  # the context is gone: nothing more arrives
             self.lost(link, LostCause.CONNECTION_LOST, str(exc))
         else:
             super().broken(link, exc)
 
-    def lost(self, link: _Peer, cause: LostCause, detail: str = "") -> None:
-        """Report the first loss recorded (a goodbye is always reported as one)."""
-        with link.lock:
-            link.mark(cause, detail)
-            if cause is not LostCause.DEPARTED:
-                cause, detail = link.cause_gone or cause, link.detail
-        super().lost(link, cause, detail)
 
-
-class ZmqTransport:
+class ZmqTransport(MessageTransport[_Peer]):
     """Moves frames over ZeroMQ: TCP between hosts, IPC within one, zero-copy tensors."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True,
                                                         dynamic=True, shows_progress=True)
+    label: ClassVar[str] = "zmq"
 
     def __init__(self) -> None:
-        self._ctx: TransportContext | None = None
-        # A dynamic world: what admits later workers, the ranks being admitted, the
-        # monitors the monitor thread is to take on, this worker's endpoints' host and
-        # token (for the sockets of newcomers).
-        self._doorway: Doorway | None = None
-        self._arrivals: Arrivals[_Peer] = Arrivals()
+        super().__init__()
+        # A dynamic world: the monitors the monitor thread is to take on, this worker's
+        # endpoints' host and token (for the sockets of newcomers).
         self._new_monitors: list[_Peer] = []
         self._host = ""
         self._token = ""
         self._options = ZmqRpcBackendOptions()
         self._zctx: zmq.Context[Any] | None = None
-        self.peers: _Peers | None = None
         self._ipc_dir: str | None = None
         self._wake: zmq.Socket[bytes] | None = None  # posts to the monitor thread
         self._wake_lock = threading.Lock()
         self._monitor: threading.Thread | None = None
-        self._receiving = False  # the receive loops were started
-        self._closing = False
         self._closed = False
         self.endpoints: dict[int, str] = {}  # where this worker's tx connect, by peer rank
         self._zap: ThreadAuthenticator | None = None  # checks connections with a world key
-        self._max_frame = self._options.max_frame_bytes
-
-    @property
-    def _peers(self) -> dict[int, _Peer]:
-        """Every peer's link, by rank."""
-        return self.peers.links if self.peers is not None else {}
 
     # ------------------------------------------------------------------------ start
 
@@ -298,127 +239,103 @@ class ZmqTransport:
         """Bind one socket per peer, publish the endpoints, connect to every peer's."""
         self._ctx = ctx
         options = self._options = options_as(ctx, ZmqRpcBackendOptions)
-        self._max_frame = options.max_frame_bytes
-        zctx: zmq.Context[Any] = zmq.Context(io_threads=1)
-        self._zctx = zctx
-        host = listen_host(options.hostname, options.interface, ctx.init_method)
+        self.max_frame = options.max_frame_bytes
+        self._zctx = zctx = zmq.Context(io_threads=1)
+        host = self._host = listen_host(options.hostname, options.interface, ctx.init_method)
         if options.ipc:
             self._ipc_dir = _private_dir()
         token = self._token = f"{os.getpid()}-{next(_ids)}-{uuid.uuid4().hex[:8]}"
-        self._host = host
         if ctx.auth is not None:
             self._start_zap(ctx)
+        links: dict[int, _Peer] = {}
         published: dict[str, dict[str, str]] = {}
-        self.peers = _Peers(ctx, {}, read_one=self._read_one, write_bye=self._write_bye,
-                            ended=self._loop_ended)
-        for rank in range(len(ctx.names)):
-            if rank == ctx.rank or ctx.vacant(rank):
-                continue
-            peer = self.peers.links[rank] = _Peer(rank, ctx.names[rank])
-            peer.backlog = Backlog(peer.lock, functools.partial(self._write, peer),
-                                   self.peers.thread_name(peer, "send"))
-            published[str(rank)] = self._bind_rx(peer, host, token)
-        # Ready to receive before anyone can find us.
-        self.peers.start_receiving()
-        self._receiving = True
+        try:
+            for rank in range(len(ctx.names)):
+                if rank != ctx.rank and not ctx.vacant(rank):
+                    links[rank] = self._new_peer(rank)
+                    published[str(rank)] = self._bind_rx(links[rank], host, token)
+        except BaseException:
+            for peer in links.values():
+                self._close_sockets(peer, unused=True)
+            raise
+        self.begin(ctx, links)  # (ready to receive before anyone can find us)
         ctx.store.set(
             f"zmq/{ctx.rank}", json.dumps({"host": host_identity(), "rx": published})
         )
-        if ctx.admit is not None:
-            self._join_members(ctx, host)
+        if ctx.admit is not None:  # (members connect to us once told; this closes)
+            for sock in self.join_through_doorways(ctx, host, _DOORWAY).values():
+                sock.close()
         for peer in self.peers:
             info = json.loads(ctx.store.get(
                 f"zmq/{peer.rank}" if ctx.admit is None else f"zmq/{peer.rank}/for/{ctx.rank}"))
-            peer.endpoint = self._choose_endpoint(info)
-            self.endpoints[peer.rank] = peer.endpoint
+            peer.endpoint = self.endpoints[peer.rank] = self._choose_endpoint(info)
             self._connect_tx(peer)
         self._wake, wake_rx = _pipe(zctx, f"inproc://rpcx-zmq-{token}-monitor")
-        self._monitor = threading.Thread(
-            target=self._monitor_loop, args=(wake_rx,),
-            name=f"rpcx-{ctx.names[ctx.rank]}-zmq-monitor", daemon=True,
-        )
+        self._monitor = threading.Thread(target=self._monitor_loop, args=(wake_rx,),
+                                         name=self.thread_name("zmq-monitor"), daemon=True)
         self._monitor.start()
         self._wait_connected()
-        if self._doorway is not None:
-            self._doorway.start()
+        self.open_doorway()
+
+    def make_peers(self, links: dict[int, _Peer]) -> _Peers:
+        return _Peers(self.ctx, links, self.read_one, self.write_bye, ended=self.loop_ended)
+
+    def _new_peer(self, rank: int) -> _Peer:
+        peer = _Peer(rank, self.ctx.names[rank])
+        peer.backlog = Backlog(peer.lock, functools.partial(self._write, peer),
+                               self.thread_name("send", peer.name))
+        return peer
 
     # --------------------------------------------------------------- dynamic world
 
-    def _join_members(self, ctx: TransportContext, host: str) -> None:
-        """A newcomer of a dynamic world: its receiving sockets are bound and published;
-        tell every member through its doorway (a plain socket), which binds one for this
-        worker, publishes it (``zmq/<member>/for/<this rank>``) and connects to ours.
-        Then open a doorway for the workers that join later."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.bind((host, 0))
-            listener.listen(16)
-            for sock in join_stream_mesh(ctx, {"tcp": [host, listener.getsockname()[1]]},
-                                         dial_tcp, _DOORWAY).values():
-                sock.close()
-        except BaseException:
-            listener.close()
-            raise
-        self._doorway = Doorway(ctx, [listener], _DOORWAY, self._newcomer, self._welcome,
-                                listener.close)
-
-    @staticmethod
-    def _retire(peer: _Peer) -> None:
+    def retire(self, link: _Peer) -> None:
         """Close the sockets of a peer that left (its receive loop is over, and closed
-        ``rx``), before a new worker takes its rank: the context's end waits for every
-        socket, and ``close`` only sees the peers of now."""
+        ``rx``; its monitor ends with ``tx``), before a new worker takes its rank: the
+        context's end waits for every socket, and ``close`` only sees the peers of now."""
+        self._close_sockets(link)
+
+    def link_newcomer(self, rank: int, sock: socket.socket) -> _Peer:
+        """A worker joins at ``rank``: bind a socket for it and publish it, connect to
+        the one it bound for this worker, tell it (it connects once told)."""
+        ctx = self.ctx
+        peer = self._new_peer(rank)
+        try:
+            # (a name of its own per admission: a rank taken again gets fresh ones)
+            mine = self._bind_rx(peer, self._host, f"{self._token}-{next(_ids)}")
+            ctx.store.set(f"zmq/{ctx.rank}/for/{rank}",
+                          json.dumps({"host": host_identity(), "rx": {str(rank): mine}}))
+            peer.endpoint = self.endpoints[rank] = self._choose_endpoint(
+                json.loads(ctx.store.get(f"zmq/{rank}")))
+            self._connect_tx(peer)
+            sock.sendall(ADMITTED)
+        except BaseException:
+            self._close_sockets(peer, unused=True)  # (ZeroMQ's context waits for them)
+            raise
+        sock.close()
+        with self._wake_lock:  # the monitor thread takes the new connection's monitor
+            self._new_monitors.append(peer)
+            if self._wake is not None:
+                self._wake.send(b"add")
+        return peer
+
+    def _close_sockets(self, peer: _Peer, linger: float = 0.0, unused: bool = False) -> None:
+        """Close ``peer``'s control and sending sockets (``linger``: seconds what is
+        queued may still take to leave); ``unused``: also those a receive loop and the
+        monitor thread would own (for a peer none of them ever took on)."""
         with peer.ctl_lock:
             if peer.ctl is not None:
                 peer.ctl.close(linger=0)
                 peer.ctl = None
         with peer.lock:
             if peer.tx is not None:
-                peer.tx.close(linger=0)  # (its monitor ends with it: MONITOR_STOPPED)
+                peer.tx.close(linger=int(linger * 1000))
                 peer.tx = None
-
-    def _newcomer(self, rank: int) -> bool:
-        """Whether a doorway connection from ``rank`` may be a worker joining (the link of
-        a worker that left the rank may still be ending: waited for, bounded, then
-        dropped and its sockets closed)."""
-        assert self.peers is not None
-        return self._arrivals.make_room(self.peers, rank, HANDSHAKE_TIMEOUT, self._retire)
-
-    def _welcome(self, rank: int, sock: socket.socket) -> None:
-        """A worker joins at ``rank`` (the doorway calls this): admit it, bind a socket
-        for it and publish it, connect to the one it bound for this worker, start
-        receiving; then tell it (it connects once told)."""
-        ctx, peers = self._ctx, self.peers
-        assert ctx is not None and ctx.admit is not None and peers is not None
-        with self._arrivals.linking(rank):
-            ctx.admit(rank)
-            peer = _Peer(rank, ctx.names[rank])
-            peer.backlog = Backlog(peer.lock, functools.partial(self._write, peer),
-                                   peers.thread_name(peer, "send"))
-            try:
-                # (a name of its own per admission: a rank taken again gets fresh ones)
-                mine = self._bind_rx(peer, self._host, f"{self._token}-{next(_ids)}")
-                ctx.store.set(f"zmq/{ctx.rank}/for/{rank}",
-                              json.dumps({"host": host_identity(), "rx": {str(rank): mine}}))
-                peer.endpoint = self._choose_endpoint(
-                    json.loads(ctx.store.get(f"zmq/{rank}")))
-                self.endpoints[rank] = peer.endpoint
-                self._connect_tx(peer)
-            except BaseException:
-                self._retire(peer)  # (ZeroMQ's context waits for every socket at exit)
-                rx, peer.rx = peer.rx, None
-                if rx is not None:
-                    rx.close(linger=0)
-                if peer.tx_monitor is not None:
-                    peer.tx_monitor.close(linger=0)
-                raise
-            with self._wake_lock:  # the monitor thread takes the new connection's monitor
-                self._new_monitors.append(peer)
-                if self._wake is not None:
-                    self._wake.send(b"add")
-            peers.add(peer)
-            sock.sendall(ADMITTED)
-        sock.close()
+        if unused:
+            for name in ("rx", "tx_monitor"):
+                owned = getattr(peer, name)
+                if owned is not None:
+                    owned.close(linger=0)
+                    setattr(peer, name, None)
 
     def _start_zap(self, ctx: TransportContext) -> None:
         """With a world key, every connection to one of our PULL sockets must log in as
@@ -438,7 +355,7 @@ class ZmqTransport:
     def _bind_rx(self, peer: _Peer, host: str, token: str) -> dict[str, str]:
         """Create and bind the PULL socket for ``peer``; its endpoints for the peer."""
         zctx = self._zctx
-        assert zctx is not None and self._ctx is not None
+        assert zctx is not None
         rx = zctx.socket(zmq.PULL)
         self._tune(rx)
         rx.rcvhwm = _HWM
@@ -448,8 +365,8 @@ class ZmqTransport:
         # process exits, so both workers report the other's connection closed, not a
         # protocol error. A frame over max_frame_bytes in parts each within it is
         # refused by its total, as a protocol error (_unpack).
-        rx.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
-        ctx = self._ctx
+        rx.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
+        ctx = self.ctx
         if ctx.auth is not None:
             rx.zap_domain = _zap_domain(peer.rank).encode()
             rx.plain_server = True
@@ -474,9 +391,7 @@ class ZmqTransport:
 
     def _choose_endpoint(self, info: dict[str, Any]) -> str:
         """The peer's endpoint for us: IPC when it is on this host and can be reached."""
-        ctx = self._ctx
-        assert ctx is not None
-        endpoints: dict[str, str] = info["rx"][str(ctx.rank)]
+        endpoints: dict[str, str] = info["rx"][str(self.ctx.rank)]
         ipc = endpoints.get("ipc")
         if ipc and self._ipc_dir is not None and info["host"] == host_identity():
             path = ipc[len("ipc://"):]
@@ -496,8 +411,7 @@ class ZmqTransport:
         tx.sndtimeo = 0  # sends never wait for room: the peer's writer thread does
         if peer.endpoint.startswith("tcp://["):
             tx.ipv6 = True
-        ctx = self._ctx
-        assert ctx is not None
+        ctx = self.ctx
         if ctx.auth is not None:
             tx.plain_username = str(ctx.rank).encode()
             tx.plain_password = _password(ctx, ctx.rank, peer.rank).encode()
@@ -517,18 +431,16 @@ class ZmqTransport:
 
     def _wait_connected(self) -> None:
         """Wait (at most ``rpc_timeout``) until our connection to every peer is up."""
-        ctx = self._ctx
-        assert ctx is not None
-        limit = connect_limit(ctx)
+        limit = connect_limit(self.ctx)
         deadline = None if limit is None else time.monotonic() + limit
-        for peer in self._peers.values():
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            peer.connected.wait(left)
-        missing = [p for p in self._peers.values() if not p.connected.is_set()]
+        for peer in self.peers:
+            peer.connected.wait(None if deadline is None
+                                else max(0.0, deadline - time.monotonic()))
+        missing = [p for p in self.peers if not p.connected.is_set()]
         if missing:
             names = ", ".join(f"{p.name!r} at {p.endpoint}" for p in missing)
             raise connect_timeout(
-                ctx, f"to {names}",
+                self.ctx, f"to {names}",
                 hint="a peer probably died after joining the world, or its address cannot "
                 "be reached from here (set ZmqRpcBackendOptions(hostname=...) or "
                 "interface=...)",
@@ -539,11 +451,7 @@ class ZmqTransport:
     def send(self, dst: int, frame: Frame) -> None:
         """Send ``frame`` to ``dst``; returns once every buffer not copied is written,
         or at ``frame.deadline`` with the rest queued for the peer's writer."""
-        try:
-            peer = self._peers[dst]
-        except KeyError:  # a worker joining a dynamic world right now: wait for its link
-            assert self.peers is not None
-            peer = self._arrivals.link(self.peers, dst, HANDSHAKE_TIMEOUT)
+        peer = self.link(dst)
         if peer.gone:
             raise PeerLostError(peer.why_gone)
         buffers = frame.buffers
@@ -605,39 +513,25 @@ class ZmqTransport:
               later: list[list[Any]] | None = None,
               settled: Callable[[], bool] | None = None) -> bool:
         """Hand one message (and the ``later`` ones of its frame, in order) to ZeroMQ for
-        ``peer``, or queue what does not fit for the peer's writer and wait until ZeroMQ
-        has it or ``deadline`` (a call's; 0: none) passes or the call is ``settled()``:
-        False then.
-
-        Never waits for room under the send lock: a message ZeroMQ's queue has no room
-        for, and any that come while one waits, go to the writer, in order. So a peer
-        that reads nothing holds no call past its deadline.
-        """
-        with peer.lock:
-            if peer.bye_sent or peer.gone:
-                raise PeerLostError(peer.why_gone)
-            tx = peer.tx
-            if tx is None:
-                raise PeerLostError(_CLOSED if self._closed else "was never connected")
-            backlog = peer.backlog
-            assert backlog is not None
-            message = _Message([parts, *later] if later else [parts])
-            if not backlog and self._send_some(tx, message):
-                return True
-            pending = backlog.put(message)
-        if not pending.wait(deadline, settled):
+        ``peer``, or queue what does not fit for the peer's writer (the kit's ``post``:
+        never waiting for room under the send lock); False if ``deadline`` passed or the
+        call is ``settled()`` first."""
+        message = _Message([parts, *later] if later else [parts])
+        if not self.post(peer, message, functools.partial(self._send_some, peer),
+                         deadline, settled):
             return False  # a peer that reads nothing: the call fails on time
         if message.error is not None:
             raise message.error
         return True
 
-    @classmethod
-    def _send_some(cls, tx: zmq.Socket[bytes], message: _Message) -> bool:
+    def _send_some(self, peer: _Peer, message: _Message) -> bool:
         """Hand ``message``'s messages to ZeroMQ while its queue has room; whether all
         went (call under the send lock; what did not stays in ``message``)."""
+        if peer.tx is None:
+            raise PeerLostError(_CLOSED if self._closed else "was never connected")
         messages = message.messages
         while messages:
-            if not cls._send_now(tx, messages[0]):
+            if not self._send_now(peer.tx, messages[0]):
                 return False
             messages.pop(0)
         return True
@@ -662,18 +556,17 @@ class ZmqTransport:
         goodbye still is."""
         while True:
             with peer.lock:
-                tx = peer.tx
-                if tx is None:
+                if peer.tx is None:
                     raise PeerLostError(_CLOSED)
-                if not message.bye and (peer.gone or self._closing):
+                if not message.bye and (peer.gone or self.closing):
                     message.error = PeerLostError(
                         peer.why_gone if peer.gone else _CLOSING)
                     return
-                if self._send_some(tx, message):
+                if self._send_some(peer, message):
                     return
             peer.wake.wait(_WRITER_POLL_S)
 
-    def _write_bye(self, peer: _Peer) -> None:
+    def write_bye(self, peer: _Peer) -> None:
         """Our goodbye, after everything sent or queued before it (the kit calls this
         under the send lock, once; it never waits). None to a peer never reached, or
         one that crashed."""
@@ -708,21 +601,20 @@ class ZmqTransport:
 
     # ---------------------------------------------------------------------- receive
 
-    def _read_one(self, peer: _Peer) -> Frame | None:
+    def read_one(self, peer: _Peer) -> Frame | None:
         """The next frame from ``peer``'s socket, or None for its goodbye (the kit's
         receive loop calls it under ``peer.reading``: a ZeroMQ socket must never be used
         by two threads at once).
 
-        Raises ``ProtocolError`` for what is no frame, ``_Drained`` once a loss was
-        posted (``LOST``) and what had arrived before it is read, ``_Stopped`` on
+        Raises ``ProtocolError`` for what is no frame, ``LinkEnded`` once a loss was
+        posted (``LOST``) and what had arrived before it is read, ``StopReceiving`` on
         close()'s ``STOP``, ``zmq.ZMQError`` when the context is gone.
         """
-        ctx = self._ctx
-        rx = peer.rx
-        assert ctx is not None and rx is not None
+        ctx, rx = self.ctx, peer.rx
+        assert rx is not None
         while True:
             if peer.draining and not rx.poll(_DRAIN_WAIT_MS):
-                raise _Drained
+                raise LinkEnded
             head = rx.recv()
             if len(head) < _HEAD.size:
                 log.warning("%s: dropped a malformed message from %s",
@@ -730,7 +622,7 @@ class ZmqTransport:
                 continue
             kind, n = _HEAD.unpack_from(head)
             if kind == _DATA:
-                return self._unpack(rx, head, n, self._max_frame,
+                return self._unpack(rx, head, n, self.max_frame,
                                     functools.partial(self._receive_pieces, peer, rx)
                                     if n else None)
             if kind == _BYE:
@@ -738,7 +630,7 @@ class ZmqTransport:
             if kind == _LOST:
                 peer.draining = True
             elif kind == _STOP:
-                raise _Stopped
+                raise StopReceiving
             else:
                 log.warning("%s: dropped a message of unknown kind %d from %s",
                             ctx.names[ctx.rank], kind, peer.name)
@@ -814,8 +706,7 @@ class ZmqTransport:
         Each piece is a message of two parts, ``PIECE`` and the bytes: ``rx`` also takes
         this worker's own ``LOST`` and ``STOP``, which ZeroMQ may queue between them.
         """
-        ctx = self._ctx
-        assert ctx is not None
+        ctx = self.ctx
         try:
             buffer = torch.empty(nbytes, dtype=torch.uint8)
         except RuntimeError as exc:
@@ -823,7 +714,7 @@ class ZmqTransport:
         for view in pieces(buffer):
             while True:
                 if peer.draining and not rx.poll(_DRAIN_WAIT_MS):
-                    raise _Drained  # (the rest of the frame is not coming)
+                    raise LinkEnded  # (the rest of the frame is not coming)
                 head = rx.recv()
                 kind = _HEAD.unpack_from(head)[0] if len(head) == _HEAD.size else 0
                 if kind == _PIECE:
@@ -831,7 +722,7 @@ class ZmqTransport:
                 if kind == _LOST:
                     peer.draining = True
                 elif kind == _STOP:
-                    raise _Stopped
+                    raise StopReceiving
                 else:
                     raise ProtocolError(f"a message of {len(head)} bytes where a piece was due")
             piece = rx.recv(copy=False) if rx.getsockopt(zmq.RCVMORE) else None
@@ -842,8 +733,7 @@ class ZmqTransport:
             ctx.progress(peer.rank)
         return buffer
 
-    @staticmethod
-    def _loop_ended(peer: _Peer) -> None:
+    def loop_ended(self, peer: _Peer) -> None:
         """The receive loop is over (on its thread, under ``reading``): close ``rx``, so
         the peer's monitor sees the connection end."""
         rx, peer.rx = peer.rx, None
@@ -855,10 +745,9 @@ class ZmqTransport:
         """The peer is gone: sends fail from now on; its receive loop reports it once it
         has delivered what had arrived."""
         with peer.lock:
-            if peer.gone or not peer.mark(cause, detail):
+            if peer.gone or not peer.end(cause, detail):
                 return
-        if peer.ended.is_set() or not self._receiving:
-            assert self.peers is not None
+        if peer.ended.is_set():
             self.peers.lost(peer, cause, detail)
         else:
             self._post_control(peer, _LOST_MESSAGE)
@@ -879,7 +768,7 @@ class ZmqTransport:
         poller = zmq.Poller()
         poller.register(wake, zmq.POLLIN)
         owners: dict[zmq.Socket[bytes], _Peer] = {}
-        for peer in self._peers.values():
+        for peer in self.links.values():
             if peer.tx_monitor is not None:
                 owners[peer.tx_monitor] = peer
                 poller.register(peer.tx_monitor, zmq.POLLIN)
@@ -917,7 +806,7 @@ class ZmqTransport:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             peer.connected.set()
         elif event == zmq.EVENT_DISCONNECTED:
-            if peer.connected.is_set() and not (self._closing or peer.bye_received):
+            if peer.connected.is_set() and not (self.closing or peer.bye_received):
                 self._mark_lost(peer, _CRASHED)
         elif event == zmq.EVENT_MONITOR_STOPPED:
             return True
@@ -929,63 +818,54 @@ class ZmqTransport:
 
     # ------------------------------------------------------------------------ close
 
-    def close(self, timeout: float) -> None:
-        """Say goodbye to every peer, wait (bounded) for theirs, release the sockets."""
-        ctx, zctx = self._ctx, self._zctx
-        if ctx is None or zctx is None or self._closed:
-            return
-        if self._doorway is not None:  # (a dynamic world: nobody is admitted any more)
-            self._doorway.close(min(timeout, HANDSHAKE_TIMEOUT))
-        self._closing = True
-        deadline = time.monotonic() + timeout
-        stuck: list[_Peer] = []
-        if self.peers is not None and self._receiving:
-            self.peers.closing = True  # (before any STOP: a stopped loop reports nothing)
-            for peer in self.peers:
-                if not peer.connected.is_set():  # start failed: nothing to wait for
-                    self._post_control(peer, _STOP_MESSAGE)
-            silent = self.peers.close(timeout)  # goodbyes, and the warning for silence
-            for peer in silent:  # a loop waiting in recv ends on STOP at once
+    def stop_connecting(self) -> None:
+        """``close`` began: a receive loop for a peer never connected (a failed start)
+        has no goodbye to wait for, and ends now."""
+        for peer in self.peers:
+            if not peer.connected.is_set():
                 self._post_control(peer, _STOP_MESSAGE)
-            for peer in silent:  # past the deadline now: a short grace, no more
-                peer.ended.wait(max(0.0, deadline + _GRACE_S - time.monotonic()))
-            stuck = [p for p in silent if not p.ended.is_set()]
+
+    def end_silent(self, silent: list[_Peer], deadline: float) -> list[_Peer]:
+        """Receive loops waiting for peers that said no goodbye end on ``STOP``, within a
+        short grace past the deadline."""
+        for peer in silent:
+            self._post_control(peer, _STOP_MESSAGE)
+        for peer in silent:
+            peer.ended.wait(max(0.0, deadline + _GRACE_S - time.monotonic()))
+        return [peer for peer in silent if not peer.ended.is_set()]
+
+    def release(self, stuck: list[_Peer], deadline: float) -> None:
+        """Release every socket and end the ZeroMQ context, unless a receive loop or the
+        monitor is still busy (ending the context would then block: it is kept)."""
+        if self._closed:
+            return
         self._closed = True
         self._stop_monitor(max(_GRACE_S, deadline - time.monotonic()))
-        for peer in self._peers.values():
-            with peer.ctl_lock:
-                if peer.ctl is not None:
-                    peer.ctl.close(linger=0)
-                    peer.ctl = None
-            with peer.lock:
-                if peer.tx is not None:
-                    # Our goodbye may still be queued: give it a moment to leave.
-                    left = max(0.0, min(1.0, deadline - time.monotonic()))
-                    peer.tx.close(linger=int(left * 1000))
-                    peer.tx = None
-            peer.wake.set()  # its writer fails what still waits, then ends
-            if peer.backlog is not None:
-                peer.backlog.stop()
-            if not self._receiving and peer.rx is not None:
-                peer.rx.close(linger=0)
-                peer.rx = None
-            if self._monitor is None and peer.tx_monitor is not None:
-                peer.tx_monitor.close(linger=0)  # start failed before the monitor ran
-                peer.tx_monitor = None
-        monitor_alive = self._monitor is not None and self._monitor.is_alive()
-        if stuck or monitor_alive:
-            log.warning(
-                "%s: receive loops for %s still busy; their sockets stay open",
-                ctx.names[ctx.rank], ", ".join(p.name for p in stuck) or "none",
-            )
+        for peer in self.links.values():
+            self.release_link(peer, deadline)
+        zctx, self._zctx = self._zctx, None
+        if zctx is not None and (stuck or (self._monitor is not None
+                                           and self._monitor.is_alive())):
+            log.warning("%s: receive loops for %s still busy; their sockets stay open",
+                        self.ctx.names[self.ctx.rank],
+                        ", ".join(p.name for p in stuck) or "none")
             _abandoned.append(zctx)
-        else:
+        elif zctx is not None:
             if self._zap is not None:
                 self._zap.stop()
             zctx.term()
-        self._zctx = None
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def release_link(self, peer: _Peer, deadline: float) -> None:
+        """Close the peer's sockets (our goodbye may still be queued in ``tx``: a moment
+        to leave) and end its writer."""
+        self._close_sockets(peer, linger=max(0.0, min(1.0, deadline - time.monotonic())))
+        peer.wake.set()  # its writer fails what still waits, then ends
+        if self._monitor is None and peer.tx_monitor is not None:
+            peer.tx_monitor.close(linger=0)  # (start failed before the monitor ran)
+            peer.tx_monitor = None
+        super().release_link(peer, deadline)
 
     def _stop_monitor(self, timeout: float) -> None:
         with self._wake_lock:
@@ -1035,13 +915,6 @@ def _private_dir() -> str | None:
         os.rmdir(path)
         return None
     return path
-
-
-def _memory_of(tensor: torch.Tensor, nbytes: int) -> ctypes.Array[ctypes.c_char]:
-    """A buffer over a contiguous CPU tensor's ``nbytes`` bytes that keeps the tensor
-    alive (the kit's ``owning_memory``, which ``send`` uses)."""
-    assert nbytes == tensor.numel() * tensor.element_size()
-    return owning_memory(tensor)
 
 
 def _as_tensor(part: zmq.Frame, alignment: int) -> torch.Tensor:
