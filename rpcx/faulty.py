@@ -11,8 +11,9 @@ names; ``"reply:<KIND>"`` names the replies to requests of one kind (see :class:
 
 Delays keep each peer's frames in order (the sender waits, holding that peer's turn):
 rpcx's protocol relies on per-pair order, and a network never reorders one connection.
-The wrapper reads each frame's kind from its envelope, so it cannot run where frames are
-sealed (a world key): it refuses to start there.
+The wrapper reads each frame's kind from its envelope. In a world with a key it wraps
+the seals (``init_rpc`` puts them under it, next to the wire): it sees frames before
+they are sealed and after they are checked, and a duplicate it sends is sealed anew.
 """
 
 from __future__ import annotations
@@ -135,9 +136,6 @@ class FaultyTransport(TransportDecorator):
 
     def start(self, ctx: TransportContext) -> None:
         """Read the faults (options, then ``$RPCX_FAULTS``) and start the inner transport."""
-        if ctx.auth is not None:
-            raise ValueError("the faulty backend reads each frame's message kind, which a "
-                             "world key seals: run it without RPCX_AUTH_KEY")
         faults = getattr(ctx.options, "faults", None) or Faults.from_environment() or Faults()
         faults.validate()
         self._faults = faults

@@ -144,16 +144,20 @@ def test_drops_across_processes_are_reproducible(monkeypatch: pytest.MonkeyPatch
     assert None in outcomes[0] and any(r is not None for r in outcomes[0])
 
 
-def test_the_injector_refuses_sealed_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_faults_are_injected_in_a_world_with_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The seals go under the injector: it reads each frame's kind before sealing, and
+    # what it duplicates is sealed anew (refused as a replay, it would end the peer).
     monkeypatch.setenv("RPCX_AUTH_KEY", "faulty-test-key-0123456789abcdef")
-    # worker1, a thread, fails the same way: the world keeps its error rather than
-    # leaving it to threading.excepthook (pytest would print it as a warning).
-    unhandled: list[object] = []
-    monkeypatch.setattr(threading, "excepthook", unhandled.append)
-    with pytest.raises(ValueError, match="without RPCX_AUTH_KEY"), world("faulty:loopback",
-                                                                         size=2):
-        pass
-    assert unhandled == []
+    _faults(monkeypatch, drop={"CALL": 1.0}, duplicate={"REMOTE_CALL": 1.0})
+    with world("faulty:loopback", size=2):
+        assert rpcx.debug_info()["authenticated"] is True
+        with pytest.raises(rpcx.RpcTimeoutError):
+            rpcx.rpc_sync("worker1", remote.add, args=(1, 2), timeout=0.5)
+        rref = rpcx.remote("worker1", remote.Counter, args=(5,))
+        assert rref.to_here(timeout=BOUND).count == 5
+        assert _injected() == {("drop", "CALL"): 1, ("duplicate", "REMOTE_CALL"): 1}
+        assert rpcx.debug_info()["refused_frames"] == 0
+        assert rpcx.debug_info()["lost_peers"] == {}
 
 
 def test_lost_rref_bookkeeping_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,9 @@ checked on its way in (:class:`~rpcx._wire.auth.FrameGuard`).
 
 ``init_rpc`` wraps the backend's transport in :class:`KeyedTransport` when the world
 has a key, as ``backend="faulty:<name>"`` wraps it in the fault injector; the agent and
-the call path never see the key. A frame that fails its check is dropped, its sender
+the call path never see the key. The seals go next to the wire, under any other
+decorator: the fault injector reads each frame's kind, so it wraps the seals, and the
+two compose. A frame that fails its check is dropped, its sender
 reported lost with a protocol error (once), and its connection ended by the transport.
 """
 
@@ -54,7 +56,12 @@ class KeyedTransport(TransportDecorator):
 
 def keyed(inner: Transport, guard: FrameGuard) -> Transport:
     """``inner`` behind the world key's seals (a :class:`KeyedTransport` with its
-    capabilities)."""
+    capabilities). When ``inner`` is a decorator, the seals go under it, around the
+    transport it decorates: what it sees of a frame (the fault injector reads the kind)
+    is never sealed."""
+    if isinstance(inner, TransportDecorator) and not isinstance(inner, KeyedTransport):
+        inner.inner = keyed(inner.inner, guard)
+        return inner
     cls = type(f"Keyed{type(inner).__name__}", (KeyedTransport,),
                {"capabilities": inner.capabilities})
     transport: Transport = cls(inner, guard)
