@@ -11,8 +11,10 @@ its bytes (a socket, a gloo pair, ZeroMQ), and is written here once:
   :meth:`welcome`), and senders that wait for a link being made (:meth:`link`);
 * **post now or queue**: a frame the connection takes at once goes on the sending thread,
   the rest on the peer's writer, waited for until the frame's deadline (:meth:`post`);
-* **close**: the doorway, goodbyes with a bounded wait, then each link released
-  (:meth:`release_link`) and whatever the transport holds besides (:meth:`released`).
+* **close**: the doorway, goodbyes with a bounded wait, the receive loops of peers that
+  sent none stopped where the transport can (:meth:`stop_receiving`), then each link
+  released (:meth:`release_link`) and whatever the transport holds besides
+  (:meth:`released`).
 
 A backend writes its wire format (``send``, ``read_one``, ``write_bye``), how it
 connects, and the hooks it needs; :class:`~rpcx.transport_kit.sockets.StreamTransport`
@@ -35,6 +37,8 @@ __all__ = ["MessageTransport"]
 
 L = TypeVar("L", bound=Link)
 
+STOP_GRACE_S = 0.5  # how long past close's deadline a stopped receive loop may take to end
+
 
 class MessageTransport(Generic[L]):
     """The parts of a transport that do not depend on how its bytes travel.
@@ -50,7 +54,7 @@ class MessageTransport(Generic[L]):
 
     and overrides the hooks it needs (each documented below): :meth:`make_peers`,
     :meth:`end_connection`, :meth:`loop_ended`, :meth:`link_newcomer`, :meth:`retire`,
-    :meth:`stop_connecting`, :meth:`end_silent`, :meth:`release`,
+    :meth:`stop_connecting`, :meth:`stop_receiving`, :meth:`release`,
     :meth:`release_link`, :meth:`released`.
     """
 
@@ -142,10 +146,11 @@ class MessageTransport(Generic[L]):
     def stop_connecting(self) -> None:
         """``close`` began (goodbyes follow): connect nothing more."""
 
-    def end_silent(self, silent: list[L], deadline: float) -> list[L]:
-        """No goodbye came from ``silent`` by the deadline: end their receive loops if
-        the transport can; those still running (their connections stay open)."""
-        return silent
+    def stop_receiving(self, link: L) -> bool:
+        """End ``link``'s receive loop now, wherever it waits (its ``read_one`` raises
+        :class:`~rpcx.transport_kit.links.StopReceiving`); ``False`` if the transport
+        cannot (the default). ``close`` asks it for the peers that sent no goodbye."""
+        return False
 
     def release(self, stuck: list[L], deadline: float) -> None:
         """The last step of ``close``: every link released (:meth:`release_link`), then
@@ -269,5 +274,6 @@ class MessageTransport(Generic[L]):
             if link.backlog is not None:
                 link.backlog.stop()  # (it ends once what is queued is written)
         silent = peers.close(timeout, then=self.when_stuck)
-        stuck = self.end_silent(silent, deadline) if silent else []
-        self.release(stuck, deadline)
+        for link in [link for link in silent if self.stop_receiving(link)]:
+            link.ended.wait(max(0.0, deadline + STOP_GRACE_S - time.monotonic()))
+        self.release([link for link in silent if not link.ended.is_set()], deadline)

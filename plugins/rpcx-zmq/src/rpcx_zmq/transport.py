@@ -16,42 +16,16 @@ transfer move: ``TransportContext.progress``); its length in the head is then
 
 Sockets, per peer: a PULL socket (``rx``) bound for that peer alone, read by one receive
 loop; a PUSH socket (``tx``) connected to the peer's PULL for this worker, written under
-the peer's send lock, so frames leave in the order their ``send`` calls took the lock;
-and a control PUSH (``ctl``) into ``rx``. Same-host peers connect over ``ipc://`` (a
-private temp directory), others over TCP.
+the peer's send lock; and a control PUSH (``ctl``) into ``rx``. Same-host peers connect
+over ``ipc://`` (a private temp directory), others over TCP. Every ``tx`` has a socket
+monitor (ZeroMQ reconnects silently): a disconnect ends the link (``Link.end``) and
+posts ``LOST`` to its receive loop, which delivers what came before, then reports it.
 
-What is not ZeroMQ's is rpcx's transport kit (:class:`rpcx.transport_kit.MessageTransport`):
-links, receive loops on lanes, goodbyes, lost-peer reports, joining a dynamic world, the
-bounded close, and "write now or queue": a send never waits for room in ``tx``'s queue
-(``_HWM`` messages); what finds it full goes to the peer's writer thread, waited for
-until the frame's deadline at most. This module writes reading one message, writing
-one, and connecting.
-
-Tensors: a buffer of ``ZERO_COPY_SEND`` bytes or more is sent from the tensor's memory
-(``copy=False``) and ``send`` waits for ZeroMQ's message tracker, which fires once
-libzmq has written the bytes to the kernel: the caller may change the tensor after that.
-Buffers the codec made for this frame alone (``Frame.owned``) are not waited for; the
-message keeps them alive. Smaller buffers are copied (into the head up to
-``INLINE_MAX``). On receive, a part of
-``ZERO_COPY_RECEIVE`` bytes or more becomes a tensor over ZeroMQ's own message memory
-(``torch.frombuffer`` keeps the message alive) when that memory is aligned for the
-buffer's dtype. libzmq puts a large message's bytes 40 bytes into a ``malloc`` block, so
-8-byte aligned: enough for every dtype but ``complex128``, whose buffers are copied.
-
-Size limit (``max_frame_bytes``): a frame (header plus every buffer) over it is refused by
-its total before a byte of it is copied, and the peer reported lost with a protocol
-error, as gloo and shm do. ZeroMQ's ``MAXMSGSIZE`` on each ``rx`` also bounds every part
-to the limit before ZeroMQ allocates it; a part over it makes ZeroMQ drop the connection
-unread without saying why, so that case is reported as a closed connection.
-
-Lost peers: ZeroMQ reconnects silently, so every ``tx`` has a socket monitor, read by one
-monitor thread per worker. A peer process that dies closes its connections, and the
-monitor sees ``EVENT_DISCONNECTED`` on our connection to it at once; ZeroMQ heartbeats
-(``ZMQ_HEARTBEAT_IVL``/``TIMEOUT``) turn a host that vanished without closing anything
-into the same event. The monitor marks the peer gone (sends to it fail at once) and posts
-``LOST`` to its receive loop, which first delivers what had already arrived, then
-reports the peer (``peer_lost(rank, cause, detail)``). A peer that leaves says ``BYE``
-first, so its disconnect is expected.
+The rest is rpcx's transport kit (:class:`rpcx.transport_kit.MessageTransport`): receive
+loops on lanes, goodbyes, lost-peer reports, a dynamic world's doorway, the bounded
+close, and "write now or queue" (a send never waits for room in ``tx``'s queue). The
+README says why each choice: zero-copy tensors and their alignment, the size limit and
+``MAXMSGSIZE``, heartbeats, back-pressure.
 """
 
 from __future__ import annotations
@@ -118,7 +92,7 @@ _HWM = 4096  # messages queued per peer and direction before send waits (back-pr
 _SEND_POLL_S = 0.1  # a send waiting for its tracker rechecks the peer this often
 _WRITER_POLL_S = 0.02  # a writer waiting for room in a peer's queue retries this often
 _DRAIN_WAIT_MS = 50  # after a loss, how long to wait for frames still on their way
-_GRACE_S = 0.5  # close: what receive loops told to STOP get past the deadline
+_GRACE_S = 0.5  # close: how long past the deadline the monitor thread may take to end
 _IPC_PATH_MAX = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 
 # Buffers up to this size travel inside the head part: one ZeroMQ part (one send, one
@@ -610,30 +584,35 @@ class ZmqTransport(MessageTransport[_Peer]):
         posted (``LOST``) and what had arrived before it is read, ``StopReceiving`` on
         close()'s ``STOP``, ``zmq.ZMQError`` when the context is gone.
         """
-        ctx, rx = self.ctx, peer.rx
+        rx = peer.rx
         assert rx is not None
         while True:
-            if peer.draining and not rx.poll(_DRAIN_WAIT_MS):
-                raise LinkEnded
-            head = rx.recv()
-            if len(head) < _HEAD.size:
-                log.warning("%s: dropped a malformed message from %s",
-                            ctx.names[ctx.rank], peer.name)
-                continue
-            kind, n = _HEAD.unpack_from(head)
+            kind, n, head = self._next_message(peer, rx)
             if kind == _DATA:
                 return self._unpack(rx, head, n, self.max_frame,
                                     functools.partial(self._receive_pieces, peer, rx)
                                     if n else None)
             if kind == _BYE:
                 return None
+            log.warning("%s: dropped a message of %d bytes (kind %d) from %s",
+                        self.ctx.names[self.ctx.rank], len(head), kind, peer.name)
+
+    @staticmethod
+    def _next_message(peer: _Peer, rx: zmq.Socket[bytes]) -> tuple[int, int, bytes]:
+        """The peer's next message, ``(kind, n, head)`` (kind 0: one too short for a
+        head), past this worker's own: ``LOST`` (what came before it is read, then
+        ``LinkEnded``) and ``STOP`` (``StopReceiving``)."""
+        while True:
+            if peer.draining and not rx.poll(_DRAIN_WAIT_MS):
+                raise LinkEnded  # (nothing more is coming)
+            head = rx.recv()
+            kind, n = _HEAD.unpack_from(head) if len(head) >= _HEAD.size else (0, 0)
             if kind == _LOST:
                 peer.draining = True
             elif kind == _STOP:
                 raise StopReceiving
             else:
-                log.warning("%s: dropped a message of unknown kind %d from %s",
-                            ctx.names[ctx.rank], kind, peer.name)
+                return kind, n, head
 
     @staticmethod
     def _unpack(rx: zmq.Socket[bytes], head: bytes, n: int, max_frame: int,
@@ -712,19 +691,9 @@ class ZmqTransport(MessageTransport[_Peer]):
         except RuntimeError as exc:
             raise ProtocolError(f"a buffer of {nbytes} bytes: {exc}") from None
         for view in pieces(buffer):
-            while True:
-                if peer.draining and not rx.poll(_DRAIN_WAIT_MS):
-                    raise LinkEnded  # (the rest of the frame is not coming)
-                head = rx.recv()
-                kind = _HEAD.unpack_from(head)[0] if len(head) == _HEAD.size else 0
-                if kind == _PIECE:
-                    break
-                if kind == _LOST:
-                    peer.draining = True
-                elif kind == _STOP:
-                    raise StopReceiving
-                else:
-                    raise ProtocolError(f"a message of {len(head)} bytes where a piece was due")
+            kind, _, head = self._next_message(peer, rx)
+            if kind != _PIECE or len(head) != _HEAD.size:
+                raise ProtocolError(f"a message of {len(head)} bytes where a piece was due")
             piece = rx.recv(copy=False) if rx.getsockopt(zmq.RCVMORE) else None
             if piece is None or len(piece) != view.numel() or rx.getsockopt(zmq.RCVMORE):
                 raise ProtocolError(f"a piece of {len(piece) if piece else 0} bytes where "
@@ -823,16 +792,12 @@ class ZmqTransport(MessageTransport[_Peer]):
         has no goodbye to wait for, and ends now."""
         for peer in self.peers:
             if not peer.connected.is_set():
-                self._post_control(peer, _STOP_MESSAGE)
+                self.stop_receiving(peer)
 
-    def end_silent(self, silent: list[_Peer], deadline: float) -> list[_Peer]:
-        """Receive loops waiting for peers that said no goodbye end on ``STOP``, within a
-        short grace past the deadline."""
-        for peer in silent:
-            self._post_control(peer, _STOP_MESSAGE)
-        for peer in silent:
-            peer.ended.wait(max(0.0, deadline + _GRACE_S - time.monotonic()))
-        return [peer for peer in silent if not peer.ended.is_set()]
+    def stop_receiving(self, peer: _Peer) -> bool:
+        """``STOP`` into the peer's socket: its loop ends, wherever it waits."""
+        self._post_control(peer, _STOP_MESSAGE)
+        return True
 
     def release(self, stuck: list[_Peer], deadline: float) -> None:
         """Release every socket and end the ZeroMQ context, unless a receive loop or the
