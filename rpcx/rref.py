@@ -29,7 +29,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from rpcx._core import context as _context
-from rpcx._core.service_host import ServiceHost, describe_callable
+from rpcx._core.service_host import CallLabel, ServiceHost, describe_callable
 from rpcx._services.rref_fork import ForkId, ForkState, RRefId
 from rpcx._services.rref_requests import SERVICE, install, invoke_on_owner, service
 from rpcx._util.pool import blocking
@@ -208,9 +208,7 @@ class RRef(Generic[T]):
             MessageKind.RREF_FETCH,
             self._id,
             timeout=self._agent.timeout_for(timeout),
-            api="to_here",
-            target=self,
-            describe_target=repr,
+            label=CallLabel("to_here", self, repr),
         )
 
     def _value_future(self) -> torch.futures.Future[Any]:
@@ -287,8 +285,7 @@ class RRef(Generic[T]):
         future = self._agent.request(
             self._owner, MessageKind.CALL,
             (_backward_on_owner, (self, dist_autograd_ctx_id, retain_graph), {}),
-            timeout=self._agent.timeout_for(None), api="RRef.backward",
-            target=self, describe_target=repr,
+            timeout=self._agent.timeout_for(None), label=CallLabel("RRef.backward", self, repr),
         )
         wait(future)
 
@@ -388,8 +385,7 @@ class _ProxyMethod:
                                  timeout, target=rref, describe_target=describe)
         future = agent.request(
             rref._owner, MessageKind.RREF_CALL, call_args,
-            timeout=agent.timeout_for(timeout), api=api, target=rref,
-            describe_target=describe,
+            timeout=agent.timeout_for(timeout), label=CallLabel(api, rref, describe),
         )
         return future.wait() if api == "rpc_sync" else future
 
@@ -423,9 +419,7 @@ def create_remote(
         MessageKind.REMOTE_CALL,
         (rref_id, fork, func, args, kwargs),
         timeout=agent.timeout_for(timeout),
-        api="remote",
-        target=func if target is None else target,
-        describe_target=describe_target,
+        label=CallLabel("remote", func if target is None else target, describe_target),
     )
     return RRef._make(agent, rref_id, dst, fork, created, confirmed=dst.id == agent.rank)
 

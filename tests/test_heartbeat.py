@@ -90,7 +90,7 @@ TICK = min(INTERVAL, TIMEOUT / 4)
 
 def _stepped(seen: Recorder) -> Heartbeat:
     watch = seen.watch([1])
-    watch._begin(0.0)
+    watch._start_at(0.0)
     return watch
 
 
@@ -139,7 +139,7 @@ def test_a_peer_whose_process_runs_is_not_reported_until_it_stops(
     watch = Heartbeat("test", [1], 3, interval=INTERVAL, timeout=TIMEOUT,
                       ping=seen.pinged.append, on_silent=seen._silent, on_heard=seen._heard,
                       vouch=lambda rank: evidence[0])
-    watch._begin(0.0)
+    watch._start_at(0.0)
     now = 0.0
     with caplog.at_level(logging.INFO, logger="rpcx.heartbeat"):
         while now < 10 * TIMEOUT:
@@ -162,7 +162,7 @@ def test_a_vouch_that_fails_leaves_the_decision_to_the_silence() -> None:
     watch = Heartbeat("test", [1], 3, interval=INTERVAL, timeout=TIMEOUT,
                       ping=seen.pinged.append, on_silent=seen._silent, on_heard=seen._heard,
                       vouch=broken)
-    watch._begin(0.0)
+    watch._start_at(0.0)
     now = 0.0
     while not seen.silent:
         now += TICK
@@ -188,7 +188,7 @@ def test_a_peer_the_kernel_knows_is_asked_about_not_pinged(
     watch = Heartbeat("test", [1, 2], 3, interval=INTERVAL, timeout=TIMEOUT,
                       ping=seen.pinged.append, on_silent=seen._silent, on_heard=seen._heard,
                       vouch=vouch, knows=lambda rank: rank == 1)
-    watch._begin(0.0)
+    watch._start_at(0.0)
     now = 0.0
     with caplog.at_level(logging.INFO, logger="rpcx.heartbeat"):
         while now < 10 * TIMEOUT:
@@ -222,7 +222,7 @@ def test_a_silent_peer_is_looked_at_more_often_until_heard_again() -> None:
     seen = Recorder()
     watch = Heartbeat("test", [1], 3, interval=1.0, timeout=4.0, ping=seen.pinged.append,
                       on_silent=seen._silent, on_heard=seen._heard)
-    watch._begin(0.0)
+    watch._start_at(0.0)
     assert watch._next_wait() == 1.0
     now = 0.0
     while not seen.silent:

@@ -172,8 +172,8 @@ def test_serving_on_a_thread_the_role_left_does_not_mark_the_lane() -> None:
 
         def inner() -> None:
             assert lane._serving is None  # not marked: this thread is not the holder
-            seen.append(lane._look(None))
-            seen.append(lane._look(seen[-1]))
+            seen.append(lane._hand_off_if_stuck(None))
+            seen.append(lane._hand_off_if_stuck(seen[-1]))
 
         lane.serve(inner)
         assert seen == [None, None] and len(started) == 1  # no second follower
@@ -210,7 +210,7 @@ def test_the_watchdog_looks_only_while_a_request_is_served(
     # lane starts serving, and again once nothing is served.
     looked, saw_nothing = threading.Event(), threading.Event()
     looks: list[object | None] = []
-    real_look = ReceiveLane._look
+    real_look = ReceiveLane._hand_off_if_stuck
 
     def counting_look(lane: ReceiveLane, seen: object | None) -> object | None:
         result = real_look(lane, seen)
@@ -220,7 +220,7 @@ def test_the_watchdog_looks_only_while_a_request_is_served(
             saw_nothing.set()
         return result
 
-    monkeypatch.setattr(ReceiveLane, "_look", counting_look)
+    monkeypatch.setattr(ReceiveLane, "_hand_off_if_stuck", counting_look)
     served = threading.Event()
 
     def serves_until_looked_at() -> None:

@@ -118,7 +118,7 @@ def test_a_silent_peer_without_a_connection_is_not_watched() -> None:
     beat = Heartbeat("w0", [1, 2], 3, interval=1.0, timeout=4.0, ping=pinged.append,
                      on_silent=lambda rank, quiet: silent.append(rank),
                      on_heard=lambda rank, quiet: None, connected=connected.__getitem__)
-    beat._begin(0.0)
+    beat._start_at(0.0)
     for tick in range(1, 21):  # 5 s of ticks, nothing heard from anyone
         beat._step(tick * 0.25)
     assert 2 not in pinged and 2 not in silent  # no connection: nothing to hear

@@ -23,6 +23,7 @@ from torch.autograd.profiler_legacy import profile as legacy_profile
 import rpcx
 import rpcx.autograd
 import rpcx.functions
+from rpcx._core.label import CallLabel
 from rpcx._core.profiling import span_name
 from rpcx.registry import DEFAULT_BACKEND
 from rpcx.testing.world import free_port
@@ -144,9 +145,10 @@ def _udf(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_no_profiler_no_span_and_the_names_follow_torch() -> None:
-    assert span_name("rpc_sync", torch.add, str, "a", "b") == "rpc_sync#aten::add(a -> b)"
-    assert span_name("rpc_async", _udf, str, "a", "b") == "rpc_async#_udf(a -> b)"
-    assert span_name("remote", _udf, str, "a", "b") == "rpc_remote#_udf(a -> b)"
+    assert (span_name(CallLabel("rpc_sync", torch.add, str), "a", "b")
+            == "rpc_sync#aten::add(a -> b)")
+    assert span_name(CallLabel("rpc_async", _udf, str), "a", "b") == "rpc_async#_udf(a -> b)"
+    assert span_name(CallLabel("remote", _udf, str), "a", "b") == "rpc_remote#_udf(a -> b)"
 
     def body(rank: int, url: str) -> None:
         rpcx.init_rpc(f"p{rank}", rank=rank, world_size=2, backend="loopback",

@@ -22,6 +22,7 @@ import torch
 
 import rpcx
 import rpcx.tracing
+from rpcx._core.label import CallLabel
 from rpcx.messages import MessageKind
 from rpcx.registry import DEFAULT_BACKEND
 from rpcx.testing.conformance_hosts import INTERFACE_VARIABLES, run_on_hosts, two_hosts
@@ -267,14 +268,14 @@ def test_a_call_is_recorded_from_its_start_only() -> None:
     ring.served(2, 8)
     ring.replied(2, 8, True)
     # Neither clock probes nor one-way messages served (those are instants).
-    ring.sent(1, 5, clock, "clock probe", "w1", str)
+    ring.sent(1, 5, clock, CallLabel("clock probe", "w1", str))
     ring.arrived(2, 6, clock)
     ring.serving(2, 6, clock)
     ring.serving(2, 0, call)
     ring.served(2, 0)
     assert ring.snapshot() == []
     # A whole call on each side.
-    ring.sent(1, 9, call, "rpc_sync", _add, lambda f: f.__name__)
+    ring.sent(1, 9, call, CallLabel("rpc_sync", _add, lambda f: f.__name__))
     ring.completed(1, 9, "ok")
     ring.arrived(2, 10, call)
     ring.serving(2, 10, call)
@@ -288,7 +289,7 @@ def test_a_call_is_recorded_from_its_start_only() -> None:
     ring.arrived(2, 11, call)
     ring.serving(2, 11, call)
     ring.arrived(2, 13, call)
-    ring.sent(1, 12, call, "rpc_async", _add, lambda f: f.__name__)
+    ring.sent(1, 12, call, CallLabel("rpc_async", _add, lambda f: f.__name__))
     ring.close()
     kept = [(e[1], e[4]) for e in ring.snapshot()]
     assert ("send", 12) in kept and ("arrive", 10) in kept
@@ -303,7 +304,7 @@ def test_recording_never_fails_a_call() -> None:
         raise RuntimeError("no name")
 
     ring = TraceRing()
-    ring.sent(1, 1, int(MessageKind.CALL), "rpc_sync", Unnamed(), broken)
+    ring.sent(1, 1, int(MessageKind.CALL), CallLabel("rpc_sync", Unnamed(), broken))
     assert ring.snapshot()[0][5] == "rpc_sync#Unnamed"
 
 

@@ -26,8 +26,8 @@ from typing import Any
 
 from rpcx._core import context as _context
 from rpcx._core.assembly import assemble
+from rpcx._core.label import CallLabel
 from rpcx._core.peer_events import DynamicMembership
-from rpcx._core.pending import describe_callable
 from rpcx._core.service_host import Deferred, Handler, MessageScope, NoteSource
 from rpcx._core.shutdown import TeardownStep, bounded, each_hook, step_bound
 from rpcx._core.trace_policy import NoTrace
@@ -44,7 +44,7 @@ from rpcx.transport import Frame, Transport, TransportContext
 from rpcx.worker import WorkerInfo, is_member
 
 __all__ = ["Deferred", "DynamicMembership", "Handler", "MessageScope", "NoteSource",
-           "RpcAgent", "describe_callable"]
+           "RpcAgent"]
 
 class RpcAgent:
     """The local end of the RPC world for one worker."""
@@ -214,11 +214,10 @@ class RpcAgent:
 
     def request(
         self, dst: WorkerInfo, kind: MessageKind, payload: Any, *, timeout: float | None,
-        api: str, target: Any, describe_target: Callable[[Any], str] = describe_callable,
+        label: CallLabel,
     ) -> RpcFuture[Any]:
         """See :meth:`~rpcx._core.service_host.ServiceHost.request`."""
-        return self._calls.request(dst, kind, payload, timeout=timeout, api=api,
-                                   target=target, describe_target=describe_target)
+        return self._calls.request(dst, kind, payload, timeout=timeout, label=label)
 
     def send_one_way(self, dst: WorkerInfo, kind: MessageKind, payload: Any) -> None:
         """Send a one-way message (no reply, no future); failures are only logged."""

@@ -33,6 +33,7 @@ from rpcx._core.budget import BackPressure
 from rpcx._core.context import receiving
 from rpcx._core.context import receiving_thread as _receiving_thread
 from rpcx._core.executors import Executors
+from rpcx._core.label import CallLabel
 from rpcx._core.lanes import current_lane
 from rpcx._core.pending import PendingCall, PendingCalls
 from rpcx._core.profiled import ProfiledRequests, profiled_reply
@@ -170,20 +171,18 @@ class CallPath:
 
     def request(
         self, dst: WorkerInfo, kind: MessageKind, payload: Any, *, timeout: float | None,
-        api: str, target: Any, describe_target: Callable[[Any], str],
+        label: CallLabel,
     ) -> RpcFuture[Any]:
         """Send a request and return the future of its reply (see ``RpcAgent.request``)."""
         if self._life.closed:
-            raise self._shut_down_error(api, describe_target(target), dst)
+            raise self._shut_down_error(label, dst)
         if not profiler_active():  # (torch's profiler records this thread: rpcx._core.profiling)
-            return self._send_request(dst, kind, payload, timeout, api, target,
-                                      describe_target, None)
-        span = begin_span(api, target, describe_target, self._name, dst.name, dst.id)
+            return self._send_request(dst, kind, payload, timeout, label, None)
+        span = begin_span(label, self._name, dst.name, dst.id)
         if kind in PROFILED_KINDS:
             kind, payload, span.remote = MessageKind.PROFILED, (int(kind), payload), True
         try:
-            future = self._send_request(dst, kind, payload, timeout, api, target,
-                                        describe_target, span)
+            future = self._send_request(dst, kind, payload, timeout, label, span)
         except BaseException:
             span.abandon()
             raise
@@ -191,7 +190,7 @@ class CallPath:
 
     def _send_request(
         self, dst: WorkerInfo, kind: MessageKind, payload: Any, timeout: float | None,
-        api: str, target: Any, describe_target: Callable[[Any], str], span: CallSpan | None,
+        label: CallLabel, span: CallSpan | None,
     ) -> RpcFuture[Any]:
         rid = next(self._ids)
         ctx = self._request_context(dst.id)
@@ -201,12 +200,12 @@ class CallPath:
             frame = self._encode(kind, rid, payload, ctx)
         except SerializationError as exc:
             raise SerializationError(
-                f"{api}({describe_target(target)}) to worker {dst.name!r}: "
+                f"{label.call} to worker {dst.name!r}: "
                 f"could not pickle the call: {exc}"
             ) from exc.__cause__
         future: RpcFuture[Any] = RpcFuture()
         started = time.monotonic()
-        pending = PendingCall(future, dst, api, target, started, timeout, describe_target)
+        pending = PendingCall(future, dst, label, started, timeout)
         if span is not None and span.remote:
             pending.span = span
         if kind not in CONTROL_KINDS and not _receiving_thread.delivering:  # (it must never wait)
@@ -216,14 +215,14 @@ class CallPath:
                 return future
         # (recorded before the call can complete: a timer or a lost peer may settle it
         # as soon as it is registered)
-        self.trace.sent(dst.id, rid, kind, api, target, describe_target)
+        self.trace.sent(dst.id, rid, kind, label)
         refused = self._pending.register(rid, pending)
         if refused is not None:
             self.trace.completed(dst.id, rid, "refused")
             if pending.nbytes:
                 self._back_pressure.give(dst.id, pending.nbytes)
             if refused.closed:
-                raise self._shut_down_error(api, describe_target(target), dst)
+                raise self._shut_down_error(label, dst)
             future.set_exception(self._lost_error(pending, refused.reason))
             return future
         frame.request_id = rid
@@ -266,8 +265,8 @@ class CallPath:
         # (On a lossy transport: a request, so that it is sent again until answered.)
         try:
             timeout = self._host.timeout_for(None)
-            future = self.request(dst, kind, payload, timeout=timeout, api="send_one_way",
-                                  target=kind.name, describe_target=str)
+            future = self.request(dst, kind, payload, timeout=timeout,
+                                  label=CallLabel("send_one_way", kind.name, str))
         except RpcError as exc:
             log.warning("%s: one-way message to %s not sent: %s", self._name, dst.name, exc)
             return
@@ -670,9 +669,9 @@ class CallPath:
         self.fail(self._pending.close(), lambda p: RpcShutdownError(
             f"{p.call} to worker {p.dst.name!r} was cancelled: worker {self._name!r} shut down"))
 
-    def _shut_down_error(self, api: str, target: str, dst: WorkerInfo) -> RpcShutdownError:
+    def _shut_down_error(self, label: CallLabel, dst: WorkerInfo) -> RpcShutdownError:
         return RpcShutdownError(
-            f"{api}({target}) to worker {dst.name!r}: RPC on worker {self._name!r} has shut "
+            f"{label.call} to worker {dst.name!r}: RPC on worker {self._name!r} has shut "
             f"down"
         )
 

@@ -136,7 +136,7 @@ class Heartbeat:
             self._thread.join(_JOIN_TIMEOUT)
 
     def _run(self) -> None:
-        self._begin(time.monotonic())
+        self._start_at(time.monotonic())
         while not self._stop.wait(self._next_wait()):
             self._step(time.monotonic())
 
@@ -145,7 +145,7 @@ class Heartbeat:
         self._waited = min(self._tick, _SILENT_TICK) if self._silent else self._tick
         return self._waited
 
-    def _begin(self, now: float) -> None:
+    def _start_at(self, now: float) -> None:
         """Start the watch at ``now`` (every peer as if just heard from)."""
         self._counts = {rank: self.heard[rank] for rank in self._peers}
         self._heard_at = {rank: now for rank in self._peers}

@@ -171,7 +171,7 @@ class ReceiveLane:
         self._start_thread(self.resume)
         return True
 
-    def _look(self, seen: object | None) -> object | None:
+    def _hand_off_if_stuck(self, seen: object | None) -> object | None:
         """The watchdog's look: hand off if ``seen``, the request being served at the
         last look, is still being served. Returns what to compare with next time."""
         with self._lock:
@@ -244,7 +244,7 @@ class LaneWatch:
                 serving = False
                 for lane in lanes:
                     try:
-                        seen[id(lane)] = lane._look(seen.get(id(lane)))
+                        seen[id(lane)] = lane._hand_off_if_stuck(seen.get(id(lane)))
                         serving = serving or seen[id(lane)] is not None
                     except Exception:  # a follower that cannot start: logged, retried
                         serving = True

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from rpcx._core.label import CallLabel
 from rpcx.futures import RpcFuture
 from rpcx.worker import WorkerInfo
 
-__all__ = ["PendingCall", "PendingCalls", "Refused", "describe_callable"]
+__all__ = ["PendingCall", "PendingCalls", "Refused"]
 
 
 class Refused(NamedTuple):
@@ -33,38 +33,22 @@ class Refused(NamedTuple):
 _CLOSED = Refused(True, "")
 
 
-def describe_callable(func: Any) -> str:
-    """``module.qualname`` of a callable, for messages."""
-    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
-    if qualname is None:
-        return repr(func)
-    module = getattr(func, "__module__", None)
-    if module is None:
-        self_obj = getattr(func, "__self__", None)
-        module = getattr(self_obj, "__module__", None) or getattr(
-            type(self_obj), "__module__", None
-        )
-    return f"{module}.{qualname}" if module else qualname
-
-
 @dataclass(eq=False)
 class PendingCall:
     """One call waiting for its reply: what error messages need to name it."""
 
     future: RpcFuture[Any]
     dst: WorkerInfo
-    api: str
-    target: Any
+    label: CallLabel
     started: float
     timeout: float | None
-    describe_target: Callable[[Any], str] = field(default=describe_callable)
     nbytes: int = 0  # counted against the back-pressure budget to ``dst`` until done
     span: Any = None  # rpcx._core.profiling.CallSpan of a request sent wrapped as PROFILED
 
     @property
     def call(self) -> str:
         """``api(target)``, as messages name the call: ``rpc_sync(mod.f)``."""
-        return f"{self.api}({self.describe_target(self.target)})"
+        return self.label.call
 
     @property
     def elapsed(self) -> float:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from rpcx._core.label import CallLabel
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
 
@@ -69,9 +70,9 @@ profiler_active: Callable[[], bool] = torch._C._autograd._profiler_enabled
 """Whether a profiler records on this thread (a C call: cheap enough for every request)."""
 
 
-def span_name(api: str, target: Any, describe: Callable[[Any], str], caller: str,
-              callee: str) -> str:
+def span_name(label: CallLabel, caller: str, callee: str) -> str:
     """The span's name as torch builds it: ``rpc_sync#add(worker0 -> worker1)``."""
+    api, target = label.api, label.target
     mode = _EXEC_MODES.get(api, api)
     name = None
     if callable(target):
@@ -81,7 +82,7 @@ def span_name(api: str, target: Any, describe: Callable[[Any], str], caller: str
             name = getattr(target, "__qualname__", None)
     if name is None:
         # (an RRef's fetch or proxy call: named by its type, not its repr with ids)
-        name = describe(target).replace(repr(target), type(target).__name__)
+        name = label.describe(target).replace(repr(target), type(target).__name__)
     return f"{mode}#{name}({caller} -> {callee})"
 
 
@@ -148,10 +149,9 @@ def hop_span(caller: str, callee: str) -> Any:
         f"dist_autograd.backward#hop({caller} -> {callee})")
 
 
-def begin_span(api: str, target: Any, describe: Callable[[Any], str], caller: str,
-               callee: str, callee_rank: int) -> CallSpan:
+def begin_span(label: CallLabel, caller: str, callee: str, callee_rank: int) -> CallSpan:
     """Open the span of a call about to be sent (only when :func:`profiler_active`)."""
-    return CallSpan(span_name(api, target, describe, caller, callee), callee_rank)
+    return CallSpan(span_name(label, caller, callee), callee_rank)
 
 
 def mark_profiler_node(rank: int) -> None:

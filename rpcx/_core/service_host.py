@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rpcx._core.pending import describe_callable
+from rpcx._core.label import CallLabel, describe_callable
 from rpcx._core.trace_policy import NoTrace
 from rpcx._wire.devices import DeviceRoutes
 from rpcx._world.membership_events import MembershipChange
@@ -31,6 +31,7 @@ from rpcx.worker import WorkerInfo
 
 __all__ = [
     "ID_SPAN",
+    "CallLabel",
     "Deferred",
     "Handler",
     "MessageScope",
@@ -175,11 +176,12 @@ class ServiceHost(Protocol):
 
     def request(
         self, dst: WorkerInfo, kind: MessageKind, payload: Any, *, timeout: float | None,
-        api: str, target: Any, describe_target: Callable[[Any], str] = ...,
+        label: CallLabel,
     ) -> RpcFuture[Any]:
         """Send a request and return the future of its reply.
 
-        ``api`` and ``target`` only name the call in error messages ("rpc_sync(mod.f)").
+        ``label`` only names the call in error messages, traces and profiles
+        ("rpc_sync(mod.f)").
         Raises synchronously if the payload cannot be pickled or the agent is shut down;
         every later failure (timeout, remote error, lost peer) goes to the future.
         """

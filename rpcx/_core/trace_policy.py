@@ -8,8 +8,7 @@ way round (docs/design/tracing.md lists the events).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from rpcx._core.label import CallLabel
 
 __all__ = ["NoTrace"]
 
@@ -19,8 +18,7 @@ class NoTrace:
 
     on = False
 
-    def sent(self, peer: int, rid: int, kind: int, api: str, target: Any,
-             describe: Callable[[Any], str]) -> None:
+    def sent(self, peer: int, rid: int, kind: int, label: CallLabel) -> None:
         """Request ``rid`` (of ``kind``) to ``peer`` is about to go to the transport."""
 
     def arrived(self, peer: int, rid: int, kind: int) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rpcx._core import context as _context
-from rpcx._core.service_host import Deferred, ServiceHost, describe_callable
+from rpcx._core.service_host import CallLabel, Deferred, ServiceHost, describe_callable
 from rpcx.functions import is_async_execution
 from rpcx.futures import RpcFuture
 from rpcx.messages import MessageKind
@@ -47,7 +47,8 @@ def call(
     dst = agent.resolve(to)
     payload = (func, tuple(args or ()), dict(kwargs or {}))
     return agent.request(
-        dst, MessageKind.CALL, payload, timeout=agent.timeout_for(timeout), api=api, target=func
+        dst, MessageKind.CALL, payload, timeout=agent.timeout_for(timeout),
+        label=CallLabel(api, func),
     )
 
 

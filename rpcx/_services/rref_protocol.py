@@ -54,7 +54,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rpcx._core.service_host import ServiceHost, first_id
+from rpcx._core.service_host import CallLabel, ServiceHost, first_id
 from rpcx._services.rref_fork import ForkId, ForkState, RRefId
 from rpcx._util.timer import within
 from rpcx.errors import PeerLostError, RpcError, RpcShutdownError
@@ -379,8 +379,7 @@ class RRefService:
         try:
             future = self.agent.request(
                 rref._owner, MessageKind.RREF_FORKS, [(rref_id, fork, holder)],
-                timeout=self.agent.timeout_for(None), api="announce", target=rref,
-                describe_target=repr,
+                timeout=self.agent.timeout_for(None), label=CallLabel("announce", rref, repr),
             )
         except BaseException:
             self._announced(rref_id)
@@ -389,7 +388,7 @@ class RRefService:
             self._inflight_forks += 1
             self._sent += 1
             self._inflight.add(future)
-        add_internal_callback(future, lambda f: self._done(f, announced=rref_id))
+        add_internal_callback(future, lambda f: self._bookkeeping_answered(f, announced=rref_id))
 
     def _announced(self, rref_id: RRefId) -> None:
         """An announcement of ``rref_id`` ended: release deletions held for it."""
@@ -489,17 +488,19 @@ class RRefService:
         try:
             future = self.agent.request(
                 dst, MessageKind.RREF_DELETE, forks,
-                timeout=self.agent.timeout_for(None), api="release",
-                target=f"{len(forks)} RRef references", describe_target=str,
+                timeout=self.agent.timeout_for(None),
+                label=CallLabel("release", f"{len(forks)} RRef references", str),
             )
         except RpcShutdownError:
             return  # the world is going away; the owner releases everything
         with self._lock:
             self._sent += 1
             self._inflight.add(future)
-        add_internal_callback(future, self._done)
+        add_internal_callback(future, self._bookkeeping_answered)
 
-    def _done(self, future: torch.futures.Future[Any], announced: RRefId | None = None) -> None:
+    def _bookkeeping_answered(self, future: torch.futures.Future[Any],
+                              announced: RRefId | None = None) -> None:
+        """A bookkeeping request was answered (or failed): off the in-flight count."""
         with self._lock:
             self._inflight.discard(future)
             if announced is not None:

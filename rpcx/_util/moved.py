@@ -2,8 +2,9 @@
 release with a :class:`DeprecationWarning`.
 
 ``import rpcx.serialization`` (or ``from rpcx import agent``) still gives the module,
-now at its new path, and says where it went. Every path here is private: what users and
-plugin authors need is public in :mod:`rpcx`, :mod:`rpcx.transport`,
+now at its new path, and says where it went. Every path here but one is private (the
+kit's ``basics``, split in three, is the kit itself now): what users and plugin authors
+need is public in :mod:`rpcx`, :mod:`rpcx.transport`,
 :mod:`rpcx.transport_kit`, :mod:`rpcx.options`, :mod:`rpcx.errors` and
 :mod:`rpcx.testing`. The table, and these paths, go in the next release.
 """
@@ -40,6 +41,8 @@ MOVED = {
         "calls": "_services.calls", "rref_protocol": "_services.rref_protocol",
         "rref_fork": "_services.rref_fork",
         "trace_session": "tracing.session", "_trace_ring": "tracing.ring",
+        # (split by what each part is for; all of it is re-exported by the kit)
+        "transport_kit.basics": "transport_kit",
     }.items()
 }
 """Old dotted path -> where the module lives now."""
@@ -57,9 +60,11 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         """The module at its new path (imported if it was not), after the warning."""
         new = MOVED[spec.name]
-        warnings.warn(f"{spec.name} moved to {new} (private); import what you use from "
-                      "rpcx's public modules instead. The old path goes in the next "
-                      "release.", DeprecationWarning,
+        private = any(part.startswith("_") for part in new.split("."))
+        advice = ("import what you use from rpcx's public modules instead" if private
+                  else f"import it from {new}")
+        warnings.warn(f"{spec.name} moved to {new}{' (private)' if private else ''}; "
+                      f"{advice}. The old path goes in the next release.", DeprecationWarning,
                       stacklevel=2)  # (warnings itself skips importlib's frames)
         return importlib.import_module(new)
 

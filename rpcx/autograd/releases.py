@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from rpcx._core.service_host import ServiceHost
+from rpcx._core.service_host import CallLabel, ServiceHost
 from rpcx.errors import RpcError
 from rpcx.futures import RpcFuture, add_internal_callback
 from rpcx.messages import MessageKind
@@ -216,8 +216,8 @@ class ReleaseNotes:
         try:
             future = agent.request(
                 agent.workers[dst], MessageKind.AUTOGRAD_RELEASE, ids,
-                timeout=agent.timeout_for(None), api="dist_autograd.release",
-                target=ids, describe_target=self._describe,
+                timeout=agent.timeout_for(None),
+                label=CallLabel("dist_autograd.release", ids, self._describe),
             )
         except RpcError as exc:
             log.debug("%s: release of %s not sent to %s: %s", agent.name,

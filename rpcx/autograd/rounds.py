@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rpcx._core.service_host import ServiceHost
+from rpcx._core.service_host import CallLabel, ServiceHost
 from rpcx._util.pool import holding
 from rpcx._wire.codec import Placed
 from rpcx.autograd.context import AutogradContext
@@ -201,8 +201,8 @@ class Rounds:
         return self.agent.request(
             self.agent.workers[rank], MessageKind.AUTOGRAD_RUN,
             (context.id, backward, chain, flush),
-            timeout=self.agent.timeout_for(None), api="dist_autograd.backward",
-            target=context.id, describe_target=_describe_context,
+            timeout=self.agent.timeout_for(None),
+            label=CallLabel("dist_autograd.backward", context.id, _describe_context),
         )
 
     def _advance(
@@ -295,8 +295,8 @@ class Rounds:
         return self.agent.request(
             self.agent.workers[peer], MessageKind.AUTOGRAD_BACKWARD,
             (context.id, share.backward, items),
-            timeout=self.agent.timeout_for(None), api="dist_autograd.backward",
-            target=context.id, describe_target=_describe_context,
+            timeout=self.agent.timeout_for(None),
+            label=CallLabel("dist_autograd.backward", context.id, _describe_context),
         )
 
     def _forward(self, context: AutogradContext, share: Share, peer: int, items: list[Any],

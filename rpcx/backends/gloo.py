@@ -203,12 +203,12 @@ class _GlooPeers(Peers[_Link]):
         if isinstance(exc, ProtocolError) or not isinstance(exc, Exception):
             super().broken(link, exc)
         elif isinstance(exc, RuntimeError):  # gloo's own: the connection broke
-            reason = _clean(exc)
+            reason = _gloo_message(exc)
             if "closed by peer" in reason.lower() or "connection reset" in reason.lower():
                 reason = CLOSED_CONNECTION
             self.lost(link, LostCause.CONNECTION_LOST, reason)
         else:  # this peer cannot go on
-            super().broken(link, ProtocolError(_clean(exc)))
+            super().broken(link, ProtocolError(_gloo_message(exc)))
 
 
 class GlooTransport(MessageTransport[_Link]):
@@ -591,7 +591,7 @@ def _unpack_inline(slot: bytearray, slot_tensor: torch.Tensor, n: int, body_len:
     return Frame(header, buffers)
 
 
-def _clean(exc: BaseException) -> str:
+def _gloo_message(exc: BaseException) -> str:
     """gloo's message without the C++ source location it starts with."""
     return without_cpp_locations(str(exc))
 

@@ -13,8 +13,8 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
+from rpcx._core.label import CallLabel
 from rpcx._core.trace_policy import NoTrace
 from rpcx.messages import MessageKind
 
@@ -78,16 +78,15 @@ class TraceRing(NoTrace):
         self.events.append((_now(), kind, tid, peer, rid, label))
         self._recorded += 1  # (racing threads may lose a count: only ``dropped`` reads it)
 
-    def sent(self, peer: int, rid: int, kind: int, api: str, target: Any,
-             describe: Callable[[Any], str]) -> None:
+    def sent(self, peer: int, rid: int, kind: int, label: CallLabel) -> None:
         if kind == _CLOCK:  # (rpcx.tracing's own clock probes)
             return
         try:
-            label = f"{api}#{describe(target)}"
+            name = f"{label.api}#{label.describe(label.target)}"
         except Exception:  # (recording must never fail a call)
-            label = f"{api}#{type(target).__name__}"
+            name = f"{label.api}#{type(label.target).__name__}"
         self._calling.add((peer, rid))
-        self._add("send", peer, rid, label)
+        self._add("send", peer, rid, name)
 
     def arrived(self, peer: int, rid: int, kind: int) -> None:
         if kind != _CLOCK:

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from rpcx._core import context as _context
-from rpcx._core.service_host import ServiceHost
+from rpcx._core.service_host import CallLabel, ServiceHost
 from rpcx.messages import MessageKind
 from rpcx.tracing.ring import DEFAULT_CAPACITY, NoTrace, TraceRing
 
@@ -138,8 +138,8 @@ class TraceSession:
                     # and never recorded in a trace)
                     remote = agent.request(
                         self.reference, MessageKind.CLOCK, None,
-                        timeout=CLOCK_PROBE_TIMEOUT_S, api="clock probe",
-                        target=self.reference.name).wait()
+                        timeout=CLOCK_PROBE_TIMEOUT_S,
+                        label=CallLabel("clock probe", self.reference.name)).wait()
                     back = time.monotonic_ns()
                     middle = (sent + back) // 2
                     if best is None or back - sent < best[0]:

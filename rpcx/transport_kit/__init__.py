@@ -28,12 +28,16 @@ here, public and stable for plugin authors (a plugin needs nothing private from 
 (:mod:`~rpcx.transport_kit.socket_link`)
     One peer over a stream socket: its buffered reader, writes that never wait, and a
     large frame written in pieces that small frames (``Frame.may_pass``) may pass.
-Sentences, checks, views, options (:mod:`~rpcx.transport_kit.basics`)
-    ``SHUT_DOWN``, ``CLOSED_CONNECTION``, :func:`unreachable`, :func:`classify`,
+Sentences (:mod:`~rpcx.transport_kit.sentences`)
+    ``SHUT_DOWN``, ``CLOSED_CONNECTION``, :func:`unreachable`, :func:`describe`,
+    :func:`lost_error`, :func:`classify`: what a transport says of a lost peer.
+A frame's bytes (:mod:`~rpcx.transport_kit.buffers`)
     :func:`check_frame_size`, :func:`check_count`, :func:`as_bytes`, :func:`memory_of`,
-    :func:`empty_bytes`, :func:`copy_of`, :func:`options_as`, :func:`run_bounded`,
-    :func:`connect_timeout`, :func:`environment_variable` (a variable set for a block,
-    for libraries that read the environment), and the host facts of :mod:`rpcx.hosts`.
+    :func:`owning_memory`, :func:`empty_bytes`, :func:`copy_of`, :func:`pieces`.
+Starting (:mod:`~rpcx.transport_kit.starting`)
+    :func:`options_as`, :func:`connect_limit`, :func:`connect_timeout`,
+    :func:`run_bounded`, :func:`environment_variable` (a variable set for a block, for
+    libraries that read the environment); and the host facts of :mod:`rpcx.hosts`.
 The store (:func:`keep_if_file_store`)
     A transport that clones the world's store marks each clone so that a FileStore is
     never destroyed under another worker.
@@ -52,28 +56,16 @@ from rpcx.transport import (
     Transport,
     TransportContext,
 )
-from rpcx.transport_kit.basics import (
-    CLOSED_CONNECTION,
+from rpcx.transport_kit.buffers import (
     PIECE_BYTES,
-    SHUT_DOWN,
     as_bytes,
     check_count,
     check_frame_size,
-    classify,
-    connect_limit,
-    connect_timeout,
     copy_of,
-    describe,
     empty_bytes,
-    environment_variable,
-    lost_error,
     memory_of,
-    options_as,
     owning_memory,
     pieces,
-    run_bounded,
-    unreachable,
-    without_cpp_locations,
 )
 from rpcx.transport_kit.links import (
     BYE_TIMEOUT,
@@ -98,8 +90,24 @@ from rpcx.transport_kit.mesh import (
     receive_exactly,
 )
 from rpcx.transport_kit.message import MessageTransport
+from rpcx.transport_kit.sentences import (
+    CLOSED_CONNECTION,
+    SHUT_DOWN,
+    classify,
+    describe,
+    lost_error,
+    unreachable,
+    without_cpp_locations,
+)
 from rpcx.transport_kit.socket_link import SocketLink, SocketReader, send_all, send_now
 from rpcx.transport_kit.sockets import StreamTransport
+from rpcx.transport_kit.starting import (
+    connect_limit,
+    connect_timeout,
+    environment_variable,
+    options_as,
+    run_bounded,
+)
 from rpcx.transport_kit.writer import Backlog, Pending
 
 __all__ = [

@@ -12,7 +12,7 @@ links to every peer and runs, for the transport, the parts every transport share
   last frame to each peer; one that receives a goodbye it did not expect answers with
   its own, so the peer's receive loop ends too, and reports the peer ``DEPARTED``.
 * **loss**: a receive loop that ends on an error reports the peer once, with the cause
-  and detail :func:`~rpcx.transport_kit.basics.classify` reads from the error, and ends
+  and detail :func:`~rpcx.transport_kit.sentences.classify` reads from the error, and ends
   the connection on a protocol error (the transport's ``end``) so the peer sees it.
 * **close**: goodbye to every peer, a bounded wait for theirs, and the warning
   ``"<me>: no goodbye from <peers> within <t> s; closing anyway"``.
@@ -30,7 +30,7 @@ from typing import Generic, TypeVar
 
 from rpcx.errors import LostCause, PeerLostError, ProtocolError, lost_reason
 from rpcx.transport import Frame, ReceiveLane, TransportContext
-from rpcx.transport_kit.basics import SHUT_DOWN, classify, unreachable
+from rpcx.transport_kit.sentences import SHUT_DOWN, classify, unreachable
 from rpcx.transport_kit.writer import Backlog
 
 __all__ = ["BYE_TIMEOUT", "Arrivals", "Link", "LinkEnded", "Peers", "StopReceiving"]
@@ -356,7 +356,7 @@ class Peers(Generic[L]):
     def broken(self, link: L, exc: BaseException) -> None:
         """The receive loop ended with ``exc``: :class:`StopReceiving` reports nothing,
         :class:`LinkEnded` the loss the link recorded; otherwise the peer is reported
-        with the cause and detail :func:`~rpcx.transport_kit.basics.classify` reads. A
+        with the cause and detail :func:`~rpcx.transport_kit.sentences.classify` reads. A
         protocol error also ends the connection, so the peer sees it end."""
         if isinstance(exc, StopReceiving):
             return

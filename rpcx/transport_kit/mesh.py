@@ -22,7 +22,7 @@ from typing import Any
 from rpcx._wire import auth as _auth
 from rpcx.errors import AuthenticationError, RpcError, RpcTimeoutError
 from rpcx.transport import TransportContext
-from rpcx.transport_kit.basics import connect_limit
+from rpcx.transport_kit.starting import connect_limit
 
 __all__ = [
     "ADMITTED", "HANDSHAKE_TIMEOUT", "Doorway", "admit", "connect_stream_mesh", "dial_pair",

@@ -26,8 +26,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rpcx.transport_kit.basics import lost_error
 from rpcx.transport_kit.links import Link
+from rpcx.transport_kit.sentences import lost_error
 from rpcx.transport_kit.writer import Backlog, Pending
 
 __all__ = ["MAX_FDS", "MOVED_EVERY", "READ_CHUNK", "Buffer", "SocketLink", "SocketReader",

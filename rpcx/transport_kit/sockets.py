@@ -20,11 +20,12 @@ from typing import ClassVar, TypeVar, cast
 
 from rpcx.errors import AuthenticationError, LostCause, PeerLostError
 from rpcx.transport import Frame, TransportContext
-from rpcx.transport_kit.basics import connect_limit, describe, unreachable
 from rpcx.transport_kit.connector import Connector
 from rpcx.transport_kit.mesh import ADMITTED, GONE, HANDSHAKE_TIMEOUT, THEIRS_WINS
 from rpcx.transport_kit.message import MessageTransport
+from rpcx.transport_kit.sentences import describe, unreachable
 from rpcx.transport_kit.socket_link import Buffer, SocketLink, send_all
+from rpcx.transport_kit.starting import connect_limit
 
 __all__ = ["StreamTransport"]
 
@@ -51,7 +52,7 @@ class StreamTransport(MessageTransport[S]):
       :func:`connect_stream_mesh`);
     * ``read_one(link)``: the peer's next frame from ``link.reader`` (``fill``, ``take``),
       ``None`` for the goodbye; raise ``ProtocolError`` for what is no frame (check
-      announced sizes with :func:`~rpcx.transport_kit.basics.check_frame_size` against
+      announced sizes with :func:`~rpcx.transport_kit.buffers.check_frame_size` against
       ``self.max_frame`` before reading them);
     * ``pack(frame)``: the bytes that carry one frame (views of the tensors are fine:
       what is not written at once is copied).

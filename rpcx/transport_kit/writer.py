@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rpcx.transport_kit.basics import lost_error
+from rpcx.transport_kit.sentences import lost_error
 
 __all__ = ["Backlog", "Pending"]
 
