@@ -254,6 +254,7 @@ class GlooTransport(MessageTransport[_Link]):
         super().begin(ctx, links)
 
     def make_peers(self, links: dict[int, _Link]) -> _GlooPeers:
+        """The kit's peers, reading gloo's errors (:class:`_GlooPeers`)."""
         return _GlooPeers(self.ctx, links, self.read_one, self.write_bye,
                           ended=self.loop_ended)
 
@@ -495,6 +496,7 @@ class GlooTransport(MessageTransport[_Link]):
         link.group = None
 
     def released(self, timeout: float) -> None:
+        """Let go of the world's process group (every link let go of its own)."""
         self._pg = None
 
 

@@ -107,15 +107,19 @@ class MessageTransport(Generic[L]):
     # ------------------------------------------------------- what a backend writes
 
     def start(self, ctx: TransportContext) -> None:
+        """Connect to every peer, make their links, then :meth:`begin` with them."""
         raise NotImplementedError
 
     def send(self, dst: int, frame: Frame) -> None:
+        """Write ``frame`` to ``dst`` (the contract: :class:`rpcx.transport.Transport`)."""
         raise NotImplementedError
 
     def read_one(self, link: L) -> Frame | None:
+        """The peer's next frame, blocking; ``None`` for its goodbye."""
         raise NotImplementedError
 
     def write_bye(self, link: L) -> None:
+        """Write the goodbye to the peer (under ``link.lock``; never waits)."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------------- hooks

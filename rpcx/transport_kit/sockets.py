@@ -85,12 +85,15 @@ class StreamTransport(MessageTransport[S]):
     # ----------------------------------------------------------- what a backend writes
 
     def connect(self, ctx: TransportContext) -> dict[int, socket.socket]:
+        """One connected, introduced socket per peer rank (see the class)."""
         raise NotImplementedError
 
     def read_one(self, link: S) -> Frame | None:
+        """The peer's next frame from ``link.reader``; ``None`` for its goodbye."""
         raise NotImplementedError
 
     def pack(self, frame: Frame) -> list[Buffer]:
+        """The bytes that carry ``frame`` (views of its tensors are fine)."""
         raise NotImplementedError
 
     # ----------------------------------------------------------- hooks, if it needs

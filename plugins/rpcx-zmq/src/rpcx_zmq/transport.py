@@ -252,6 +252,7 @@ class ZmqTransport(MessageTransport[_Peer]):
         self.open_doorway()
 
     def make_peers(self, links: dict[int, _Peer]) -> _Peers:
+        """The kit's peers, for whom a ZeroMQ error ends a loop (:class:`_Peers`)."""
         return _Peers(self.ctx, links, self.read_one, self.write_bye, ended=self.loop_ended)
 
     def _new_peer(self, rank: int) -> _Peer:
