@@ -20,7 +20,7 @@ class MessageKind(enum.IntEnum):
     CALL = 3  # payload: (func, args, kwargs)
     REMOTE_CALL = 4  # payload: (rref_id, fork_id, func, args, kwargs); the callee owns it
     RREF_FETCH = 5  # payload: rref_id; answered with the owner's value
-    RREF_FORKS = 6  # payload: [(rref_id, fork_id, holder rank)]; new references to register
+    RREF_FORKS = 6  # payload: [(rref_id, fork_id, holder rank, holder name)]; new references
     RREF_DELETE = 7  # payload: [(rref_id, fork_id)]; references that are gone
     RREF_CONFIRM = 8  # one-way, payload: [fork_id]; the owner knows these references
     AUTOGRAD_BACKWARD = 9  # payload: (context_id, [(send tag, index, grad)])

@@ -446,7 +446,7 @@ def _reduce_rref(rref: RRef[Any], ctx: EncodeContext) -> Any:
         # Sent to its owner: the announcement rides in the frame itself and is handled
         # in order as it arrives, before anything sent later (a deletion of ``rref``'s
         # own fork, say), so ``rref`` need only live until the frame is sent.
-        ctx.notes.append((MessageKind.RREF_FORKS, [(rref._id, fork, holder)]))
+        ctx.notes.append((MessageKind.RREF_FORKS, [(rref._id, fork, holder, rref._owner.name)]))
         ctx.keep_alive.append(rref)
     else:
         # Announce the fork before the frame leaves, holding ``rref`` (so its own fork)

@@ -122,7 +122,7 @@ def test_a_deletion_waits_for_the_announcements_of_its_forks() -> None:
         answer.set_result(None)
         assert agent.notified.wait(TIMEOUT)
         assert agent.sent == [
-            ("request", 1, MessageKind.RREF_FORKS, [((1, 1), (0, 7), 2)]),
+            ("request", 1, MessageKind.RREF_FORKS, [((1, 1), (0, 7), 2, "w2")]),
             ("notify", 1, MessageKind.RREF_DELETE, [((1, 1), (0, 1))]),
         ]
     finally:
@@ -179,13 +179,39 @@ def test_a_fork_for_a_worker_found_dead_while_the_call_sending_it_ran_is_not_kep
     try:
         rref_id, own_fork = svc.create_local(torch.ones(1))
         svc.drop_rank(2)
-        svc.add_forks([(rref_id, (0, 99), 2)], sender=0)  # encoding the answer to rank 2
+        svc.add_forks([(rref_id, (0, 99), 2, "w2")], sender=0)  # encoding the answer to rank 2
         assert svc.stats()["references_to_owned"] == 1  # only this worker's own
         svc.remove_forks([(rref_id, own_fork)])
         assert svc.stats()["owned"] == 0
         # A live holder's fork is still kept.
         rref_id, own_fork = svc.create_local(torch.ones(1))
-        svc.add_forks([(rref_id, (0, 100), 1)], sender=0)
+        svc.add_forks([(rref_id, (0, 100), 1, "w1")], sender=0)
+        svc.remove_forks([(rref_id, own_fork)])
+        assert svc.stats()["owned"] == 1
+    finally:
+        svc.close()
+
+
+def test_a_fork_announced_late_for_a_worker_whose_rank_a_newcomer_took_is_not_kept() -> None:
+    # A dynamic world: worker 2 was killed, this owner struck it off, and "n2" took rank
+    # 2. A sender that had not heard of the death yet announces a fork for "w2" (the churn
+    # under CI's load: "1 owned rrefs left"). n2 never got it and would never delete it.
+    agent, svc = _service()
+    try:
+        rref_id, own_fork = svc.create_local(torch.ones(1))
+        svc.drop_rank(2)
+        agent.workers[2] = WorkerInfo("n2", 2)
+        svc.rank_reused(2)
+        svc.add_forks([(rref_id, (1, 5), 2, "w2")], sender=1)  # the dead one's, late
+        assert svc.stats()["references_to_owned"] == 1  # only this worker's own
+        svc.add_forks([(rref_id, (1, 6), 2, "n2")], sender=1)  # the newcomer's is kept
+        assert svc.stats()["references_to_owned"] == 2
+        # A name taken again by the next worker at a rank is no longer refused.
+        svc.drop_rank(2)
+        agent.workers[2] = WorkerInfo("w2", 2)
+        svc.rank_reused(2)
+        svc.add_forks([(rref_id, (1, 7), 2, "w2")], sender=1)
+        assert svc.stats()["references_to_owned"] == 2  # (n2's went with it: dropped)
         svc.remove_forks([(rref_id, own_fork)])
         assert svc.stats()["owned"] == 1
     finally:

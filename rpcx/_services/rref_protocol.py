@@ -22,7 +22,12 @@ have not been acknowledged yet: the owner always hears of the child before the p
 goes. Announcements and deletions for an id the owner already freed are stale copies and
 are ignored, so they cannot bring an entry back.
 Entries announced or fetched before the creating ``remote()`` arrived wait, uncreated,
-for it; they are not freed until created. A dead worker's forks are dropped.
+for it; they are not freed until created. A dead worker's forks are dropped, and so is
+a fork announced later for a worker the owner knows is gone: in a dynamic world a
+sender that has not yet heard that a worker died may announce a fork for it after the
+owner struck it off and a newcomer took its rank, and the newcomer would never delete
+that fork. An announcement names its holder (as the sender sees it) for that; a
+newcomer that reuses the name of the worker it replaces is not told apart.
 
 Deletions come from ``RRef.__del__``, which may run on any thread, inside any lock, at
 any time the garbage collector chooses. So ``__del__`` only appends the deletion to a
@@ -68,6 +73,7 @@ log = logging.getLogger("rpcx.rref")
 
 _FREED_IDS_KEPT = 65536  # recently freed ids remembered, to answer late calls
 _CONFIRMED_EARLY_KEPT = 65536  # confirmations parked for RRefs not decoded yet
+_GONE_HOLDERS_KEPT = 4096  # names of gone workers remembered, to refuse late forks
 _FLUSH_TIMEOUT = 30.0
 _LINGER = 0.01  # seconds a deletion waits for a frame to ride on before going alone
 
@@ -148,6 +154,8 @@ class RRefService:
         self._inflight_forks = 0
         self._sent = 0  # bookkeeping messages sent since the last flush()
         self._lost_ranks: set[int] = set()
+        # Names of workers gone lately (add_forks refuses forks announced for them).
+        self._gone_holders: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._freed_ids: collections.OrderedDict[RRefId, None] = collections.OrderedDict()
         self._closed = False
         self._deleter = threading.Thread(
@@ -204,19 +212,23 @@ class RRefService:
             self._free_if_unused_locked(rref_id, entry, freed)
             return entry.value
 
-    def add_forks(self, forks: list[tuple[RRefId, ForkId, int]], sender: int) -> None:
-        """Register announced forks; tell holders other than the sender they are known."""
+    def add_forks(self, forks: list[tuple[RRefId, ForkId, int, str]], sender: int) -> None:
+        """Register announced forks ``(rref, fork, holder's rank, holder's name)``; tell
+        holders other than the sender they are known."""
         confirm: dict[int, list[ForkId]] = defaultdict(list)
         freed: list[_Entry] = []
         with self._lock:
-            for rref_id, fork, holder in forks:
+            for rref_id, fork, holder, holder_name in forks:
                 if self._is_freed_locked(rref_id):
                     log.debug("%s: stale announcement for freed %s", self.agent.name, rref_id)
                     continue
                 entry = self._entry_locked(rref_id)
-                if holder in self._lost_ranks:
-                    # (a fork for a worker found dead while the call that sends it ran:
-                    # nobody would ever delete it)
+                if holder in self._lost_ranks or holder_name in self._gone_holders:
+                    # (a fork for a worker found dead while the call that sends it ran,
+                    # or for one that left the rank a newcomer holds now: nobody would
+                    # ever delete it)
+                    log.debug("%s: fork of %s for %r (rank %d), no longer in the world, "
+                              "not kept", self.agent.name, rref_id, holder_name, holder)
                     self._free_if_unused_locked(rref_id, entry, freed)
                     continue
                 added = self._add_fork_locked(entry, fork, holder)
@@ -245,8 +257,11 @@ class RRefService:
     def rank_reused(self, rank: int) -> None:
         """A new worker took ``rank`` (a dynamic world): its calls are not a dead
         creator's, and deletions still queued for the one before it are void."""
+        workers = self.agent.workers
         with self._lock:
             self._lost_ranks.discard(rank)
+            if 0 <= rank < len(workers):  # (the newcomer, unless it took an old name)
+                self._gone_holders.pop(workers[rank].name, None)
         with self._notes_lock:
             self._sort_locked()
             self._by_owner.pop(rank, None)
@@ -257,8 +272,13 @@ class RRefService:
         """A worker is gone: drop its forks and the entries it was about to create."""
         orphans: list[_Entry] = []
         freed: list[_Entry] = []
+        workers = self.agent.workers
         with self._lock:
             self._lost_ranks.add(rank)
+            if 0 <= rank < len(workers):  # (the entry still names the worker gone)
+                self._gone_holders[workers[rank].name] = None
+                if len(self._gone_holders) > _GONE_HOLDERS_KEPT:
+                    self._gone_holders.popitem(last=False)
             for rref_id, entry in list(self._entries.items()):
                 for fork in [f for f, holder in entry.forks.items() if holder == rank]:
                     del entry.forks[fork]
@@ -370,15 +390,16 @@ class RRefService:
         stand-in with just those); its confirmation is driven through its ForkState.
         """
         owner = rref._owner.id
+        announced = (rref._id, fork, holder, self.agent.workers[holder].name)
         if owner == self.rank:
-            self.add_forks([(rref._id, fork, holder)], self.rank)
+            self.add_forks([announced], self.rank)
             return
         rref_id = rref._id
         with self._notes_lock:
             self._announcing[rref_id] += 1
         try:
             future = self.agent.request(
-                rref._owner, MessageKind.RREF_FORKS, [(rref_id, fork, holder)],
+                rref._owner, MessageKind.RREF_FORKS, [announced],
                 timeout=self.agent.timeout_for(None), label=CallLabel("announce", rref, repr),
             )
         except BaseException:
