@@ -33,11 +33,19 @@ from rpcx.transport import Frame, ReceiveLane, TransportContext
 from rpcx.transport_kit.sentences import SHUT_DOWN, classify, unreachable
 from rpcx.transport_kit.writer import Backlog
 
-__all__ = ["BYE_TIMEOUT", "Arrivals", "Link", "LinkEnded", "Peers", "StopReceiving"]
+__all__ = ["BYE_TIMEOUT", "Arrivals", "Link", "LinkEnded", "Peers", "StopReceiving",
+           "thread_name"]
 
 log = logging.getLogger("rpcx.transport_kit")
 
 BYE_TIMEOUT = 10.0  # seconds answering a peer's goodbye may wait for the send lock
+
+
+def thread_name(ctx: TransportContext, role: str, peer: str | None = None) -> str:
+    """``"rpcx-<me>-<role>"``, or ``"rpcx-<me>-<role>-<peer>"``: how rpcx names a
+    transport's threads."""
+    name = f"rpcx-{ctx.names[ctx.rank]}-{role}"
+    return name if peer is None else f"{name}-{peer}"
 
 
 class StopReceiving(Exception):
@@ -223,10 +231,6 @@ class Peers(Generic[L]):
     def __len__(self) -> int:
         return len(self.links)
 
-    def thread_name(self, link: Link, role: str) -> str:
-        """``"rpcx-<me>-<role>-<peer>"``: how rpcx names a transport's threads."""
-        return f"rpcx-{self.ctx.names[self.ctx.rank]}-{role}-{link.name}"
-
     # -------------------------------------------------------------------- receive
 
     def start_receiving(self) -> None:
@@ -253,7 +257,7 @@ class Peers(Generic[L]):
 
     def _receive_from(self, link: L) -> None:
         ctx = self.ctx
-        name = self.thread_name(link, "recv")
+        name = thread_name(ctx, "recv", link.name)
         if ctx.receive_lane is not None:
             link.lane = ctx.receive_lane(name, functools.partial(self.receive_loop,
                                                                  link.rank))

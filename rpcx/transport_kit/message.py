@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from rpcx.options import DEFAULT_MAX_FRAME_BYTES
 from rpcx.transport import Capabilities, Frame, TransportContext
-from rpcx.transport_kit.links import Arrivals, Link, Peers
+from rpcx.transport_kit.links import Arrivals, Link, Peers, thread_name
 from rpcx.transport_kit.mesh import HANDSHAKE_TIMEOUT, Doorway, dial_tcp, join_stream_mesh
 
 __all__ = ["MessageTransport"]
@@ -99,10 +99,8 @@ class MessageTransport(Generic[L]):
         return self._started is not None and self._started.closing
 
     def thread_name(self, role: str, peer: str | None = None) -> str:
-        """``"rpcx-<me>-<role>"`` (``"rpcx-<me>-<role>-<peer>"``): how rpcx names threads."""
-        ctx = self.ctx
-        name = f"rpcx-{ctx.names[ctx.rank]}-{role}"
-        return name if peer is None else f"{name}-{peer}"
+        """How rpcx names this worker's threads (:func:`~rpcx.transport_kit.links.thread_name`)."""
+        return thread_name(self.ctx, role, peer)
 
     # ------------------------------------------------------- what a backend writes
 
@@ -174,8 +172,8 @@ class MessageTransport(Generic[L]):
     # ---------------------------------------------------------------------- start
 
     def begin(self, ctx: TransportContext, links: dict[int, L]) -> None:
-        """Hold ``links`` (connected, one per peer) and start receiving from each; in a
-        dynamic world, then open the doorway (:meth:`join_through_doorways` made it)."""
+        """Hold ``links`` (connected, one per peer) and start receiving from each. (In a
+        dynamic world, :meth:`open_doorway` follows, once the transport is ready.)"""
         self._ctx = ctx
         self.max_frame = int(getattr(ctx.options, "max_frame_bytes", self.max_frame))
         self._started = self.make_peers(links)
@@ -230,11 +228,15 @@ class MessageTransport(Generic[L]):
     def link(self, dst: int) -> L:
         """The link to ``dst``; one being made right now (a worker joining) is waited
         for, at most ``admission_bound``. ``PeerLostError`` for a rank with none."""
-        peers = self.peers
         try:
-            return peers.links[dst]  # (the hot path: one dict look-up)
+            return self.peers.links[dst]  # (the hot path: one dict look-up)
         except KeyError:
-            return self.arrivals.link(peers, dst, self.admission_bound)
+            return self.link_missing(dst)
+
+    def link_missing(self, dst: int) -> L:
+        """:meth:`link` for a rank with no link now: wait (``admission_bound``) for one
+        being made for a worker joining; ``PeerLostError`` if none is."""
+        return self.arrivals.link(self.peers, dst, self.admission_bound)
 
     # ----------------------------------------------------------------------- send
 

@@ -151,18 +151,13 @@ class StreamTransport(MessageTransport[S]):
         send_all(sock, [memoryview(ADMITTED)], ())
         return link
 
-    def link(self, dst: int) -> S:
-        """The link to ``dst``. In an on-demand mesh, one not made yet is made now (it
-        connects in the background; what is sent meanwhile queues). One for a worker
-        being admitted right now (a dynamic world) is waited for, at most
-        ``HANDSHAKE_TIMEOUT``. ``PeerLostError`` for a rank with none."""
-        peers = self.peers
-        try:
-            return peers.links[dst]  # (the hot path: one dict look-up)
-        except KeyError:
-            if self.dial_peer is not None:
-                return self._link_on_demand(dst)
-            return self.arrivals.link(peers, dst, HANDSHAKE_TIMEOUT)
+    def link_missing(self, dst: int) -> S:
+        """In an on-demand mesh, a link not made yet is made now (it connects in the
+        background; what is sent meanwhile queues); otherwise the kit's wait for a
+        worker being admitted."""
+        if self.dial_peer is not None:
+            return self._link_on_demand(dst)
+        return super().link_missing(dst)
 
     # ------------------------------------------------------------- on-demand pairs
     #
