@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from rpcx.errors import LostCause, PeerLostError, ProtocolError, lost_reason
+from rpcx.errors import LostCause, PeerLostError, ProtocolError, RpcTimeoutError, lost_reason
 from rpcx.options import TensorPipeRpcBackendOptions
 from rpcx.transport import Frame
 from rpcx.transport_kit import (
@@ -25,6 +25,7 @@ from rpcx.transport_kit import (
     empty_bytes,
     lost_error,
     options_as,
+    wait_connected,
 )
 from rpcx.transport_kit.connector import Connector
 from rpcx.transport_kit.links import Link, Peers
@@ -273,12 +274,52 @@ def test_a_goodbye_reads_as_shut_down() -> None:
     assert lost_reason(LostCause.DEPARTED) == "has shut down"
 
 
-def _peers_of_one(link: Link) -> tuple[Peers[Link], list[tuple[int, LostCause, str]]]:
+def _peers_of_one(link: Link, connection_errors: tuple[type[BaseException], ...] = ()
+                  ) -> tuple[Peers[Link], list[tuple[int, LostCause, str]]]:
     reported: list[tuple[int, LostCause, str]] = []
     ctx: Any = SimpleNamespace(rank=0, names=["me", "peer"],
                                peer_lost=lambda *args: reported.append(args))
-    return Peers(ctx, {1: link}, read_one=lambda link: None, write_bye=lambda link: None), \
-        reported
+    return Peers(ctx, {1: link}, read_one=lambda link: None, write_bye=lambda link: None,
+                 connection_errors=connection_errors), reported
+
+
+class LibraryError(Exception):
+    """What a transport's library raises when its connection is gone (zmq.ZMQError)."""
+
+
+def test_a_library_error_declared_a_connection_error_reports_the_peer_lost() -> None:
+    declared = Link(1, "peer")
+    peers, reported = _peers_of_one(declared, connection_errors=(LibraryError,))
+    peers.broken(declared, LibraryError("Context was terminated"))
+    assert reported == [(1, LostCause.CONNECTION_LOST, "Context was terminated")]
+    # Undeclared, the same exception reads as what the peer sent: a protocol error.
+    undeclared = Link(1, "peer")
+    peers, reported = _peers_of_one(undeclared)
+    peers.broken(undeclared, LibraryError("Context was terminated"))
+    assert reported == [(1, LostCause.PROTOCOL_ERROR, "LibraryError: Context was terminated")]
+
+
+def test_wait_connected_returns_once_every_connection_is_up_and_names_those_that_are_not(
+) -> None:
+    ctx: Any = SimpleNamespace(rank=0, names=["me", "a", "b"],
+                               options=SimpleNamespace(rpc_timeout=0.2))
+    up, late, never = threading.Event(), threading.Event(), threading.Event()
+    up.set()
+    timer = threading.Timer(0.05, late.set)
+    timer.start()
+    try:
+        wait_connected(ctx, {"'a'": up, "'b'": late})  # (returns: both are set by then)
+        assert late.is_set()
+    finally:
+        timer.join(BOUND)
+    started = time.monotonic()
+    with pytest.raises(RpcTimeoutError) as timed_out:
+        wait_connected(ctx, {"'a' at tcp://x:1": up, "'b' at tcp://y:2": never},
+                       hint="check the address")
+    assert time.monotonic() - started < BOUND
+    assert str(timed_out.value) == (
+        "init_rpc: worker 'me' (rank 0) could not connect to 'b' at tcp://y:2 within "
+        "0.2 s (rpc_timeout); check the address")
 
 
 def test_a_send_to_a_peer_reported_lost_fails_with_why_it_was_lost() -> None:

@@ -36,8 +36,9 @@ A frame's bytes (:mod:`~rpcx.transport_kit.buffers`)
     :func:`owning_memory`, :func:`empty_bytes`, :func:`copy_of`, :func:`pieces`.
 Starting (:mod:`~rpcx.transport_kit.starting`)
     :func:`options_as`, :func:`connect_limit`, :func:`connect_timeout`,
-    :func:`run_bounded`, :func:`environment_variable` (a variable set for a block, for
-    libraries that read the environment); and the host facts of :mod:`rpcx.hosts`.
+    :func:`run_bounded`, :func:`wait_connected` (every connection up within the
+    bound), :func:`environment_variable` (a variable set for a block, for libraries
+    that read the environment); and the host facts of :mod:`rpcx.hosts`.
 The store (:func:`keep_if_file_store`)
     A transport that clones the world's store marks each clone so that a FileStore is
     never destroyed under another worker.
@@ -107,6 +108,7 @@ from rpcx.transport_kit.starting import (
     environment_variable,
     options_as,
     run_bounded,
+    wait_connected,
 )
 from rpcx.transport_kit.writer import Backlog, Pending
 
@@ -126,5 +128,6 @@ __all__ = [
     "lost_error",
     "lost_reason", "memory_of",
     "options_as", "owning_memory", "pieces", "publish_stream_address", "receive_exactly",
-    "run_bounded", "send_all", "send_now", "unreachable", "without_cpp_locations",
+    "run_bounded", "send_all", "send_now", "unreachable", "wait_connected",
+    "without_cpp_locations",
 ]

@@ -201,6 +201,9 @@ class Peers(Generic[L]):
             it end (after a protocol error; e.g. ``socket.shutdown``). Optional.
         ended: ``ended(link)``: the receive loop is over, on its thread (release what
             only it used). Optional.
+        connection_errors: exceptions of the library a transport reads through that
+            mean its connection is gone (``zmq.ZMQError``): the peer is reported lost
+            with the exception's message, not as a protocol error.
     """
 
     def __init__(
@@ -211,6 +214,7 @@ class Peers(Generic[L]):
         write_bye: Callable[[L], None],
         end: Callable[[L], None] | None = None,
         ended: Callable[[L], None] | None = None,
+        connection_errors: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.ctx = ctx
         self.links: dict[int, L] = dict(links)
@@ -219,6 +223,7 @@ class Peers(Generic[L]):
         self._write_bye = write_bye
         self._end = end
         self._ended = ended
+        self._connection_errors = connection_errors
 
     # --------------------------------------------------------------------- access
 
@@ -359,13 +364,17 @@ class Peers(Generic[L]):
 
     def broken(self, link: L, exc: BaseException) -> None:
         """The receive loop ended with ``exc``: :class:`StopReceiving` reports nothing,
-        :class:`LinkEnded` the loss the link recorded; otherwise the peer is reported
-        with the cause and detail :func:`~rpcx.transport_kit.sentences.classify` reads. A
-        protocol error also ends the connection, so the peer sees it end."""
+        :class:`LinkEnded` the loss the link recorded, one of ``connection_errors`` (the
+        library's own) a lost connection; otherwise the peer is reported with the cause
+        and detail :func:`~rpcx.transport_kit.sentences.classify` reads. A protocol error
+        also ends the connection, so the peer sees it end."""
         if isinstance(exc, StopReceiving):
             return
         if isinstance(exc, LinkEnded):
             self.lost(link, link.cause_gone or LostCause.CONNECTION_LOST, link.detail_gone)
+            return
+        if isinstance(exc, self._connection_errors):
+            self.lost(link, LostCause.CONNECTION_LOST, str(exc))
             return
         cause, detail = classify(exc)
         if cause is LostCause.PROTOCOL_ERROR and not self.closing:

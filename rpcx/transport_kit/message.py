@@ -43,8 +43,9 @@ STOP_GRACE_S = 0.5  # how long past close's deadline a stopped receive loop may 
 class MessageTransport(Generic[L]):
     """The parts of a transport that do not depend on how its bytes travel.
 
-    A subclass sets ``capabilities`` and ``label`` (names threads, store keys and the
-    doorway's handshake) and writes:
+    A subclass sets ``capabilities``, ``label`` (names threads, store keys and the
+    doorway's handshake) and, if its library raises its own, ``connection_errors``;
+    it writes:
 
     * ``start(ctx)``: connect, make a link per peer, then :meth:`begin` with them;
     * ``send(dst, frame)``: pack the frame and write it, usually through :meth:`post`;
@@ -61,6 +62,8 @@ class MessageTransport(Generic[L]):
     capabilities: ClassVar[Capabilities]
     label: ClassVar[str]
     when_stuck: ClassVar[str] = "closing anyway"  # the end of close's "no goodbye" warning
+    # The library's exceptions that mean a connection is gone (Peers' connection_errors).
+    connection_errors: ClassVar[tuple[type[BaseException], ...]] = ()
 
     def __init__(self) -> None:
         self._ctx: TransportContext | None = None
@@ -126,7 +129,8 @@ class MessageTransport(Generic[L]):
         """The :class:`~rpcx.transport_kit.links.Peers` over ``links`` (override to
         use a subclass that reads the transport's own errors)."""
         return Peers(self.ctx, links, self.read_one, self.write_bye,
-                     end=self.end_connection, ended=self.loop_ended)
+                     end=self.end_connection, ended=self.loop_ended,
+                     connection_errors=self.connection_errors)
 
     def end_connection(self, link: L) -> None:
         """End ``link``'s connection at once, so that the peer sees it end (after a

@@ -8,7 +8,8 @@ Public and stable for plugin authors; :mod:`rpcx.transport_kit` re-exports them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from rpcx._util.environ import environment_variable
@@ -17,7 +18,7 @@ from rpcx.options import RpcBackendOptions, converted_options
 from rpcx.transport import TransportContext
 
 __all__ = ["connect_limit", "connect_timeout", "environment_variable", "options_as",
-           "run_bounded"]
+           "run_bounded", "wait_connected"]
 
 OptionsT = TypeVar("OptionsT", bound=RpcBackendOptions)
 
@@ -83,3 +84,17 @@ def run_bounded(ctx: TransportContext, connect: Callable[[], T], what: str,
     if not done:
         raise connect_timeout(ctx, what, hint)
     return done[0]
+
+
+def wait_connected(ctx: TransportContext, connected: Mapping[str, threading.Event],
+                   hint: str = "a peer probably died after joining the world") -> None:
+    """Wait, all together at most ``rpc_timeout``, until every event in ``connected``
+    is set (one per connection, by what to call it in the error: "'w1' at tcp://...").
+    :func:`connect_timeout`'s error names those still not connected."""
+    limit = connect_limit(ctx)
+    deadline = None if limit is None else time.monotonic() + limit
+    for event in connected.values():
+        event.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    missing = [what for what, event in connected.items() if not event.is_set()]
+    if missing:
+        raise connect_timeout(ctx, f"to {', '.join(missing)}", hint)

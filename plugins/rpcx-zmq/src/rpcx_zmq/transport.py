@@ -59,18 +59,16 @@ from rpcx.transport_kit import (
     LostCause,
     MessageTransport,
     PeerLostError,
-    Peers,
     ProtocolError,
     StopReceiving,
     as_bytes,
     check_frame_size,
-    connect_limit,
-    connect_timeout,
     host_identity,
     lost_reason,
     options_as,
     owning_memory,
     pieces,
+    wait_connected,
 )
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
@@ -173,22 +171,13 @@ class _Peer(Link):
         self.wake = threading.Event()  # close(): the writer stops waiting for room
 
 
-class _Peers(Peers[_Peer]):
-    """The kit's receive loops, goodbyes and close; a ZeroMQ error ends a loop."""
-
-    def broken(self, link: _Peer, exc: BaseException) -> None:
-        if isinstance(exc, zmq.ZMQError):  # the context is gone: nothing more arrives
-            self.lost(link, LostCause.CONNECTION_LOST, str(exc))
-        else:
-            super().broken(link, exc)
-
-
 class ZmqTransport(MessageTransport[_Peer]):
     """Moves frames over ZeroMQ: TCP between hosts, IPC within one, zero-copy tensors."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, multi_host=True,
                                                         dynamic=True, shows_progress=True)
     label: ClassVar[str] = "zmq"
+    connection_errors = (zmq.ZMQError,)  # (the context is gone: nothing more arrives)
 
     def __init__(self) -> None:
         super().__init__()
@@ -248,12 +237,11 @@ class ZmqTransport(MessageTransport[_Peer]):
         self._monitor = threading.Thread(target=self._monitor_loop, args=(wake_rx,),
                                          name=self.thread_name("zmq-monitor"), daemon=True)
         self._monitor.start()
-        self._wait_connected()
+        wait_connected(ctx, {f"{p.name!r} at {p.endpoint}": p.connected for p in self.peers},
+                       hint="a peer probably died after joining the world, or its address "
+                       "cannot be reached from here (set ZmqRpcBackendOptions(hostname=...) "
+                       "or interface=...)")
         self.open_doorway()
-
-    def make_peers(self, links: dict[int, _Peer]) -> _Peers:
-        """The kit's peers, for whom a ZeroMQ error ends a loop (:class:`_Peers`)."""
-        return _Peers(self.ctx, links, self.read_one, self.write_bye, ended=self.loop_ended)
 
     def _new_peer(self, rank: int) -> _Peer:
         peer = _Peer(rank, self.ctx.names[rank])
@@ -298,19 +286,11 @@ class ZmqTransport(MessageTransport[_Peer]):
         queued may still take to leave); ``unused``: also those a receive loop and the
         monitor thread would own (for a peer none of them ever took on)."""
         with peer.ctl_lock:
-            if peer.ctl is not None:
-                peer.ctl.close(linger=0)
-                peer.ctl = None
+            peer.ctl = _closed(peer.ctl)
         with peer.lock:
-            if peer.tx is not None:
-                peer.tx.close(linger=int(linger * 1000))
-                peer.tx = None
+            peer.tx = _closed(peer.tx, linger)
         if unused:
-            for name in ("rx", "tx_monitor"):
-                owned = getattr(peer, name)
-                if owned is not None:
-                    owned.close(linger=0)
-                    setattr(peer, name, None)
+            peer.rx, peer.tx_monitor = _closed(peer.rx), _closed(peer.tx_monitor)
 
     def _start_zap(self, ctx: TransportContext) -> None:
         """With a world key, every connection to one of our PULL sockets must log in as
@@ -349,7 +329,7 @@ class ZmqTransport(MessageTransport[_Peer]):
             rx.ipv6 = True
             host = f"[{host}]"
         rx.bind(f"tcp://{host}:*")
-        endpoints = {"tcp": _last_endpoint(rx)}
+        endpoints = {"tcp": rx.getsockopt_string(zmq.LAST_ENDPOINT)}
         if self._ipc_dir is not None:
             endpoints["ipc"] = f"ipc://{self._ipc_dir}/{peer.rank}-{next(_ids)}"
             rx.bind(endpoints["ipc"])
@@ -404,31 +384,12 @@ class ZmqTransport(MessageTransport[_Peer]):
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout * 1000))
             sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout * 1000))
 
-    def _wait_connected(self) -> None:
-        """Wait (at most ``rpc_timeout``) until our connection to every peer is up."""
-        limit = connect_limit(self.ctx)
-        deadline = None if limit is None else time.monotonic() + limit
-        for peer in self.peers:
-            peer.connected.wait(None if deadline is None
-                                else max(0.0, deadline - time.monotonic()))
-        missing = [p for p in self.peers if not p.connected.is_set()]
-        if missing:
-            names = ", ".join(f"{p.name!r} at {p.endpoint}" for p in missing)
-            raise connect_timeout(
-                self.ctx, f"to {names}",
-                hint="a peer probably died after joining the world, or its address cannot "
-                "be reached from here (set ZmqRpcBackendOptions(hostname=...) or "
-                "interface=...)",
-            )
-
     # ------------------------------------------------------------------------- send
 
     def send(self, dst: int, frame: Frame) -> None:
         """Send ``frame`` to ``dst``; returns once every buffer not copied is written,
         or at ``frame.deadline`` with the rest queued for the peer's writer."""
-        peer = self.link(dst)
-        if peer.gone:
-            raise PeerLostError(peer.why_gone)
+        peer = self.link(dst)  # (the kit's post refuses a peer gone, with its cause)
         buffers = frame.buffers
         if not buffers:
             self._post(peer, [_PLAIN_HEAD + frame.header], frame.deadline)
@@ -706,9 +667,7 @@ class ZmqTransport(MessageTransport[_Peer]):
     def loop_ended(self, peer: _Peer) -> None:
         """The receive loop is over (on its thread, under ``reading``): close ``rx``, so
         the peer's monitor sees the connection end."""
-        rx, peer.rx = peer.rx, None
-        if rx is not None:
-            rx.close(linger=0)
+        peer.rx = _closed(peer.rx)
 
     def _mark_lost(self, peer: _Peer, detail: str,
                    cause: LostCause = LostCause.CONNECTION_LOST) -> None:
@@ -828,9 +787,8 @@ class ZmqTransport(MessageTransport[_Peer]):
         to leave) and end its writer."""
         self._close_sockets(peer, linger=max(0.0, min(1.0, deadline - time.monotonic())))
         peer.wake.set()  # its writer fails what still waits, then ends
-        if self._monitor is None and peer.tx_monitor is not None:
-            peer.tx_monitor.close(linger=0)  # (start failed before the monitor ran)
-            peer.tx_monitor = None
+        if self._monitor is None:  # (start failed before the monitor ran)
+            peer.tx_monitor = _closed(peer.tx_monitor)
         super().release_link(peer, deadline)
 
     def _stop_monitor(self, timeout: float) -> None:
@@ -841,9 +799,15 @@ class ZmqTransport(MessageTransport[_Peer]):
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout)
         with self._wake_lock:
-            if self._wake is not None:
-                self._wake.close(linger=0)
-                self._wake = None
+            self._wake = _closed(self._wake)
+
+
+def _closed(sock: zmq.Socket[bytes] | None, linger: float = 0.0) -> zmq.Socket[bytes] | None:
+    """Close ``sock`` if there is one (``linger``: seconds what is queued may still take
+    to leave); ``None``, for the attribute that held it."""
+    if sock is not None:
+        sock.close(linger=int(linger * 1000))
+    return None
 
 
 def _zap_domain(rank: int) -> str:
@@ -866,11 +830,6 @@ def _pipe(zctx: zmq.Context[Any], address: str) -> tuple[zmq.Socket[bytes], zmq.
     sending.linger = 0
     sending.connect(address)
     return sending, receiving
-
-
-def _last_endpoint(sock: zmq.Socket[bytes]) -> str:
-    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
-    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 
 def _private_dir() -> str | None:
