@@ -5,8 +5,10 @@ every field."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -63,6 +65,48 @@ def test_a_request_answered_before_its_pause_is_never_sent_again() -> None:
         resender.track(1, 0, Frame(b"x"))
         time.sleep(FIRST_PAUSE * 3)  # (the absence of a copy)
         assert sent.frames == [] and resender.resent == 0
+    finally:
+        resender.close(BOUND)
+
+
+def test_a_tracked_request_does_not_keep_its_calls_result_alive() -> None:
+    # A frame's settled is its call's future.done: kept by the resender (a record lives
+    # until the next pause after the answer), the future kept the result, and an RRef in
+    # the result kept its owner's value past the caller's flush().
+    class Result:
+        pass
+
+    pending = {5}
+    sent = _Sent()
+    resender = Resender("t", sent, pending.__contains__, lambda: None)
+    try:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        frame = Frame(b"fetch", request_id=5, settled=future.done)
+        resender.track(5, 1, frame)
+        result = Result()
+        alive = weakref.ref(result)
+        future.set_result(result)
+        # The caller drops the future and its result; rid 5 stays in ``pending`` here,
+        # so the resender surely still holds its record (the test does not race it).
+        del future, frame, result
+        gc.collect()
+        assert alive() is None
+        assert resender._is_waiting(5)
+    finally:
+        resender.close(BOUND)
+
+
+def test_a_copy_still_being_written_stops_waiting_once_its_request_is_answered() -> None:
+    pending = {9}
+    sent = _Sent()
+    resender = Resender("t", sent, pending.__contains__, lambda: None)
+    try:
+        resender.track(9, 2, Frame(b"x", request_id=9))
+        assert sent.wait_for(1)
+        settled = sent.frames[0][1].settled
+        assert settled is not None and not settled()
+        pending.discard(9)
+        assert settled()
     finally:
         resender.close(BOUND)
 

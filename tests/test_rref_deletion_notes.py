@@ -129,6 +129,43 @@ def test_a_deletion_waits_for_the_announcements_of_its_forks() -> None:
         svc.close()
 
 
+def test_flush_sends_the_deletions_an_announcement_answered_during_it_released() -> None:
+    # A deletion held behind an announcement (above) whose answer comes while flush()
+    # waits for it: flush sends it, acknowledged, before it returns. It returned with the
+    # deletion still queued (sent later by the deleter), and the owner kept the value
+    # past the flush that should have freed it.
+    agent, svc = _service()
+    answer: torch.futures.Future[Any] = torch.futures.Future()
+
+    def request(dst: WorkerInfo, kind: int, payload: Any, **_: Any) -> Any:
+        agent.sent.append(("request", dst.id, kind, payload))
+        if kind == MessageKind.RREF_FORKS:
+            return answer
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    agent.request = request  # type: ignore[method-assign]
+    rref = SimpleNamespace(_owner=agent.workers[1], _id=(1, 1))
+    answering = threading.Timer(0.1, answer.set_result, args=(None,))
+    try:
+        svc.announce(rref, (0, 7), 2)  # type: ignore[arg-type]
+        svc.schedule_delete(agent.workers[1], (1, 1), (0, 1))
+        answering.start()
+        svc.flush(TIMEOUT)
+        assert answer.done()
+        deletions = [(how, dst, payload) for how, dst, kind, payload in agent.sent
+                     if kind == MessageKind.RREF_DELETE]
+        # Sent by flush as a request, or one way by the deleter first and then
+        # acknowledged by flush's request to the same owner.
+        assert any(((1, 1), (0, 1)) in payload for _, _, payload in deletions), deletions
+        assert deletions[-1][:2] == ("request", 1), deletions
+        assert svc.stats()["pending_deletes"] == 0
+    finally:
+        answering.join(TIMEOUT)
+        svc.close()
+
+
 def test_deletions_for_an_owner_whose_rank_a_new_worker_took_are_void() -> None:
     # A dynamic world: worker 1 left and "n1" took rank 1. A deletion meant for the old
     # owner, sent to the new one, would be taken for a reference to one of its own RRefs

@@ -24,6 +24,7 @@ here runs on a reliable transport.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -69,9 +70,18 @@ class Resender:
 
     def track(self, rid: int, dst: int, frame: Frame) -> None:
         """Send ``frame`` (request ``rid`` to ``dst``) again if no reply comes soon."""
+        kept = frame.shallow_copy()
+        # Not the frame's own settled (the caller's future.done): the record outlives the
+        # call by up to a pause, and the future would keep the call's result alive with
+        # it (an RRef in it: its owner kept the value past the caller's flush()).
+        kept.settled = functools.partial(self._settled, rid)
         with self._lock:
-            self._waiting[rid] = (dst, frame.shallow_copy(), FIRST_PAUSE)
+            self._waiting[rid] = (dst, kept, FIRST_PAUSE)
         self._timer.schedule(time.monotonic() + FIRST_PAUSE, rid)
+
+    def _settled(self, rid: int) -> bool:
+        """Whether request ``rid`` is over (a copy being written may stop waiting)."""
+        return not self._is_pending(rid)
 
     def _is_waiting(self, rid: int) -> bool:
         with self._lock:

@@ -542,28 +542,44 @@ class RRefService:
         Returns how many messages this had to send or wait for.
         """
         timeout = within(_FLUSH_TIMEOUT, left) or 0.0
+        deadline = time.monotonic() + timeout
         if self._objects:
             # RRefs in reference cycles are deleted only by a collection; a full one
             # takes ~0.1 s of CPU with torch loaded (64 workers on 2 cores: 3 s of
             # shutdown), and with no RRef object here it could not send a deletion.
             gc.collect()
-        with self._send_lock:
-            taken = self._take_all()
+        handled = 0
+        while True:
+            with self._send_lock:
+                taken = self._take_all()
+                with self._notes_lock:
+                    owners = set(taken) | self._unacknowledged
+                    self._unacknowledged.clear()
+                    held = bool(self._held)
+                for owner in owners:
+                    self._send_deletions(owner, taken.get(owner, []), acknowledged=True)
+                with self._lock:
+                    waiting = list(self._inflight)
+                    sent, self._sent = self._sent, 0
+            handled += sent + len(waiting)
+            if waiting and not wait_done(torch.futures.collect_all(waiting),
+                                         max(0.0, deadline - time.monotonic())):
+                raise RpcError(f"{self.agent.name}: RRef bookkeeping still pending after "
+                               f"{timeout} s")
+            # Deletions held behind announcements (_announced) were released as those
+            # were answered, during the wait: they are this flush's too. (Without this,
+            # the owner kept those values until a later flush.)
             with self._notes_lock:
-                owners = set(taken) | self._unacknowledged
-                self._unacknowledged.clear()
-            for owner in owners:
-                self._send_deletions(owner, taken.get(owner, []), acknowledged=True)
-            with self._lock:
-                waiting = list(self._inflight)
-                sent, self._sent = self._sent, 0
-        if waiting and not wait_done(torch.futures.collect_all(waiting), timeout):
-            raise RpcError(f"{self.agent.name}: RRef bookkeeping still pending after {timeout} s")
+                again = held and bool(self._deletions or self._by_owner
+                                      or self._unacknowledged)
+            if not again:
+                break
         with self._lock:  # values freed by what arrived are dropped on the lane: wait
-            if not self._all_freed.wait_for(lambda: not self._freeing, timeout):
+            if not self._all_freed.wait_for(lambda: not self._freeing,
+                                            max(0.0, deadline - time.monotonic())):
                 raise RpcError(f"{self.agent.name}: freed RRef values still held after "
                                f"{timeout} s")
-        return sent + len(waiting)
+        return handled
 
     # --------------------------------------------------------------------- status
 
