@@ -281,15 +281,9 @@ class CallPath:
         add_internal_callback(future, check)
 
     def send_copy(self, dst: int, frame: Frame) -> None:
-        """Send a copy of a bookkeeping request or reply (lossy transports), from the pool."""
-        def send() -> None:
-            try:
-                self.send_frame(dst, frame)
-            except Exception as exc:  # the original's fate decides; this was a spare
-                log.debug("%s: copy of a frame to rank %d not sent: %s", self._name, dst, exc)
-
-        with contextlib.suppress(RpcShutdownError):
-            self._pool.submit(send)
+        """Send a spare copy of a bookkeeping request or reply (lossy transports), from
+        the pool; a failure is only logged: the original's fate decides."""
+        self._transmit(dst, frame, None, 0, pooled=True)
 
     def _encode(self, kind: int, rid: int, payload: Any, ctx: EncodeContext) -> Frame:
         """``encode``, with the notes owed to the destination riding along (not on a
@@ -318,17 +312,22 @@ class CallPath:
         return EncodeContext(src, agent=self._host, scope=scope, routes=self._routes,
                              response=True, stage_devices=self._stage_devices)
 
-    def _transmit(self, dst: int, frame: Frame, ctx: EncodeContext, rid: int) -> None:
-        """Run the frame's before-send hooks and send it; failures fail request ``rid``."""
-        if _receiving_thread.delivering:
+    def _transmit(self, dst: int, frame: Frame, ctx: EncodeContext | None, rid: int,
+                  pooled: bool = False) -> None:
+        """The one way a frame leaves the call path: run its before-send hooks (``ctx``'s;
+        ``None``: it has none), then hand it to the transport (or to oneself, see
+        :meth:`send_frame`), on this thread or from the pool (``pooled``, or when this
+        thread delivers). A failure fails request ``rid``; for 0 it is only logged."""
+        if pooled or _receiving_thread.delivering:
             # Sent from the pool (see the module docstring). Frames to oneself are
             # deferred too, so their hooks keep their order.
             try:
                 self._pool.submit(self._transmit_now, dst, frame, ctx, rid)
                 return
             except RpcShutdownError:
-                pass
-        elif not ctx.before_send and dst != self._rank:
+                if pooled:  # (a spare copy at shutdown: nothing to send it for)
+                    return
+        elif (ctx is None or not ctx.before_send) and dst != self._rank:
             # The common case: no hook to run, straight to the transport.
             try:
                 self._transmit_frame(dst, frame)
@@ -337,13 +336,17 @@ class CallPath:
             return
         self._transmit_now(dst, frame, ctx, rid)
 
-    def _transmit_now(self, dst: int, frame: Frame, ctx: EncodeContext, rid: int) -> None:
+    def _transmit_now(self, dst: int, frame: Frame, ctx: EncodeContext | None,
+                      rid: int) -> None:
+        """:meth:`_transmit`'s work, on the thread that sends."""
         try:
-            for hook in ctx.before_send:
-                hook()
-            ctx.before_send.clear()  # hooks may hold what is being sent: let it go
+            if ctx is not None:
+                for hook in ctx.before_send:
+                    hook()
+                ctx.before_send.clear()  # hooks may hold what is being sent: let it go
             self.send_frame(dst, frame)
-            ctx.keep_alive.clear()  # handed to the transport: later messages follow it
+            if ctx is not None:
+                ctx.keep_alive.clear()  # handed to the transport: later messages follow it
         except Exception as exc:
             self._not_sent(dst, rid, exc)
 
@@ -353,12 +356,13 @@ class CallPath:
         if rid:
             self.complete(rid, exception=lambda p: self._lost_error(p, reason))
         else:
-            log.debug("%s: one-way message to rank %d not sent: %s", self._name, dst,
-                      reason)
+            log.debug("%s: a frame no call waits on (one-way, or a spare copy) to rank %d "
+                      "not sent: %s", self._name, dst, reason)
 
     def send_frame(self, dst: int, frame: Frame) -> None:
         """Hand an encoded frame to the transport (or, to oneself, straight to
-        :meth:`on_frame`: a call to oneself still crosses the codec)."""
+        :meth:`on_frame`: a call to oneself still crosses the codec): :meth:`_transmit`'s
+        last step, with no hooks and no pool; it raises what the transport raises."""
         if dst == self._rank:
             self.on_frame(dst, frame.private_copy())
         else:
