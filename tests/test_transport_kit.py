@@ -301,20 +301,22 @@ def test_a_library_error_declared_a_connection_error_reports_the_peer_lost() -> 
 
 def test_wait_connected_returns_once_every_connection_is_up_and_names_those_that_are_not(
 ) -> None:
-    ctx: Any = SimpleNamespace(rank=0, names=["me", "a", "b"],
-                               options=SimpleNamespace(rpc_timeout=0.2))
+    def context(rpc_timeout: float) -> Any:
+        return SimpleNamespace(rank=0, names=["me", "a", "b"],
+                               options=SimpleNamespace(rpc_timeout=rpc_timeout))
+
     up, late, never = threading.Event(), threading.Event(), threading.Event()
     up.set()
     timer = threading.Timer(0.05, late.set)
     timer.start()
     try:
-        wait_connected(ctx, {"'a'": up, "'b'": late})  # (returns: both are set by then)
+        wait_connected(context(BOUND), {"'a'": up, "'b'": late})  # (returns once both are)
         assert late.is_set()
     finally:
         timer.join(BOUND)
     started = time.monotonic()
     with pytest.raises(RpcTimeoutError) as timed_out:
-        wait_connected(ctx, {"'a' at tcp://x:1": up, "'b' at tcp://y:2": never},
+        wait_connected(context(0.2), {"'a' at tcp://x:1": up, "'b' at tcp://y:2": never},
                        hint="check the address")
     assert time.monotonic() - started < BOUND
     assert str(timed_out.value) == (

@@ -356,8 +356,8 @@ class CallPath:
         if rid:
             self.complete(rid, exception=lambda p: self._lost_error(p, reason))
         else:
-            log.debug("%s: a frame no call waits on (one-way, or a spare copy) to rank %d "
-                      "not sent: %s", self._name, dst, reason)
+            log.debug("%s: a reply, one-way message or spare copy to rank %d not sent: %s",
+                      self._name, dst, reason)
 
     def send_frame(self, dst: int, frame: Frame) -> None:
         """Hand an encoded frame to the transport (or, to oneself, straight to

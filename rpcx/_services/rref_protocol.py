@@ -566,14 +566,16 @@ class RRefService:
                                          max(0.0, deadline - time.monotonic())):
                 raise RpcError(f"{self.agent.name}: RRef bookkeeping still pending after "
                                f"{timeout} s")
-            # Deletions held behind announcements (_announced) were released as those
-            # were answered, during the wait: they are this flush's too. (Without this,
-            # the owner kept those values until a later flush.)
-            with self._notes_lock:
-                again = held and bool(self._deletions or self._by_owner
-                                      or self._unacknowledged)
-            if not again:
+            # Deletions held behind announcements this flush waited for were released
+            # as those were answered (_announced, a callback torch runs before the
+            # collect_all above completes): they are this flush's too. Without this
+            # round, the owner kept those values until a later flush. (Under the send
+            # lock: the deleter takes and sends under it, so nothing is half sent.)
+            if not (held and waiting) or time.monotonic() >= deadline:
                 break
+            with self._send_lock, self._notes_lock:
+                if not (self._deletions or self._by_owner or self._unacknowledged):
+                    break
         with self._lock:  # values freed by what arrived are dropped on the lane: wait
             if not self._all_freed.wait_for(lambda: not self._freeing,
                                             max(0.0, deadline - time.monotonic())):

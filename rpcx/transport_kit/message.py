@@ -126,8 +126,9 @@ class MessageTransport(Generic[L]):
     # ---------------------------------------------------------------------- hooks
 
     def make_peers(self, links: dict[int, L]) -> Peers[L]:
-        """The :class:`~rpcx.transport_kit.links.Peers` over ``links`` (override to
-        use a subclass that reads the transport's own errors)."""
+        """The :class:`~rpcx.transport_kit.links.Peers` over ``links``. Its library's
+        errors that mean a lost connection: set ``connection_errors``. Override this
+        only to read errors another way (gloo's ``_GlooPeers``), passing them on."""
         return Peers(self.ctx, links, self.read_one, self.write_bye,
                      end=self.end_connection, ended=self.loop_ended,
                      connection_errors=self.connection_errors)
