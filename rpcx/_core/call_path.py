@@ -282,8 +282,10 @@ class CallPath:
 
     def send_copy(self, dst: int, frame: Frame) -> None:
         """Send a spare copy of a bookkeeping request or reply (lossy transports), from
-        the pool; a failure is only logged: the original's fate decides."""
-        self._transmit(dst, frame, None, 0, pooled=True)
+        the pool (:meth:`_transmit_now`, with no hooks); a failure is only logged: the
+        original's fate decides."""
+        with contextlib.suppress(RpcShutdownError):  # (shut down: nothing to send it for)
+            self._pool.submit(self._transmit_now, dst, frame, None, 0)
 
     def _encode(self, kind: int, rid: int, payload: Any, ctx: EncodeContext) -> Frame:
         """``encode``, with the notes owed to the destination riding along (not on a
@@ -312,22 +314,20 @@ class CallPath:
         return EncodeContext(src, agent=self._host, scope=scope, routes=self._routes,
                              response=True, stage_devices=self._stage_devices)
 
-    def _transmit(self, dst: int, frame: Frame, ctx: EncodeContext | None, rid: int,
-                  pooled: bool = False) -> None:
-        """The one way a frame leaves the call path: run its before-send hooks (``ctx``'s;
-        ``None``: it has none), then hand it to the transport (or to oneself, see
-        :meth:`send_frame`), on this thread or from the pool (``pooled``, or when this
-        thread delivers). A failure fails request ``rid``; for 0 it is only logged."""
-        if pooled or _receiving_thread.delivering:
+    def _transmit(self, dst: int, frame: Frame, ctx: EncodeContext, rid: int) -> None:
+        """How an encoded message leaves the call path: run its before-send hooks, then
+        hand it to the transport (or to oneself, see :meth:`send_frame`), on this thread
+        or, when this thread delivers, from the pool. A failure fails request ``rid``;
+        for 0 it is only logged. (Spare copies go from the pool: :meth:`send_copy`.)"""
+        if _receiving_thread.delivering:
             # Sent from the pool (see the module docstring). Frames to oneself are
             # deferred too, so their hooks keep their order.
             try:
                 self._pool.submit(self._transmit_now, dst, frame, ctx, rid)
                 return
             except RpcShutdownError:
-                if pooled:  # (a spare copy at shutdown: nothing to send it for)
-                    return
-        elif (ctx is None or not ctx.before_send) and dst != self._rank:
+                pass
+        elif not ctx.before_send and dst != self._rank:
             # The common case: no hook to run, straight to the transport.
             try:
                 self._transmit_frame(dst, frame)
@@ -338,7 +338,8 @@ class CallPath:
 
     def _transmit_now(self, dst: int, frame: Frame, ctx: EncodeContext | None,
                       rid: int) -> None:
-        """:meth:`_transmit`'s work, on the thread that sends."""
+        """Run ``ctx``'s before-send hooks (``None``: a spare copy, none), then
+        :meth:`send_frame`; on the thread that sends."""
         try:
             if ctx is not None:
                 for hook in ctx.before_send:
