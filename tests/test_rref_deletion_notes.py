@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rpcx._services.rref_fork import ForkState
-from rpcx._services.rref_protocol import RRefService
+from rpcx._services.rref_protocol import RRefService, _Entry
 from rpcx.messages import MessageKind
 from rpcx.worker import WorkerInfo
 
@@ -163,6 +163,79 @@ def test_flush_sends_the_deletions_an_announcement_answered_during_it_released()
         assert svc.stats()["pending_deletes"] == 0
     finally:
         answering.join(TIMEOUT)
+        svc.close()
+
+
+def test_flush_waits_for_the_announcement_callback_not_only_its_future(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch marks a future done before it runs its callbacks: flush() saw the
+    # announcement answered while the callback that releases the deletion held behind
+    # it had not run, and returned with that deletion queued. Here the callback runs
+    # 0.1 s after the future is done.
+    from rpcx._services import rref_protocol
+
+    callbacks: list[threading.Timer] = []
+
+    def late_callback(future: Any, callback: Any) -> None:
+        callbacks.append(threading.Timer(0.1, callback, args=(future,)))
+        callbacks[-1].start()
+
+    monkeypatch.setattr(rref_protocol, "add_internal_callback", late_callback)
+    agent, svc = _service()
+    rref = SimpleNamespace(_owner=agent.workers[1], _id=(1, 1))
+    try:
+        svc.announce(rref, (0, 7), 2)  # type: ignore[arg-type]
+        svc.schedule_delete(agent.workers[1], (1, 1), (0, 1))
+        svc.flush(TIMEOUT)
+        deletions = [(how, dst, payload) for how, dst, kind, payload in agent.sent
+                     if kind == MessageKind.RREF_DELETE]
+        assert deletions and deletions[-1][:2] == ("request", 1), deletions
+        assert any(((1, 1), (0, 1)) in payload for _, _, payload in deletions), deletions
+    finally:
+        for timer in callbacks:
+            timer.join(TIMEOUT)
+        svc.close()
+
+
+class _DeletesWhenDropped:
+    """A value holding an RRef: dropping it schedules that RRef's deletion."""
+
+    def __init__(self, svc: RRefService, owner: WorkerInfo) -> None:
+        self.svc, self.owner = svc, owner
+
+    def __del__(self) -> None:
+        self.svc.schedule_delete(self.owner, (1, 1), (0, 1))
+
+
+def test_flush_sends_the_deletions_of_the_rrefs_inside_values_it_waited_to_free() -> None:
+    # An RRef of RRefs: a deletion that arrived frees the outer value on the lane, and
+    # dropping it deletes the inner RRef. flush() waits for the lane, then sends that
+    # deletion, acknowledged, before it returns. It returned with the deletion queued
+    # (sent later by the deleter), and the inner value's owner kept it past every flush
+    # (test_faulty's test_copies_of_a_fetch_fork_nothing, 2 of 15 beside two burners).
+    agent, svc = _service()
+    lane: list[threading.Timer] = []
+
+    def call_soon(fn: Any, *args: Any) -> None:  # the lane runs it a little later
+        lane.append(threading.Timer(0.1, fn, args=args))
+        lane[-1].start()
+
+    agent.call_soon = call_soon  # type: ignore[method-assign]
+    value: torch.futures.Future[Any] = torch.futures.Future()
+    value.set_result(_DeletesWhenDropped(svc, agent.workers[1]))
+    try:
+        svc._release([_Entry(value=value, created=True)])
+        del value
+        svc.flush(TIMEOUT)
+        deletions = [(how, dst, payload) for how, dst, kind, payload in agent.sent
+                     if kind == MessageKind.RREF_DELETE]
+        assert deletions and deletions[-1][:2] == ("request", 1), deletions
+        assert any(((1, 1), (0, 1)) in payload for _, _, payload in deletions), deletions
+        assert svc.stats()["pending_deletes"] == 0
+    finally:
+        for timer in lane:
+            timer.join(TIMEOUT)
         svc.close()
 
 

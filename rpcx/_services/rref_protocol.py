@@ -45,6 +45,7 @@ detection); their values are released at shutdown.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import itertools
 import logging
@@ -146,6 +147,7 @@ class RRefService:
         # RRefs with fork announcements not acknowledged yet, and deletions held for them.
         self._announcing: collections.Counter[RRefId] = collections.Counter()
         self._held: dict[RRefId, list[tuple[int, RRefId, ForkId]]] = {}
+        self._announcement_ended = threading.Condition(self._notes_lock)
         # Owners sent deletions one way (notes, or alone) since the last flush(), which
         # asks each of them for an acknowledgement of everything before it.
         self._unacknowledged: set[int] = set()
@@ -421,6 +423,7 @@ class RRefService:
             held = self._held.pop(rref_id, ())
             for owner, _, fork in held:
                 self._by_owner.setdefault(owner, []).append((rref_id, fork))
+            self._announcement_ended.notify_all()
         if held:
             self.schedule_wake()
 
@@ -555,7 +558,7 @@ class RRefService:
                 with self._notes_lock:
                     owners = set(taken) | self._unacknowledged
                     self._unacknowledged.clear()
-                    held = bool(self._held)
+                    held = set(self._held)
                 for owner in owners:
                     self._send_deletions(owner, taken.get(owner, []), acknowledged=True)
                 with self._lock:
@@ -566,21 +569,30 @@ class RRefService:
                                          max(0.0, deadline - time.monotonic())):
                 raise RpcError(f"{self.agent.name}: RRef bookkeeping still pending after "
                                f"{timeout} s")
-            # Deletions held behind announcements this flush waited for were released
-            # as those were answered (_announced, a callback torch runs before the
-            # collect_all above completes): they are this flush's too. Without this
-            # round, the owner kept those values until a later flush. (Under the send
-            # lock: the deleter takes and sends under it, so nothing is half sent.)
-            if not (held and waiting) or time.monotonic() >= deadline:
+            with self._lock:  # values freed by what arrived are dropped on the lane: wait
+                freeing = self._freeing
+                if not self._all_freed.wait_for(lambda: not self._freeing,
+                                                max(0.0, deadline - time.monotonic())):
+                    raise RpcError(f"{self.agent.name}: freed RRef values still held "
+                                   f"after {timeout} s")
+            # What this flush waited for may have released deletions: those held behind
+            # an announcement (released when it is answered: waited for here, on our
+            # own lock, as torch may finish a future before its callbacks have run), and
+            # those of the RRefs inside the values just dropped (an RRef of RRefs: the
+            # inner value's owner kept it until the deleter's next batch). They are this
+            # flush's: go round again. Only then, so that a flush beside a thread that
+            # keeps dropping RRefs still returns.
+            with self._notes_lock:
+                if not self._announcement_ended.wait_for(
+                        functools.partial(held.isdisjoint, self._announcing),
+                        max(0.0, deadline - time.monotonic())):
+                    raise RpcError(f"{self.agent.name}: RRef fork announcements still "
+                                   f"pending after {timeout} s")
+            if not (held or freeing) or time.monotonic() >= deadline:
                 break
-            with self._send_lock, self._notes_lock:
+            with self._send_lock, self._notes_lock:  # (the deleter sends under it)
                 if not (self._deletions or self._by_owner or self._unacknowledged):
                     break
-        with self._lock:  # values freed by what arrived are dropped on the lane: wait
-            if not self._all_freed.wait_for(lambda: not self._freeing,
-                                            max(0.0, deadline - time.monotonic())):
-                raise RpcError(f"{self.agent.name}: freed RRef values still held after "
-                               f"{timeout} s")
         return handled
 
     # --------------------------------------------------------------------- status
