@@ -92,6 +92,13 @@ class _Entry:
 _INERT_TYPES = frozenset({int, float, bool, complex, str, bytes, type(None)})
 
 
+def _describe_announced(target: tuple[RRefId, str]) -> str:
+    """An announcement's RRef, as its call is named: not the RRef object (a label lives
+    as long as the call, and would keep the RRef, so its fork, past the answer)."""
+    rref_id, owner = target
+    return f"RRef(id={rref_id}, owner={owner!r})"
+
+
 def _inert(value: torch.futures.Future[Any]) -> bool:
     """Whether dropping the value in ``value`` can run no code but the interpreter's:
     a number, a string, bytes, ``None``, or a tensor outside any autograd graph."""
@@ -387,9 +394,11 @@ class RRefService:
     def announce(self, rref: Announced, fork: ForkId, holder: int) -> None:
         """Register a new fork of ``rref`` for ``holder`` with its owner (before sending).
 
-        The announcement holds ``rref`` (so its own fork) until the owner answers. It
-        reads the RRef's id and owner only (``_id``, ``_owner``: tests hand it a
-        stand-in with just those); its confirmation is driven through its ForkState.
+        Until the owner answers, deletions of ``rref``'s own fork are held back
+        (``_held``); the object itself is not kept (its deletion, once released, is
+        what a flush waiting for the answer sends). It reads the RRef's id and owner
+        only (``_id``, ``_owner``: tests hand it a stand-in with just those); its
+        confirmation is driven through its ForkState.
         """
         owner = rref._owner.id
         announced = (rref._id, fork, holder, self.agent.workers[holder].name)
@@ -402,7 +411,8 @@ class RRefService:
         try:
             future = self.agent.request(
                 rref._owner, MessageKind.RREF_FORKS, [announced],
-                timeout=self.agent.timeout_for(None), label=CallLabel("announce", rref, repr),
+                timeout=self.agent.timeout_for(None),
+                label=CallLabel("announce", (rref_id, rref._owner.name), _describe_announced),
             )
         except BaseException:
             self._announced(rref_id)
