@@ -199,6 +199,42 @@ def test_flush_waits_for_the_announcement_callback_not_only_its_future(
         svc.close()
 
 
+def test_flush_sends_a_deletion_made_while_it_waited() -> None:
+    # An RRef that dies while flush() waits for its acknowledgements (whatever let it
+    # go): flush goes round again and sends it, acknowledged, before it returns. It
+    # returned with the deletion queued for the deleter.
+    agent, svc = _service()
+    answering: list[threading.Timer] = []
+
+    def answer_later(future: torch.futures.Future[Any]) -> None:
+        svc.schedule_delete(agent.workers[1], (1, 2), (0, 2))  # dies meanwhile
+        future.set_result(None)
+
+    def request(dst: WorkerInfo, kind: int, payload: Any, **_: Any) -> Any:
+        agent.sent.append(("request", dst.id, kind, payload))
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        if answering:
+            future.set_result(None)
+        else:
+            answering.append(threading.Timer(0.1, answer_later, args=(future,)))
+            answering[0].start()
+        return future
+
+    agent.request = request  # type: ignore[method-assign]
+    try:
+        svc.schedule_delete(agent.workers[1], (1, 1), (0, 1))
+        svc.flush(TIMEOUT)
+        sent = list(agent.sent)
+        late = [i for i, (_, _, kind, payload) in enumerate(sent)
+                if kind == MessageKind.RREF_DELETE and ((1, 2), (0, 2)) in payload]
+        assert late, sent
+        assert any(how == "request" and dst == 1 for how, dst, _, _ in sent[late[0]:]), sent
+    finally:
+        for timer in answering:
+            timer.join(TIMEOUT)
+        svc.close()
+
+
 class _Announced:
     """A stand-in RRef that a weak reference can watch."""
 

@@ -76,6 +76,7 @@ _FREED_IDS_KEPT = 65536  # recently freed ids remembered, to answer late calls
 _CONFIRMED_EARLY_KEPT = 65536  # confirmations parked for RRefs not decoded yet
 _GONE_HOLDERS_KEPT = 4096  # names of gone workers remembered, to refuse late forks
 _FLUSH_TIMEOUT = 30.0
+_FLUSH_ROUNDS = 8  # a flush goes round again while deletions come in, at most this often
 _LINGER = 0.01  # seconds a deletion waits for a frame to ride on before going alone
 
 
@@ -561,7 +562,7 @@ class RRefService:
             # takes ~0.1 s of CPU with torch loaded (64 workers on 2 cores: 3 s of
             # shutdown), and with no RRef object here it could not send a deletion.
             gc.collect()
-        handled = 0
+        handled = rounds = 0
         while True:
             with self._send_lock:
                 taken = self._take_all()
@@ -580,7 +581,6 @@ class RRefService:
                 raise RpcError(f"{self.agent.name}: RRef bookkeeping still pending after "
                                f"{timeout} s")
             with self._lock:  # values freed by what arrived are dropped on the lane: wait
-                freeing = self._freeing
                 if not self._all_freed.wait_for(lambda: not self._freeing,
                                                 max(0.0, deadline - time.monotonic())):
                     raise RpcError(f"{self.agent.name}: freed RRef values still held "
@@ -588,17 +588,18 @@ class RRefService:
             # What this flush waited for may have released deletions: those held behind
             # an announcement (released when it is answered: waited for here, on our
             # own lock, as torch may finish a future before its callbacks have run), and
-            # those of the RRefs inside the values just dropped (an RRef of RRefs: the
-            # inner value's owner kept it until the deleter's next batch). They are this
-            # flush's: go round again. Only then, so that a flush beside a thread that
-            # keeps dropping RRefs still returns.
+            # those of the RRefs inside the values just dropped (an RRef of RRefs), and
+            # any RRef that died meanwhile. They are this flush's: go round again, a
+            # bounded number of times, so that a flush beside a thread that keeps
+            # dropping RRefs still returns.
             with self._notes_lock:
                 if not self._announcement_ended.wait_for(
                         functools.partial(held.isdisjoint, self._announcing),
                         max(0.0, deadline - time.monotonic())):
                     raise RpcError(f"{self.agent.name}: RRef fork announcements still "
                                    f"pending after {timeout} s")
-            if not (held or freeing) or time.monotonic() >= deadline:
+            rounds += 1
+            if rounds >= _FLUSH_ROUNDS or time.monotonic() >= deadline:
                 break
             with self._send_lock, self._notes_lock:  # (the deleter sends under it)
                 if not (self._deletions or self._by_owner or self._unacknowledged):
