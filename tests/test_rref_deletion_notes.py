@@ -56,6 +56,15 @@ def _service() -> tuple[StubAgent, RRefService]:
     return agent, RRefService(agent)  # type: ignore[arg-type]
 
 
+def _assert_sent_and_acknowledged(agent: StubAgent, deletion: tuple[Any, Any]) -> None:
+    """``deletion`` went to owner 1 and flush's request to it came last: sent by flush
+    as a request, or one way by the deleter first and then acknowledged by flush."""
+    deletions = [(how, dst, payload) for how, dst, kind, payload in agent.sent
+                 if kind == MessageKind.RREF_DELETE]
+    assert any(deletion in payload for _, _, payload in deletions), deletions
+    assert deletions[-1][:2] == ("request", 1), deletions
+
+
 def test_a_frame_to_the_owner_carries_its_deletions_and_no_other() -> None:
     agent, svc = _service()
     try:
@@ -155,12 +164,7 @@ def test_flush_sends_the_deletions_an_announcement_answered_during_it_released()
         answering.start()
         svc.flush(TIMEOUT)
         assert answer.done()
-        deletions = [(how, dst, payload) for how, dst, kind, payload in agent.sent
-                     if kind == MessageKind.RREF_DELETE]
-        # Sent by flush as a request, or one way by the deleter first and then
-        # acknowledged by flush's request to the same owner.
-        assert any(((1, 1), (0, 1)) in payload for _, _, payload in deletions), deletions
-        assert deletions[-1][:2] == ("request", 1), deletions
+        _assert_sent_and_acknowledged(agent, ((1, 1), (0, 1)))
         assert svc.stats()["pending_deletes"] == 0
     finally:
         answering.join(TIMEOUT)
@@ -189,10 +193,7 @@ def test_flush_waits_for_the_announcement_callback_not_only_its_future(
         svc.announce(rref, (0, 7), 2)  # type: ignore[arg-type]
         svc.schedule_delete(agent.workers[1], (1, 1), (0, 1))
         svc.flush(TIMEOUT)
-        deletions = [(how, dst, payload) for how, dst, kind, payload in agent.sent
-                     if kind == MessageKind.RREF_DELETE]
-        assert deletions and deletions[-1][:2] == ("request", 1), deletions
-        assert any(((1, 1), (0, 1)) in payload for _, _, payload in deletions), deletions
+        _assert_sent_and_acknowledged(agent, ((1, 1), (0, 1)))
     finally:
         for timer in callbacks:
             timer.join(TIMEOUT)
@@ -298,10 +299,7 @@ def test_flush_sends_the_deletions_of_the_rrefs_inside_values_it_waited_to_free(
         svc._release([_Entry(value=value, created=True)])
         del value
         svc.flush(TIMEOUT)
-        deletions = [(how, dst, payload) for how, dst, kind, payload in agent.sent
-                     if kind == MessageKind.RREF_DELETE]
-        assert deletions and deletions[-1][:2] == ("request", 1), deletions
-        assert any(((1, 1), (0, 1)) in payload for _, _, payload in deletions), deletions
+        _assert_sent_and_acknowledged(agent, ((1, 1), (0, 1)))
         assert svc.stats()["pending_deletes"] == 0
     finally:
         for timer in lane:

@@ -431,10 +431,12 @@ class RRefService:
             if self._announcing[rref_id] > 0:
                 return
             del self._announcing[rref_id]
-            held = self._held.pop(rref_id, ())
+            held = self._held.pop(rref_id, None)
+            if held is None:
+                return
             for owner, _, fork in held:
                 self._by_owner.setdefault(owner, []).append((rref_id, fork))
-            self._announcement_ended.notify_all()
+            self._announcement_ended.notify_all()  # a flush may wait for these
         if held:
             self.schedule_wake()
 
