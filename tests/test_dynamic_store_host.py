@@ -12,7 +12,6 @@ import pytest
 from torch.distributed import TCPStore
 
 from rpcx.testing.processes import worker_context
-from rpcx.testing.world import free_port
 
 BOUND = 60.0
 
@@ -39,9 +38,11 @@ def _worker(name: str, rank: int, port: int, answers: Any, orders: Any) -> None:
 
 @pytest.mark.timeout(300)
 def test_rank_0_leaves_a_world_whose_store_it_does_not_host() -> None:
-    port = free_port()
-    store = TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=BOUND),
+    # (port 0: the OS picks it as the store binds; a port found free first can be taken
+    # by another test before the store listens, EADDRINUSE in CI)
+    store = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=BOUND),
                      wait_for_workers=False)  # torchrun's agent, in the test's place
+    port = store.port
     context = worker_context()
     answers = context.Queue()
     orders: dict[str, Any] = {}
