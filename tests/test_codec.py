@@ -1,8 +1,10 @@
 """Unit tests for rpcx._wire.codec, the codec, used directly without an agent.
 
-Covers envelopes, tensors travelling out of band (every dtype family, odd shapes and
-strides, frames re-delivered as flat uint8 copies the way the gloo transport delivers
-them), pickle memoization, autograd flags, errors, and codec extensions.
+Covers envelopes, small tensors travelling in the header, tensors travelling out of band
+(every dtype family, odd shapes and strides, frames re-delivered as flat uint8 copies the
+way the gloo transport delivers them: tests of that path send every tensor out of band,
+through the ``out_of_band`` fixture), pickle memoization, autograd flags, errors, and
+codec extensions.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from rpcx._wire import reducers
 from rpcx._wire.codec import (
     DecodeContext,
     EncodeContext,
@@ -35,6 +38,12 @@ from rpcx.transport import Frame
 
 KIND = 3
 RID = 42
+
+
+@pytest.fixture
+def out_of_band(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor travels beside the header, however small (the path large ones take)."""
+    monkeypatch.setattr(reducers, "INLINE_MAX_BYTES", -1)
 
 
 def round_trip(payload: Any, *, peer: int = 1) -> Any:
@@ -145,6 +154,7 @@ def test_tensor_round_trip(name: str) -> None:
     assert_same_tensor(round_trip(tensor), tensor)
 
 
+@pytest.mark.usefixtures("out_of_band")
 @pytest.mark.parametrize("name", list(sample_tensors()))
 def test_tensor_round_trip_through_flat_uint8_buffers(name: str) -> None:
     tensor = sample_tensors()[name]
@@ -155,6 +165,7 @@ def test_tensor_round_trip_through_flat_uint8_buffers(name: str) -> None:
     assert_same_tensor(got, tensor)
 
 
+@pytest.mark.usefixtures("out_of_band")
 def test_all_sample_tensors_in_one_message_through_uint8_buffers() -> None:
     tensors = sample_tensors()
     frame = encode(KIND, RID, tensors, EncodeContext(1))
@@ -165,6 +176,7 @@ def test_all_sample_tensors_in_one_message_through_uint8_buffers() -> None:
         assert_same_tensor(got[name], want)
 
 
+@pytest.mark.usefixtures("out_of_band")
 def test_buffers_are_contiguous() -> None:
     tensors = sample_tensors()
     frame = encode(KIND, RID, list(tensors.values()), EncodeContext(0))
@@ -188,6 +200,97 @@ def test_decoded_tensor_does_not_alias_the_sender() -> None:
     assert torch.equal(tensor, torch.arange(4.0))
 
 
+# ---------------------------------------------------------- small tensors, in the header
+
+_CONTIGUOUS_SAMPLES = [name for name, t in sample_tensors().items() if t.is_contiguous()]
+
+
+@pytest.mark.parametrize("name", _CONTIGUOUS_SAMPLES)
+def test_small_tensor_travels_in_the_header(name: str) -> None:
+    tensor = sample_tensors()[name]
+    frame = encode(KIND, RID, [tensor], EncodeContext(1))
+    assert frame.buffers == []
+    (got,) = decode_payload(frame, DecodeContext(1))
+    assert_same_tensor(got, tensor)
+
+
+def test_in_band_up_to_the_limit_then_beside_the_header() -> None:
+    limit = reducers.INLINE_MAX_BYTES
+    at_limit = torch.arange(limit, dtype=torch.uint8)
+    past_it = torch.arange(limit + 1, dtype=torch.uint8)
+    frame = encode(KIND, RID, (at_limit, past_it), EncodeContext(0))
+    assert len(frame.buffers) == 1 and frame.buffers[0].numel() == limit + 1
+    assert limit < len(frame.header) < limit + 512
+    got = decode_payload(frame, DecodeContext(0))
+    assert torch.equal(got[0], at_limit) and torch.equal(got[1], past_it)
+
+
+def test_tensor_from_the_header_is_writable_and_its_own() -> None:
+    sent = torch.arange(6.0).reshape(2, 3)
+    frame = encode(KIND, RID, (sent, sent.t()), EncodeContext(0))
+    (got, got_t) = decode_payload(frame, DecodeContext(0))
+    got.add_(1)  # (a read-only buffer would warn and refuse)
+    assert torch.equal(sent, torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(got, sent + 1)
+    assert got.data_ptr() % 16 == 0  # aligned for any dtype's element
+    assert torch.equal(got_t, sent.t()) and got_t.stride() == sent.t().stride()
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_small_parameter_and_grad_flags_travel_in_the_header(requires_grad: bool) -> None:
+    param = torch.nn.Parameter(torch.randn(2, 2), requires_grad=requires_grad)
+    leaf = torch.randn(3, requires_grad=True)
+    frame = encode(KIND, RID, (param, leaf * 2), EncodeContext(0))
+    assert frame.buffers == []
+    got_param, got_leaf = decode_payload(frame, DecodeContext(0))
+    assert type(got_param) is torch.nn.Parameter
+    assert got_param.requires_grad is requires_grad
+    assert torch.equal(got_param.detach(), param.detach())
+    assert got_leaf.requires_grad and got_leaf.is_leaf
+    got_leaf.sum().backward()
+    assert torch.equal(got_leaf.grad, torch.ones(3))
+
+
+def test_small_conjugated_and_negated_views_are_materialized_in_the_header() -> None:
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    lazy_conj, lazy_neg = z.conj(), torch._neg_view(z)
+    assert lazy_conj.is_conj() and lazy_neg.is_neg()
+    frame = encode(KIND, RID, (lazy_conj, lazy_neg), EncodeContext(0))
+    assert frame.buffers == []
+    got_conj, got_neg = decode_payload(frame, DecodeContext(0))
+    assert torch.equal(got_conj, z.conj().resolve_conj())
+    assert torch.equal(got_neg, -z)
+
+
+def _forged_inline(data: Any, dtype: str, shape: tuple[int, ...]) -> Any:
+    class Forged:
+        def __reduce__(self) -> Any:
+            return (reducers._rebuild_inline, (data, dtype, shape, False, False))
+
+    return Forged()
+
+
+@pytest.mark.parametrize(("data", "shape", "match"), [
+    (bytes(8), (2,), "not a bytearray"),
+    (bytearray(7), (2,), "buffer"),
+    (bytearray(8), (3,), "shape"),
+])
+def test_malformed_tensor_in_the_header_is_refused(data: Any, shape: tuple[int, ...],
+                                                    match: str) -> None:
+    frame = encode(KIND, RID, _forged_inline(data, "torch.float32", shape), EncodeContext(0))
+    with pytest.raises(SerializationError, match=match):
+        decode_payload(frame, DecodeContext(0))
+
+
+def test_same_small_tensor_twice_is_one_object() -> None:
+    tensor = torch.arange(6.0)
+    frame = encode(KIND, RID, [tensor, {"again": tensor}], EncodeContext(0))
+    first, inner = decode_payload(frame, DecodeContext(0))
+    assert first is inner["again"]
+    assert torch.equal(first, tensor)
+
+
+@pytest.mark.usefixtures("out_of_band")
 def test_same_tensor_twice_is_one_buffer_and_one_object() -> None:
     tensor = torch.arange(6.0)
     frame = encode(KIND, RID, [tensor, {"again": tensor}], EncodeContext(0))
@@ -197,6 +300,7 @@ def test_same_tensor_twice_is_one_buffer_and_one_object() -> None:
     assert torch.equal(first, tensor)
 
 
+@pytest.mark.usefixtures("out_of_band")
 def test_distinct_equal_tensors_stay_distinct() -> None:
     a, b = torch.ones(3), torch.ones(3)
     frame = encode(KIND, RID, (a, b), EncodeContext(0))
@@ -217,6 +321,7 @@ def test_requires_grad_preserved() -> None:
     assert torch.equal(got_non_leaf.detach(), non_leaf.detach())
 
 
+@pytest.mark.usefixtures("out_of_band")
 def test_requires_grad_preserved_through_uint8_buffers() -> None:
     leaf = torch.randn(2, 3, requires_grad=True)
     frame = encode(KIND, RID, leaf, EncodeContext(0))
@@ -286,6 +391,7 @@ def test_placed_tensor_on_cpu_round_trips_unchanged() -> None:
     assert torch.equal(got, tensor)
 
 
+@pytest.mark.usefixtures("out_of_band")
 def test_sparse_tensor_round_trip_out_of_band() -> None:
     dense = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
     sparse = dense.to_sparse()
@@ -314,6 +420,7 @@ def test_sparse_tensor_keeps_requires_grad_and_coalescing(coalesced: bool) -> No
     assert len(torch._utils._sparse_tensors_to_validate) == before
 
 
+@pytest.mark.usefixtures("out_of_band")
 # The test builds the tensors itself, and torch says once per process that they are beta.
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 @pytest.mark.parametrize("layout", ["csr", "csc", "bsr", "bsc"])
@@ -330,6 +437,7 @@ def test_compressed_sparse_layouts_round_trip(layout: str) -> None:
     assert got.layout is sparse.layout and torch.equal(got.to_dense(), dense)
 
 
+@pytest.mark.usefixtures("out_of_band")
 def test_malformed_sparse_tensor_is_refused() -> None:
     sparse = torch.tensor([[0.0, 1.0], [2.0, 0.0]]).to_sparse()
     frame = as_gloo_delivers(encode(KIND, RID, sparse, EncodeContext(0)))
@@ -339,6 +447,7 @@ def test_malformed_sparse_tensor_is_refused() -> None:
         decode_payload(frame, DecodeContext(0))
 
 
+@pytest.mark.usefixtures("out_of_band")
 @pytest.mark.parametrize("name", ["transposed", "strided", "expanded", "offset_view"])
 def test_views_keep_their_strides_and_travel_as_their_span(name: str) -> None:
     tensor = sample_tensors()[name]
@@ -352,6 +461,7 @@ def test_views_keep_their_strides_and_travel_as_their_span(name: str) -> None:
     assert got.stride() == tensor.stride()
 
 
+@pytest.mark.usefixtures("out_of_band")
 def test_small_view_of_a_large_storage_travels_as_a_copy() -> None:
     column = torch.arange(1 << 16, dtype=torch.float32).reshape(256, 256)[:, 5]
     frame = encode(KIND, RID, column, EncodeContext(0))
@@ -361,6 +471,7 @@ def test_small_view_of_a_large_storage_travels_as_a_copy() -> None:
     assert got.is_contiguous()
 
 
+@pytest.mark.usefixtures("out_of_band")
 def test_contiguous_tensor_is_its_own_buffer() -> None:
     tensor = torch.arange(12.0).reshape(3, 4)[1:]
     frame = encode(KIND, RID, tensor, EncodeContext(0))
@@ -368,6 +479,7 @@ def test_contiguous_tensor_is_its_own_buffer() -> None:
     assert frame.buffers[0].shape == tensor.shape  # no span, no copy: the common path
 
 
+@pytest.mark.usefixtures("out_of_band")
 def test_view_reaching_past_its_buffer_is_refused() -> None:
     view = torch.arange(20.0).reshape(4, 5).t()
     frame = as_gloo_delivers(encode(KIND, RID, view, EncodeContext(0)))
@@ -499,6 +611,7 @@ def test_rebuild_function_outside_decode_raises() -> None:
         rebuild_handle("x", torch.ones(1), 0)
 
 
+@pytest.mark.usefixtures("out_of_band")
 def test_conjugate_view_round_trip_through_uint8_buffers() -> None:
     z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
     lazy = z.conj()
@@ -508,6 +621,7 @@ def test_conjugate_view_round_trip_through_uint8_buffers() -> None:
     assert_same_tensor(got.resolve_conj(), lazy.resolve_conj())
 
 
+@pytest.mark.usefixtures("out_of_band")
 def test_frame_marks_the_buffers_the_codec_copied_as_owned() -> None:
     plain = torch.arange(8.0)
     strided_small = torch.arange(16.0).reshape(4, 4).t()  # travels as its storage span

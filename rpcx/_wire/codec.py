@@ -261,6 +261,7 @@ class _ControlUnpickler(pickle.Unpickler):
 
     _ALLOWED = frozenset({
         ("rpcx._wire.reducers", "_rebuild_tensor"),
+        ("rpcx._wire.reducers", "_rebuild_inline"),
         ("rpcx._wire.reducers", "_rebuild_view"),
         ("rpcx._wire.reducers", "_rebuild_sparse"),
         ("rpcx._wire.reducers", "_rebuild_placed"),  # (a gradient bound for a device)
