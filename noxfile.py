@@ -129,7 +129,9 @@ def _test_backend(session: nox.Session, backend: str, pytest_args: list[str]) ->
         pytest += ("--only-backend-tests",)
     if backend == FAULTY:
         # ``RPCX_FAULTS=...`` overrides the faults (JSON of rpcx.faulty.Faults).
-        env = {"RPCX_FAULTS": os.environ.get("RPCX_FAULTS") or FAULTS}
+        # (every tensor as a buffer, as in the tcp pass: gloo's path for small buffers)
+        env = {"RPCX_FAULTS": os.environ.get("RPCX_FAULTS") or FAULTS,
+               "RPCX_INLINE_MAX_BYTES": "0"}
         session.run(*pytest, "tests/test_conformance.py", "-k", FAULTY_TESTS, *pytest_args,
                     env=env, external=True)
         return
@@ -139,9 +141,12 @@ def _test_backend(session: nox.Session, backend: str, pytest_args: list[str]) ->
         # auto, which shares all of its code but the socket (~2 min saved). Its pairs
         # connect on demand (SocketRpcBackendOptions.connect_on_demand), so the kit
         # checks that way of connecting too; auto's pass connects every pair up front.
+        # Small tensors travel as buffers here (RPCX_INLINE_MAX_BYTES=0), where auto's
+        # pass sends them in the header: the kit checks both paths of the socket code.
         session.run(*pytest, "tests/test_conformance.py", *pytest_args,
                     env={"RPCX_CONNECT_ON_DEMAND": os.environ.get("RPCX_CONNECT_ON_DEMAND",
-                                                                  "1")}, external=True)
+                                                                  "1"),
+                         "RPCX_INLINE_MAX_BYTES": "0"}, external=True)
         return
     if backend == "tensorpipe":
         # torch's own TensorPipe init_rpc needs numpy; rpcx's tensorpipe backend must not.

@@ -138,6 +138,7 @@ def test_plain_payload_round_trip() -> None:
     assert round_trip(payload) == payload
 
 
+@pytest.mark.usefixtures("out_of_band")
 def test_encode_context_records_peer_and_frame_uses_its_buffers() -> None:
     ctx = EncodeContext(5)
     frame = encode(KIND, RID, torch.ones(2), ctx)
@@ -227,13 +228,52 @@ def test_in_band_up_to_the_limit_then_beside_the_header() -> None:
 
 def test_tensor_from_the_header_is_writable_and_its_own() -> None:
     sent = torch.arange(6.0).reshape(2, 3)
-    frame = encode(KIND, RID, (sent, sent.t()), EncodeContext(0))
-    (got, got_t) = decode_payload(frame, DecodeContext(0))
+    frame = encode(KIND, RID, sent, EncodeContext(0))
+    assert frame.buffers == []
+    got = decode_payload(frame, DecodeContext(0))
     got.add_(1)  # (a read-only buffer would warn and refuse)
     assert torch.equal(sent, torch.arange(6.0).reshape(2, 3))
     assert torch.equal(got, sent + 1)
     assert got.data_ptr() % 16 == 0  # aligned for any dtype's element
-    assert torch.equal(got_t, sent.t()) and got_t.stride() == sent.t().stride()
+
+
+def test_room_in_the_header_is_per_message() -> None:
+    limit = reducers.INLINE_MAX_BYTES
+    half = torch.zeros(limit // 2 + 1, dtype=torch.uint8)  # two do not fit together
+    many = [torch.full((1024,), i, dtype=torch.uint8) for i in range(limit // 1024 + 8)]
+    frame = encode(KIND, RID, (half, half.clone(), many), EncodeContext(0))
+    header_bytes = len(frame.header)
+    # In the header: the first half, then as many of ``many`` as the rest of the room
+    # takes; beside it: the second half and the others.
+    fit = (limit - half.numel()) // 1024
+    assert len(frame.buffers) == 1 + len(many) - fit
+    assert frame.buffers[0].numel() == half.numel()
+    assert half.numel() + 1024 * fit < header_bytes < limit + 4096
+    got_a, got_b, got_many = decode_payload(frame, DecodeContext(0))
+    assert torch.equal(got_a, half) and torch.equal(got_b, half)
+    assert all(torch.equal(g, t) for g, t in zip(got_many, many, strict=True))
+
+
+def test_tensors_keep_stream_order_across_header_and_buffers() -> None:
+    small_a, large, small_b = torch.ones(2), torch.zeros(1 << 16), torch.arange(3.0)
+    enc = EncodeContext(0)
+    frame = encode(KIND, RID, [small_a, large, small_b], enc)
+    assert len(frame.buffers) == 1 and frame.buffers[0].numel() == 1 << 16
+    assert [t is want for t, want in zip(enc.tensors, (small_a, large, small_b), strict=True)] \
+        == [True, True, True]
+    dec = DecodeContext(0)
+    got = decode_payload(frame, dec)
+    assert [t is g for t, g in zip(dec.tensors, got, strict=True)] == [True, True, True]
+
+
+def test_tensor_without_readable_memory_goes_beside_the_header() -> None:
+    zeros = torch._efficientzerotensor(3)  # zeros by definition: no memory at all
+    freed = torch.arange(4.0)
+    freed.untyped_storage().resize_(0)  # (as FSDP frees a parameter's storage)
+    for tensor in (zeros, freed):
+        assert tensor.data_ptr() == 0 and tensor.nbytes > 0
+        frame = encode(KIND, RID, tensor, EncodeContext(0))  # (read at 0: a crash)
+        assert len(frame.buffers) == 1 and frame.buffers[0].data_ptr() == 0
 
 
 @pytest.mark.parametrize("requires_grad", [True, False])
@@ -270,14 +310,23 @@ def _forged_inline(data: Any, dtype: str, shape: tuple[int, ...]) -> Any:
     return Forged()
 
 
-@pytest.mark.parametrize(("data", "shape", "match"), [
-    (bytes(8), (2,), "not a bytearray"),
-    (bytearray(7), (2,), "buffer"),
-    (bytearray(8), (3,), "shape"),
+@pytest.mark.parametrize(("data", "dtype", "shape", "match"), [
+    (bytes(8), "torch.float32", (2,), "not a bytearray"),
+    (bytearray(7), "torch.float32", (2,), "7 bytes"),
+    (bytearray(8), "torch.float32", (3,), "8 bytes"),
+    (bytearray(), "torch.float32", (10**9,), "0 bytes"),  # (no allocation on its word)
+    (bytearray(8), "torch.float32", (-1,), "shape"),
+    (bytearray(8), "torch.float32", [2], "shape"),
+    (bytearray(4), "torch.qint8", (4,), "qint8"),  # (no quantizer: reading it crashes)
+    (bytearray(4), "torch.nonsense", (4,), "nonsense"),
 ])
-def test_malformed_tensor_in_the_header_is_refused(data: Any, shape: tuple[int, ...],
-                                                    match: str) -> None:
-    frame = encode(KIND, RID, _forged_inline(data, "torch.float32", shape), EncodeContext(0))
+@pytest.mark.parametrize("kind", [KIND, int(MessageKind.AUTOGRAD_CHAIN)])
+def test_malformed_tensor_in_the_header_is_refused(
+    data: Any, dtype: str, shape: Any, match: str, kind: int
+) -> None:
+    # (AUTOGRAD_CHAIN: a bookkeeping kind, read by the unpickler that allows only plain
+    # data and the codec's own rebuild functions)
+    frame = encode(kind, RID, [_forged_inline(data, dtype, shape)], EncodeContext(0))
     with pytest.raises(SerializationError, match=match):
         decode_payload(frame, DecodeContext(0))
 

@@ -1,8 +1,9 @@
 """The codec: message envelopes to :class:`~rpcx.transport.Frame` and back.
 
-The only module that touches pickle. One pickling pass per message; tensors never enter
-pickle's byte stream: each becomes a reference to a slot in the frame's buffer list, with
-its dtype and shape, so a transport moves tensor memory as-is.
+The only module that touches pickle. One pickling pass per message. A tensor becomes a
+reference to a slot in the frame's buffer list, with its dtype and shape, so a transport
+moves tensor memory as-is; small CPU tensors are the exception, their bytes pickled into
+the header (up to ``INLINE_MAX_BYTES`` a message: a buffer costs more than copying them).
 
 Speed matters here (it is on every call), so the pickler runs Python code only for the
 types that need it: a per-pickler ``dispatch_table`` maps ``torch.Tensor`` and every

@@ -30,8 +30,8 @@ class EncodeContext:
     Attributes:
         peer: the destination rank.
         buffers: the tensor data that travels beside the header, in order.
-        tensors: the original tensors, in buffer order (services inspect them, for
-            example to record which ones require grad).
+        tensors: the original tensors, in the order the stream holds them (services
+            inspect them, for example to record which ones require grad).
         before_send: callbacks the agent runs, in order, after the message was encoded
             and just before it is sent (an RRef registers its new fork with the owner).
         agent: the sending agent (set for scoped messages).
@@ -51,13 +51,15 @@ class EncodeContext:
         placements: ``id(tensor) -> device`` overriding the map for single tensors
             (set through :class:`Placed`).
         owned: indices of buffers the codec copied while encoding (``Frame.owned``).
+        in_header: bytes of small tensors the codec pickled into the header so far (it
+            stops at ``INLINE_MAX_BYTES`` a message: rpcx._wire.reducers).
     """
 
     # A plain class with slots, not a dataclass: one is made per message sent, and the
     # dataclass's default factories cost a call each.
-    __slots__ = ("agent", "before_send", "buffers", "keep_alive", "notes", "owned", "peer",
-                 "placements", "response", "routes", "scope", "scope_tag", "stage_devices",
-                 "tensors")
+    __slots__ = ("agent", "before_send", "buffers", "in_header", "keep_alive", "notes", "owned",
+                 "peer", "placements", "response", "routes", "scope", "scope_tag",
+                 "stage_devices", "tensors")
 
     def __init__(
         self,
@@ -90,6 +92,7 @@ class EncodeContext:
         self.stage_devices = stage_devices
         self.placements: dict[int, torch.device] = {} if placements is None else placements
         self.owned: list[int] = [] if owned is None else owned
+        self.in_header = 0  # bytes of small tensors pickled into the header so far
 
 
 class DecodeContext:
@@ -99,7 +102,7 @@ class DecodeContext:
         peer: the source rank.
         agent: the receiving agent, for extensions that rebuild objects bound to it.
         buffers: the frame's tensor data.
-        tensors: the rebuilt tensors, in buffer order.
+        tensors: the rebuilt tensors, in the order the stream holds them.
         scope, scope_tag: the message's scope and tag (``None``, 0 if unscoped).
         scope_count: how many tensors the scope hooks have seen in this message.
         source_device: while a tensor is rebuilt, the device it was on at the sender

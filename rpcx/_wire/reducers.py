@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import copyreg
 import ctypes
+import logging
+import math
+import os
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -36,20 +39,51 @@ __all__ = [
     "set_scope_hooks",
 ]
 
+log = logging.getLogger("rpcx.codec")
+
 PROTOCOL = 5
 """The pickle protocol of every message (5: buffers out of band)."""
-INLINE_MAX_BYTES = 32 << 10
-"""A CPU tensor of at most this many bytes travels inside the header (its bytes copied
-into the pickle), not beside it as a buffer of the frame. Each buffer costs the
-transports, the byte budget and the receiver a fixed amount of Python and torch calls a
-side: a 3x3 tensor echo on ``auto`` took 85 us more CPU per process than an int echo as
-a buffer, 30 us in the header. Echoes of 3x3 to 64 KiB tensors, one setting against the
-other in the same processes, were 1.07-1.49x faster in the header on auto, gloo,
-tensorpipe and zmq; 32 KiB keeps a header small enough to pass a bulk transfer
-(``_PASS_MAX`` of the socket backends)."""
+def _limit_from_environment(default: int) -> int:
+    raw = os.environ.get("RPCX_INLINE_MAX_BYTES")
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        log.warning("RPCX_INLINE_MAX_BYTES=%r is not a number of bytes; using %d", raw,
+                    default)
+        return default
+
+
+INLINE_MAX_BYTES = _limit_from_environment(32 << 10)
+"""Small CPU tensors travel inside the header (their bytes copied into the pickle), not
+beside it as buffers of the frame, while the message's tensors in the header add up to
+at most this many bytes. Each buffer costs the transports, the byte budget and the
+receiver a fixed amount of Python and torch calls a side: a 3x3 tensor echo on ``auto``
+took 83-93 us more CPU per process than an int echo as a buffer, 30 us in the header.
+Echoes of one 3x3 to 64 KiB tensor, one setting against the other in the same processes,
+were 1.07-1.49x faster in the header on auto, gloo, tensorpipe and zmq. The bound per
+message keeps a header small enough to pass a bulk transfer (the socket backends'
+``_PASS_MAX``, 64 KiB): a message with many small tensors (a state dict) sends the rest
+as buffers. ``$RPCX_INLINE_MAX_BYTES`` sets it in a process that imports rpcx (0: every
+tensor a buffer; the test suite runs some passes so, to exercise transports' paths for
+small buffers)."""
 _DTYPES: dict[str, torch.dtype] = {
     str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)
 }
+# The dtypes a tensor in the header may have, by dtype and by name: plain numbers whose
+# bytes are the values (no quantized dtypes: a tensor built over bytes with one has no
+# quantizer, and crashes the process when read; no sub-byte or experimental ones).
+_IN_HEADER: dict[torch.dtype, str] = {
+    dtype: str(dtype) for dtype in (
+        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+        torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+        torch.complex128,
+        *(getattr(torch, name) for name in ("uint16", "uint32", "uint64")
+          if isinstance(getattr(torch, name, None), torch.dtype)),
+    )
+}
+_IN_HEADER_BY_NAME = {name: dtype for dtype, name in _IN_HEADER.items()}
 
 # Scope hooks: (on_encode(ctx, tensor), on_decode(ctx, tensor) -> tensor), or None.
 _scope_hooks: tuple[
@@ -78,14 +112,14 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
             return _reduce_sparse(tensor)
         return tensor.__reduce_ex__(PROTOCOL)  # type: ignore[no-untyped-call]  # rare layouts: torch's own pickling, in band
     ctx = current_encode_context()
-    if (tensor.is_cpu and tensor.nbytes <= INLINE_MAX_BYTES and tensor.is_contiguous()
-            and not (tensor.is_conj() or tensor.is_neg())):
+    if tensor.is_cpu and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
         # The common small tensor, in the header (see INLINE_MAX_BYTES), with as few
-        # torch calls as it takes: a contiguous tensor's bytes are dense in order,
+        # torch calls as it takes: a contiguous tensor's bytes are dense, in order,
         # whatever the strides of its size-1 dimensions.
-        _seen(ctx, tensor)
-        return (_rebuild_inline, (_bytes_of(tensor), str(tensor.dtype), tuple(tensor.shape),
-                                  tensor.requires_grad, type(tensor) is torch.nn.Parameter))
+        inline = _in_header(ctx, tensor, tensor)
+        if inline is not None:
+            _seen(ctx, tensor)
+            return (_rebuild_inline, inline)
     target: torch.device | None = None
     if not tensor.is_cpu:
         target = _target_of(tensor, ctx)
@@ -105,28 +139,49 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     if target is not None and ctx.stage_devices:
         data = data.cpu()  # staged: the receiver puts it on ``target``
         copied = True
-    _seen(ctx, tensor)
-    is_param = type(tensor) is torch.nn.Parameter
-    if target is None and stride is None and data.nbytes <= INLINE_MAX_BYTES:
+    if target is None and stride is None:
         # (a small conjugated or negated view, materialized above)
-        return (_rebuild_inline, (_bytes_of(data), str(tensor.dtype), tuple(tensor.shape),
-                                  tensor.requires_grad, is_param))
-    index = len(ctx.buffers)
-    ctx.buffers.append(data)
-    if copied:
-        ctx.owned.append(index)
+        inline = _in_header(ctx, tensor, data)
+        if inline is not None:
+            _seen(ctx, tensor)
+            return (_rebuild_inline, inline)
     args: tuple[Any, ...] = (
-        index, str(tensor.dtype), tuple(tensor.shape), tensor.requires_grad, is_param
+        len(ctx.buffers), str(tensor.dtype), tuple(tensor.shape), tensor.requires_grad,
+        type(tensor) is torch.nn.Parameter,
     )
     if target is not None:
         args += (str(target), str(tensor.device))
+    ctx.buffers.append(data)
+    if copied:
+        ctx.owned.append(len(ctx.buffers) - 1)
+    _seen(ctx, tensor)
     if stride is not None:
         return (_rebuild_view, (stride, *args))
     return (_rebuild_tensor, args)
 
 
+def _in_header(ctx: EncodeContext, tensor: torch.Tensor, data: torch.Tensor
+               ) -> tuple[Any, ...] | None:
+    """``_rebuild_inline``'s arguments for ``tensor`` (its bytes: ``data``, contiguous,
+    on the CPU), or ``None`` if it goes beside the header: too large for what is left of
+    the message's room (INLINE_MAX_BYTES), a dtype the header does not carry, or no
+    memory to read (a storage freed in place, a tensor of zeros that has none)."""
+    nbytes = data.nbytes
+    name = _IN_HEADER.get(tensor.dtype)
+    if name is None or ctx.in_header + nbytes > INLINE_MAX_BYTES:
+        return None
+    address = data.data_ptr()
+    if nbytes and not address:
+        return None
+    ctx.in_header += nbytes
+    payload = bytearray((ctypes.c_char * nbytes).from_address(address)) if nbytes else bytearray()
+    return (payload, name, tuple(tensor.shape), tensor.requires_grad,
+            type(tensor) is torch.nn.Parameter)
+
+
 def _seen(ctx: EncodeContext, tensor: torch.Tensor) -> None:
-    """Every tensor sent goes through this, in the order the stream holds them."""
+    """Every tensor sent goes through this, in the order the stream holds them, once
+    its arguments are built (a tensor that cannot be sent records nothing)."""
     ctx.tensors.append(tensor)
     if (ctx.scope is not None and tensor.requires_grad and _scope_hooks is not None
             and torch.is_grad_enabled()):
@@ -134,26 +189,28 @@ def _seen(ctx: EncodeContext, tensor: torch.Tensor) -> None:
         _scope_hooks[0](ctx, tensor)
 
 
-def _bytes_of(data: torch.Tensor) -> bytearray:
-    """A copy of a contiguous CPU tensor's bytes."""
-    nbytes = data.nbytes
-    if not nbytes:
-        return bytearray()
-    return bytearray((ctypes.c_char * nbytes).from_address(data.data_ptr()))
-
-
 def _rebuild_inline(data: bytearray, dtype_name: str, shape: tuple[int, ...],
                     requires_grad: bool, param: bool) -> torch.Tensor:
-    """A small tensor that travelled in the header: a tensor over its own bytes."""
+    """A small tensor that travelled in the header: a tensor over its own bytes. What a
+    peer sent is checked first: a plain dtype, a shape of non-negative ints, and bytes
+    (a ``bytearray``) that fill it exactly."""
+    dtype = _IN_HEADER_BY_NAME.get(dtype_name)
+    if dtype is None:
+        raise SerializationError(f"malformed tensor in the message: dtype {dtype_name!r} "
+                                 "cannot travel in the header")
     if type(data) is not bytearray:
         raise SerializationError("malformed tensor in the message: its bytes are "
                                  f"{type(data).__name__}, not a bytearray")
-    dtype = _DTYPES[dtype_name]
+    if type(shape) is not tuple or not all(type(n) is int and n >= 0 for n in shape):
+        raise SerializationError(f"malformed tensor in the message: shape {shape!r}")
+    if len(data) != math.prod(shape) * dtype.itemsize:
+        raise SerializationError(f"malformed tensor in the message: {len(data)} bytes for "
+                                 f"shape {shape} of {dtype_name}")
     if data:
         tensor = torch.frombuffer(data, dtype=dtype).view(shape)
     else:
         tensor = torch.empty(shape, dtype=dtype)
-    return _finish(current_decode_context(), tensor, requires_grad, param, None)
+    return _finish(current_decode_context(), tensor, bool(requires_grad), bool(param), None)
 
 
 # A non-contiguous view travels as the span of storage it covers, with its strides, so
