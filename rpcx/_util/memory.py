@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-__all__ = ["copy_of", "empty_bytes"]
+__all__ = ["copy_of", "empty_bytes", "memory_of"]
 
 log = logging.getLogger("rpcx.memory")
 
@@ -67,3 +67,13 @@ def copy_of(tensor: torch.Tensor) -> torch.Tensor:
     out = empty_bytes(nbytes)
     out.copy_(tensor.reshape(-1).view(torch.uint8))
     return out
+
+
+def memory_of(tensor: torch.Tensor) -> memoryview:
+    """A memoryview over a contiguous CPU tensor's bytes, without numpy (no copy).
+
+    Valid only while the tensor lives: keep the tensor until the bytes are written.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    return memoryview(array).cast("B")

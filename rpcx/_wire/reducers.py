@@ -12,7 +12,6 @@ edges of its graph on both sides of a call.
 from __future__ import annotations
 
 import copyreg
-import ctypes
 import logging
 import math
 import os
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rpcx._util.memory import memory_of
 from rpcx._wire.contexts import (
     DecodeContext,
     EncodeContext,
@@ -43,7 +43,10 @@ log = logging.getLogger("rpcx.codec")
 
 PROTOCOL = 5
 """The pickle protocol of every message (5: buffers out of band)."""
+
+
 def _limit_from_environment(default: int) -> int:
+    """``$RPCX_INLINE_MAX_BYTES`` if it is set (a number of bytes), else ``default``."""
     raw = os.environ.get("RPCX_INLINE_MAX_BYTES")
     if raw is None:
         return default
@@ -139,8 +142,10 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     if target is not None and ctx.stage_devices:
         data = data.cpu()  # staged: the receiver puts it on ``target``
         copied = True
-    if target is None and stride is None:
-        # (a small conjugated or negated view, materialized above)
+    if copied and target is None and stride is None:
+        # A small tensor made contiguous here (a conjugated or negated view, a narrow
+        # view of a wide storage): the header takes it too. (A plain one was offered
+        # it above already.)
         inline = _in_header(ctx, tensor, data)
         if inline is not None:
             _seen(ctx, tensor)
@@ -174,7 +179,7 @@ def _in_header(ctx: EncodeContext, tensor: torch.Tensor, data: torch.Tensor
     if nbytes and not address:
         return None
     ctx.in_header += nbytes
-    payload = bytearray((ctypes.c_char * nbytes).from_address(address)) if nbytes else bytearray()
+    payload = bytearray(memory_of(data)) if nbytes else bytearray()
     return (payload, name, tuple(tensor.shape), tensor.requires_grad,
             type(tensor) is torch.nn.Parameter)
 

@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-from rpcx._util.memory import copy_of, empty_bytes
+from rpcx._util.memory import copy_of, empty_bytes, memory_of
 from rpcx.errors import ProtocolError
 
 __all__ = ["PIECE_BYTES", "as_bytes", "check_count", "check_frame_size", "copy_of",
@@ -54,16 +54,6 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of a contiguous tensor's memory (no copy)."""
     flat = tensor.reshape(-1)
     return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
-
-
-def memory_of(tensor: torch.Tensor) -> memoryview:
-    """A memoryview over a contiguous CPU tensor's bytes, without numpy (no copy).
-
-    Valid only while the tensor lives: keep the tensor until the bytes are written.
-    """
-    nbytes = tensor.numel() * tensor.element_size()
-    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
-    return memoryview(array).cast("B")
 
 
 def owning_memory(tensor: torch.Tensor) -> ctypes.Array[ctypes.c_char]:
