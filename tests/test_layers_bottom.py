@@ -54,6 +54,7 @@ def test_devices_imports_only_the_options() -> None:
 def test_the_fork_state_sits_below_rref_and_its_protocol() -> None:
     assert rpcx_imports("_services/rref_fork.py") == {"rpcx.worker"}
     assert "rpcx.rref" not in rpcx_imports("_services/rref_protocol.py")
+    assert "rpcx.rref" not in rpcx_imports("_services/rref_deletions.py")
 
 
 SERVICES = ["rref.py", "functions.py",

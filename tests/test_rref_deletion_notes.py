@@ -1,4 +1,4 @@
-"""RRef deletions ride as notes in the next frame to their owner (rpcx._services.rref_protocol).
+"""RRef deletions ride as notes in the next frame to their owner (rpcx._services.rref_deletions).
 
 A stub agent records what the service sends, so each test sees exactly which messages
 a deletion cost: none of its own when a frame to the owner takes it, one one-way
@@ -68,12 +68,12 @@ def _assert_sent_and_acknowledged(agent: StubAgent, deletion: tuple[Any, Any]) -
 def test_a_frame_to_the_owner_carries_its_deletions_and_no_other() -> None:
     agent, svc = _service()
     try:
-        with svc._send_lock:  # the deleter waits: the frame is first, whatever the load
+        with svc.deletions.send_lock:  # the deleter waits: the frame is first, whatever the load
             svc.schedule_delete(agent.workers[1], (1, 1), (0, 1))
             svc.schedule_delete(agent.workers[2], (2, 1), (0, 2))
             svc.schedule_delete(agent.workers[1], (1, 2), (0, 3))
-            notes = svc.notes_for(1)
-            assert svc.notes_for(1) == []  # taken once
+            notes = svc.deletions.notes_for(1)
+            assert svc.deletions.notes_for(1) == []  # taken once
         assert notes == [(MessageKind.RREF_DELETE, [((1, 1), (0, 1)), ((1, 2), (0, 3))])]
         # The deleter sends what no frame took (worker 2's) one way, after its linger.
         assert agent.notified.wait(TIMEOUT)
@@ -85,11 +85,11 @@ def test_a_frame_to_the_owner_carries_its_deletions_and_no_other() -> None:
 def test_notes_of_a_frame_never_sent_are_taken_back_and_sent() -> None:
     agent, svc = _service()
     try:
-        with svc._send_lock:
+        with svc.deletions.send_lock:
             svc.schedule_delete(agent.workers[1], (1, 1), (0, 1))
-            notes = svc.notes_for(1)
+            notes = svc.deletions.notes_for(1)
         assert notes
-        svc.notes_not_sent(1, notes)  # the frame failed to encode
+        svc.deletions.notes_not_sent(1, notes)  # the frame failed to encode
         assert agent.notified.wait(TIMEOUT)
         assert agent.sent == [("notify", 1, MessageKind.RREF_DELETE, [((1, 1), (0, 1))])]
     finally:
@@ -99,9 +99,9 @@ def test_notes_of_a_frame_never_sent_are_taken_back_and_sent() -> None:
 def test_flush_asks_every_owner_sent_deletions_one_way_for_an_acknowledgement() -> None:
     agent, svc = _service()
     try:
-        with svc._send_lock:
+        with svc.deletions.send_lock:
             svc.schedule_delete(agent.workers[1], (1, 1), (0, 1))
-            assert svc.notes_for(1)  # rode in a frame: unacknowledged
+            assert svc.deletions.notes_for(1)  # rode in a frame: unacknowledged
             svc.schedule_delete(agent.workers[2], (2, 1), (0, 2))  # still queued at flush
             svc.flush(TIMEOUT)
         requests = sorted((dst, payload) for how, dst, kind, payload in agent.sent
@@ -126,7 +126,7 @@ def test_a_deletion_waits_for_the_announcements_of_its_forks() -> None:
     try:
         svc.announce(rref, (0, 7), 2)  # type: ignore[arg-type]
         svc.schedule_delete(agent.workers[1], (1, 1), (0, 1))
-        assert svc.notes_for(1) == []  # held, not handed to a frame either
+        assert svc.deletions.notes_for(1) == []  # held, not handed to a frame either
         assert svc.stats()["pending_deletes"] == 1
         assert not agent.notified.wait(0.2)  # (the deleter had its chance: nothing sent)
         answer.set_result(None)
@@ -178,7 +178,7 @@ def test_flush_waits_for_the_announcement_callback_not_only_its_future(
     # announcement answered while the callback that releases the deletion held behind
     # it had not run, and returned with that deletion queued. Here the callback runs
     # 0.1 s after the future is done.
-    from rpcx._services import rref_protocol
+    from rpcx._services import rref_deletions
 
     callbacks: list[threading.Timer] = []
 
@@ -186,7 +186,7 @@ def test_flush_waits_for_the_announcement_callback_not_only_its_future(
         callbacks.append(threading.Timer(0.1, callback, args=(future,)))
         callbacks[-1].start()
 
-    monkeypatch.setattr(rref_protocol, "add_internal_callback", late_callback)
+    monkeypatch.setattr(rref_deletions, "add_internal_callback", late_callback)
     agent, svc = _service()
     rref = SimpleNamespace(_owner=agent.workers[1], _id=(1, 1))
     try:
@@ -314,13 +314,13 @@ def test_deletions_for_an_owner_whose_rank_a_new_worker_took_are_void() -> None:
     agent, svc = _service()
     old_owner = agent.workers[1]
     try:
-        with svc._send_lock:
+        with svc.deletions.send_lock:
             svc.schedule_delete(old_owner, (2, 1), (0, 1))  # queued while it was there
             agent.workers[1] = WorkerInfo("n1", 1)
             svc.rank_reused(1)
             svc.schedule_delete(old_owner, (2, 2), (0, 2))  # an old RRef that dies later
             svc.schedule_delete(agent.workers[1], (1, 1), (0, 3))  # the new owner's
-            assert svc.notes_for(1) == [(MessageKind.RREF_DELETE, [((1, 1), (0, 3))])]
+            assert svc.deletions.notes_for(1) == [(MessageKind.RREF_DELETE, [((1, 1), (0, 3))])]
         svc.flush(TIMEOUT)
         assert not any(payload and payload[0][0] in {(2, 1), (2, 2)}
                        for _, _, _, payload in agent.sent), agent.sent

@@ -29,27 +29,19 @@ owner struck it off and a newcomer took its rank, and the newcomer would never d
 that fork. An announcement names its holder (as the sender sees it) for that; a
 newcomer that reuses the name of the worker it replaces is not told apart.
 
-Deletions come from ``RRef.__del__``, which may run on any thread, inside any lock, at
-any time the garbage collector chooses. So ``__del__`` only appends the deletion to a
-deque (atomic, lock-free) and, if the deleter thread is not already due, posts a wake-up
-on a ``queue.SimpleQueue`` (whose ``put`` is reentrant). A deletion rides as a note in
-the next frame the worker sends its owner (any frame: a call, a reply); the deleter
-sends, one way and batched per owner, what no frame took within ``_LINGER``. Deletions
-are not acknowledged one by one: ``flush()`` (shutdown's drain) sends each owner that got
-some a request whose reply, in per-pair order, acknowledges all of them. Correctness
-never depends on when deletions travel; only how soon memory is returned does. Reference
-cycles through RRefs on different workers are not collected (no distributed cycle
-detection); their values are released at shutdown.
+Deletions come from ``RRef.__del__``, at any time the garbage collector chooses; how
+they reach their owners (as notes in frames already on their way, or batched one way,
+and held back behind unanswered announcements) is :mod:`rpcx._services.rref_deletions`.
+Reference cycles through RRefs on different workers are not collected (no distributed
+cycle detection); their values are released at shutdown.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import gc
 import itertools
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -61,10 +53,10 @@ from typing import Any, Protocol
 import torch
 
 from rpcx._core.service_host import CallLabel, ServiceHost, first_id
+from rpcx._services.rref_deletions import Deletions
 from rpcx._services.rref_fork import ForkId, ForkState, RRefId
 from rpcx._util.timer import within
 from rpcx.errors import PeerLostError, RpcError, RpcShutdownError
-from rpcx.futures import add_internal_callback, wait_done
 from rpcx.messages import MessageKind
 from rpcx.worker import WorkerInfo
 
@@ -76,8 +68,6 @@ _FREED_IDS_KEPT = 65536  # recently freed ids remembered, to answer late calls
 _CONFIRMED_EARLY_KEPT = 65536  # confirmations parked for RRefs not decoded yet
 _GONE_HOLDERS_KEPT = 4096  # names of gone workers remembered, to refuse late forks
 _FLUSH_TIMEOUT = 30.0
-_FLUSH_ROUNDS = 8  # a flush goes round again while deletions come in, at most this often
-_LINGER = 0.01  # seconds a deletion waits for a frame to ride on before going alone
 
 
 @dataclass
@@ -143,35 +133,12 @@ class RRefService:
             weakref.WeakValueDictionary()
         )
         self._confirmed_early: collections.OrderedDict[ForkId, None] = collections.OrderedDict()
-        # __del__ appends here (deque.append is atomic and takes no lock) and, when the
-        # deleter is not already due, posts a wake-up on the SimpleQueue (whose put is
-        # reentrant). Deletions then ride as notes in the next frame to their owner
-        # (notes_for); the deleter sends those no frame took after _LINGER seconds.
-        self._deletions: collections.deque[tuple[int, RRefId, ForkId]] = collections.deque()
-        self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
-        self._deleter_due = False
-        self._notes_lock = threading.Lock()  # guards _by_owner, _announcing, _held
-        self._by_owner: dict[int, list[tuple[RRefId, ForkId]]] = {}
-        # RRefs with fork announcements not acknowledged yet, and deletions held for them.
-        self._announcing: collections.Counter[RRefId] = collections.Counter()
-        self._held: dict[RRefId, list[tuple[int, RRefId, ForkId]]] = {}
-        self._announcement_ended = threading.Condition(self._notes_lock)
-        # Owners sent deletions one way (notes, or alone) since the last flush(), which
-        # asks each of them for an acknowledgement of everything before it.
-        self._unacknowledged: set[int] = set()
-        self._send_lock = threading.RLock()  # one sender of queued deletions at a time
-        self._inflight: set[torch.futures.Future[Any]] = set()
-        self._inflight_forks = 0
-        self._sent = 0  # bookkeeping messages sent since the last flush()
+        self.deletions = Deletions(agent, self.remove_forks)
         self._lost_ranks: set[int] = set()
         # Names of workers gone lately (add_forks refuses forks announced for them).
         self._gone_holders: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._freed_ids: collections.OrderedDict[RRefId, None] = collections.OrderedDict()
         self._closed = False
-        self._deleter = threading.Thread(
-            target=self._delete_loop, name=f"rpcx-{agent.name}-rref", daemon=True
-        )
-        self._deleter.start()
 
     @property
     def closed(self) -> bool:
@@ -272,11 +239,7 @@ class RRefService:
             self._lost_ranks.discard(rank)
             if 0 <= rank < len(workers):  # (the newcomer, unless it took an old name)
                 self._gone_holders.pop(workers[rank].name, None)
-        with self._notes_lock:
-            self._sort_locked()
-            self._by_owner.pop(rank, None)
-            for rref_id, held in list(self._held.items()):
-                self._held[rref_id] = [d for d in held if d[0] != rank]
+        self.deletions.forget_rank(rank)
 
     def drop_rank(self, rank: int) -> None:
         """A worker is gone: drop its forks and the entries it was about to create."""
@@ -396,10 +359,10 @@ class RRefService:
         """Register a new fork of ``rref`` for ``holder`` with its owner (before sending).
 
         Until the owner answers, deletions of ``rref``'s own fork are held back
-        (``_held``); the object itself is not kept (its deletion, once released, is
-        what a flush waiting for the answer sends). It reads the RRef's id and owner
-        only (``_id``, ``_owner``: tests hand it a stand-in with just those); its
-        confirmation is driven through its ForkState.
+        (:meth:`Deletions.announcing`); the object itself is not kept (its deletion,
+        once released, is what a flush waiting for the answer sends). It reads the
+        RRef's id and owner only (``_id``, ``_owner``: tests hand it a stand-in with
+        just those); its confirmation is driven through its ForkState.
         """
         owner = rref._owner.id
         announced = (rref._id, fork, holder, self.agent.workers[holder].name)
@@ -407,8 +370,7 @@ class RRefService:
             self.add_forks([announced], self.rank)
             return
         rref_id = rref._id
-        with self._notes_lock:
-            self._announcing[rref_id] += 1
+        self.deletions.announcing(rref_id)
         try:
             future = self.agent.request(
                 rref._owner, MessageKind.RREF_FORKS, [announced],
@@ -416,140 +378,16 @@ class RRefService:
                 label=CallLabel("announce", (rref_id, rref._owner.name), _describe_announced),
             )
         except BaseException:
-            self._announced(rref_id)
+            self.deletions.announced(rref_id)
             raise
-        with self._lock:
-            self._inflight_forks += 1
-            self._sent += 1
-            self._inflight.add(future)
-        add_internal_callback(future, lambda f: self._bookkeeping_answered(f, announced=rref_id))
-
-    def _announced(self, rref_id: RRefId) -> None:
-        """An announcement of ``rref_id`` ended: release deletions held for it."""
-        with self._notes_lock:
-            self._announcing[rref_id] -= 1
-            if self._announcing[rref_id] > 0:
-                return
-            del self._announcing[rref_id]
-            held = self._held.pop(rref_id, None)
-            if held is None:
-                return
-            for owner, _, fork in held:
-                self._by_owner.setdefault(owner, []).append((rref_id, fork))
-            self._announcement_ended.notify_all()  # a flush may wait for these
-        if held:
-            self.schedule_wake()
+        self.deletions.track(future, announced=rref_id)
 
     def schedule_delete(self, owner: WorkerInfo, rref_id: RRefId, fork: ForkId) -> None:
         """Called from ``RRef.__del__``: reentrant, never blocks, never raises."""
         if not self._closed and self.agent.workers[owner.id] == owner:
             # (else the owner left, its values with it, and another worker holds its
             # rank now: a deletion sent there would be taken for one of its own RRefs)
-            self._deletions.append((owner.id, rref_id, fork))
-            if not self._deleter_due:
-                self._deleter_due = True
-                self._wake.put(True)
-
-    def notes_for(self, dst: int) -> list[tuple[int, Any]]:
-        """The deletions owed to ``dst``, as notes for a frame about to be sent to it.
-
-        A deletion may ride in any later frame to its owner: the RRef died after the
-        frames that forked it were sent (their announcements before them), so per-pair
-        order still brings every announcement first. Saves a message and its reply per
-        dropped RRef (``remote().to_here()`` in a loop: one round trip of three).
-        """
-        if not self._deletions and not self._by_owner:
-            return []
-        with self._notes_lock:
-            self._sort_locked()
-            forks = self._by_owner.pop(dst, None)
-            if not forks:
-                return []
-            self._unacknowledged.add(dst)
-        return [(MessageKind.RREF_DELETE, forks)]
-
-    def notes_not_sent(self, dst: int, notes: list[tuple[int, Any]]) -> None:
-        """Take back deletions from :meth:`notes_for` whose frame was never sent."""
-        with self._notes_lock:
-            for kind, forks in notes:
-                if kind == MessageKind.RREF_DELETE:
-                    self._by_owner.setdefault(dst, []).extend(forks)
-        self.schedule_wake()
-
-    def schedule_wake(self) -> None:
-        """Make the deleter look at the queues soon."""
-        if not self._closed:
-            self._deleter_due = True
-            self._wake.put(True)
-
-    def _sort_locked(self) -> None:
-        while self._deletions:
-            deletion = owner, rref_id, fork = self._deletions.popleft()
-            if rref_id in self._announcing:  # the owner hears of the child first
-                self._held.setdefault(rref_id, []).append(deletion)
-            else:
-                self._by_owner.setdefault(owner, []).append((rref_id, fork))
-
-    def _take_all(self) -> dict[int, list[tuple[RRefId, ForkId]]]:
-        with self._notes_lock:
-            self._sort_locked()
-            taken, self._by_owner = self._by_owner, {}
-        return taken
-
-    def _delete_loop(self) -> None:
-        while self._wake.get():
-            time.sleep(_LINGER)  # let frames about to leave carry them
-            self._deleter_due = False  # before taking: a later deletion wakes us again
-            with self._send_lock:
-                for owner, forks in self._take_all().items():
-                    self._send_deletions(owner, forks, acknowledged=False)
-
-    def _send_deletions(
-        self, owner: int, forks: list[tuple[RRefId, ForkId]], *, acknowledged: bool
-    ) -> None:
-        """Send ``forks`` to ``owner``: one way, or as a request whose reply acknowledges
-        them and every deletion sent to ``owner`` before."""
-        if owner == self.rank:
-            self.remove_forks(forks)
-            return
-        dst = self.agent.workers[owner]
-        # (On a lossy transport every deletion is a request: flush() must wait for the
-        # ones lost and sent again, where order alone acknowledges them otherwise.)
-        if not acknowledged and not self.agent.lossy:
-            with self._notes_lock:
-                self._unacknowledged.add(owner)
-            self.agent.send_one_way(dst, MessageKind.RREF_DELETE, forks)
-            with self._lock:
-                self._sent += 1
-            return
-        try:
-            future = self.agent.request(
-                dst, MessageKind.RREF_DELETE, forks,
-                timeout=self.agent.timeout_for(None),
-                label=CallLabel("release", f"{len(forks)} RRef references", str),
-            )
-        except RpcShutdownError:
-            return  # the world is going away; the owner releases everything
-        with self._lock:
-            self._sent += 1
-            self._inflight.add(future)
-        add_internal_callback(future, self._bookkeeping_answered)
-
-    def _bookkeeping_answered(self, future: torch.futures.Future[Any],
-                              announced: RRefId | None = None) -> None:
-        """A bookkeeping request was answered (or failed): off the in-flight count."""
-        with self._lock:
-            self._inflight.discard(future)
-            if announced is not None:
-                self._inflight_forks -= 1
-        if announced is not None:
-            self._announced(announced)
-        try:
-            future.value()
-        except (PeerLostError, RpcShutdownError) as exc:  # the world is going away
-            log.debug("%s: RRef bookkeeping message lost: %s", self.agent.name, exc)
-        except Exception as exc:
-            log.warning("%s: RRef bookkeeping message failed: %s", self.agent.name, exc)
+            self.deletions.schedule(owner.id, rref_id, fork)
 
     def flush(self, left: float | None = None) -> int:
         """Collect garbage, send every queued deletion, wait for all bookkeeping, for at
@@ -564,58 +402,20 @@ class RRefService:
             # takes ~0.1 s of CPU with torch loaded (64 workers on 2 cores: 3 s of
             # shutdown), and with no RRef object here it could not send a deletion.
             gc.collect()
-        handled = rounds = 0
-        while True:
-            with self._send_lock:
-                taken = self._take_all()
-                with self._notes_lock:
-                    owners = set(taken) | self._unacknowledged
-                    self._unacknowledged.clear()
-                    held = set(self._held)
-                for owner in owners:
-                    self._send_deletions(owner, taken.get(owner, []), acknowledged=True)
-                with self._lock:
-                    waiting = list(self._inflight)
-                    sent, self._sent = self._sent, 0
-            handled += sent + len(waiting)
-            if waiting and not wait_done(torch.futures.collect_all(waiting),
-                                         max(0.0, deadline - time.monotonic())):
-                raise RpcError(f"{self.agent.name}: RRef bookkeeping still pending after "
-                               f"{timeout} s")
-            with self._lock:  # values freed by what arrived are dropped on the lane: wait
-                if not self._all_freed.wait_for(lambda: not self._freeing,
-                                                max(0.0, deadline - time.monotonic())):
-                    raise RpcError(f"{self.agent.name}: freed RRef values still held "
-                                   f"after {timeout} s")
-            # What this flush waited for may have released deletions: those held behind
-            # an announcement (released when it is answered: waited for here, on our
-            # own lock, as torch may finish a future before its callbacks have run), and
-            # those of the RRefs inside the values just dropped (an RRef of RRefs), and
-            # any RRef that died meanwhile. They are this flush's: go round again, a
-            # bounded number of times, so that a flush beside a thread that keeps
-            # dropping RRefs still returns.
-            with self._notes_lock:
-                if not self._announcement_ended.wait_for(
-                        functools.partial(held.isdisjoint, self._announcing),
-                        max(0.0, deadline - time.monotonic())):
-                    raise RpcError(f"{self.agent.name}: RRef fork announcements still "
-                                   f"pending after {timeout} s")
-            rounds += 1
-            if rounds >= _FLUSH_ROUNDS or time.monotonic() >= deadline:
-                break
-            with self._send_lock, self._notes_lock:  # (the deleter sends under it)
-                if not (self._deletions or self._by_owner or self._unacknowledged):
-                    break
-        return handled
+        return self.deletions.flush(deadline, timeout, self._values_dropped)
+
+    def _values_dropped(self, left: float) -> bool:
+        """Wait at most ``left`` seconds for the freed values handed to the completion
+        lane to be dropped; whether they were."""
+        with self._lock:
+            return self._all_freed.wait_for(lambda: not self._freeing, left)
 
     # --------------------------------------------------------------------- status
 
     def stats(self) -> dict[str, int]:
         """Counts for ``rpcx.debug_info()``."""
         objects = list(self._objects.values())
-        with self._notes_lock:
-            noted = sum(len(forks) for forks in self._by_owner.values()) + sum(
-                len(held) for held in self._held.values())
+        pending_forks, pending_deletes = self.deletions.stats()
         with self._lock:
             return {
                 "owned": len(self._entries),
@@ -623,9 +423,8 @@ class RRefService:
                 "references_to_owned": sum(len(e.forks) for e in self._entries.values()),
                 "user_rrefs": sum(1 for r in objects if r.owner.id != self.rank),
                 "owner_rrefs": sum(1 for r in objects if r.owner.id == self.rank),
-                "pending_forks": self._inflight_forks,
-                "pending_deletes": len(self._deletions) + len(self._inflight)
-                - self._inflight_forks + noted,
+                "pending_forks": pending_forks,
+                "pending_deletes": pending_deletes,
                 "parked_confirmations": len(self._confirmed_early),
             }
 
@@ -633,10 +432,8 @@ class RRefService:
         """The worker has shut down: stop the deleter (waiting at most ``left`` seconds,
         and 5) and release every owned value."""
         self._closed = True
-        self._wake.put(False)
         self._wake_unconfirmed(lambda state: True)
-        if self._deleter is not threading.current_thread():
-            self._deleter.join(within(5.0, left))
+        self.deletions.close(within(5.0, left))
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()

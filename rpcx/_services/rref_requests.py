@@ -193,7 +193,7 @@ def install(agent: ServiceHost) -> None:
     agent.register_handler(MessageKind.RREF_DELETE, _handle_delete(agent), in_order=True)
     agent.register_handler(MessageKind.RREF_CONFIRM, _handle_confirm(agent), in_order=True)
     agent.on_drain.append(svc.flush)
-    agent.note_sources.append(svc)
+    agent.note_sources.append(svc.deletions)
     agent.on_peer_lost.append(svc.drop_rank)
     agent.on_rank_reused.append(svc.rank_reused)
     agent.on_close.append(svc.close)
