@@ -14,7 +14,10 @@ wrapping rpcx's own functions in the worker processes (nothing in the library ch
 * ``deliver`` / ``delivered``: the call path's ``on_frame`` entered / returned (decode,
   serve or complete);
 * ``pass`` / ``pass_end``: a local backward pass of distributed autograd;
-* ``handler``: the echoed function runs.
+* ``handler``: the echoed function runs;
+* with ``--fine``: ``decode``/``decoded`` (a payload's unpickling), ``encode``/``encoded``
+  (the call path's encode of a frame), ``chain``/``chain_end`` (the autograd chain's
+  handlers start), ``plan``/``planned`` (a pass's planning), ``settle``/``settled``.
 
 Each step (``--steps``, after a warm-up) is a window of stamps from both processes in
 time order. The most common sequence of stamps over the windows is printed with the
@@ -23,7 +26,7 @@ each hop reads as: encode, send, wake, parse, decode and dispatch, work. Only
 ``auto``/``shm``/``tcp`` (the socket transports) are wrapped. The wrappers cost about
 0.5 us a stamp. Usage::
 
-    python bench/hop_timeline.py [--workload echo_1m|rnn_backward] [--steps 300]
+    python bench/hop_timeline.py [--workload echo_1m|rnn_backward] [--steps 300] [--fine]
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any
 
 HERE = pathlib.Path(__file__).resolve().parent
 WARMUP = 30
+_FINE = "RPCX_HOP_TIMELINE_FINE"  # (set by --fine, read in the worker processes)
 
 _events: list[tuple[float, str, str]] = []
 _side = "?"
@@ -84,6 +88,22 @@ def _instrument() -> None:
           when=lambda reader, needed, exact=False: reader.buffered < needed)
     _wrap(CallPath, "on_frame", "deliver", "delivered")
     _wrap(LocalEngine, "run_plan", "pass", "pass_end")
+    if os.environ.get(_FINE):
+        _instrument_finely()
+
+
+def _instrument_finely() -> None:
+    """``--fine``: decode, the autograd chain's handler, planning, settling, encode."""
+    import rpcx._core.call_path as call_path
+    from rpcx.autograd.rounds import Rounds
+    from rpcx.autograd.share import Share
+
+    _wrap(Rounds, "handle_chain", "chain", None)
+    _wrap(Rounds, "handle_chain_end", "chain_end", None)
+    _wrap(Share, "plans", "plan", "planned")
+    _wrap(Share, "settle", "settle", "settled")
+    _wrap(call_path.CallPath, "_encode", "encode", "encoded")
+    _wrap(call_path, "decode_payload", "decode", "decoded")  # (as call_path calls it)
 
 
 def echo(tensor: Any) -> Any:
@@ -179,7 +199,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--workload", choices=("echo_1m", "rnn_backward"), default="echo_1m")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--fine", action="store_true",
+                        help="also stamp decode, the autograd chain's handler, planning, "
+                        "settling and encode")
     args = parser.parse_args()
+    if args.fine:
+        os.environ[_FINE] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "events")

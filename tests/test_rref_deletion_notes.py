@@ -394,3 +394,25 @@ def test_a_fork_announced_late_for_a_worker_whose_rank_a_newcomer_took_is_not_ke
         assert svc.stats()["owned"] == 1
     finally:
         svc.close()
+
+
+def test_close_stops_the_deleter_thread_even_when_a_step_before_the_join_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The deleter is told to stop first thing: a worker whose close fails on the way (its
+    # live RRefs changing under it, say) leaves no thread behind, and a wake-up after
+    # that (an announcement answered late) is not another round of sending.
+    agent, svc = _service()
+    deleter = svc.deletions._deleter
+    assert deleter.is_alive()
+
+    def fails(which: Any) -> None:
+        raise RuntimeError("the live RRefs changed under close()")
+
+    monkeypatch.setattr(svc, "_wake_unconfirmed", fails)
+    with pytest.raises(RuntimeError, match="changed under close"):
+        svc.close(TIMEOUT)
+    svc.deletions.wake()
+    deleter.join(TIMEOUT)
+    assert not deleter.is_alive()
+    assert agent.sent == []

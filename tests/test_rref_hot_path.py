@@ -1,4 +1,4 @@
-"""The messages an RRef costs on the hot paths, pinned (rpcx.rref, rpcx._services.rref_protocol).
+"""The messages an RRef costs on the hot paths, pinned (rpcx.rref, rpcx._services.rref_*).
 
 * A proxy call (``rref.rpc_sync().m()``) is one ``RREF_CALL`` request: no function to
   pickle, and the owner runs the method without a future when the value exists.

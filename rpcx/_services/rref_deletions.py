@@ -96,7 +96,8 @@ class Deletions:
 
     def schedule(self, owner: int, rref_id: RRefId, fork: ForkId) -> None:
         """Queue the deletion of ``fork`` of ``rref_id`` for ``owner``: reentrant,
-        never blocks, never raises (``RRef.__del__`` calls it)."""
+        never blocks, never raises (``RRef.__del__`` calls it, through the service,
+        which checks first that the worker is open and ``owner`` still in the world)."""
         self._queued.append((owner, rref_id, fork))
         if not self._deleter_due:
             self._deleter_due = True
@@ -310,10 +311,14 @@ class Deletions:
             deletes = len(self._queued) + len(self._inflight) - forks + noted
         return forks, deletes
 
-    def close(self, left: float | None) -> None:
-        """Stop the deleter thread (waiting at most ``left`` seconds; ``None``: until it
-        stops)."""
+    def stop(self) -> None:
+        """Tell the deleter thread to stop, after what it has been woken for already;
+        :meth:`wake` does nothing from now on."""
         self._closed = True
         self._wake.put(False)
+
+    def join(self, left: float | None) -> None:
+        """Wait for the deleter thread to stop (at most ``left`` seconds; ``None``: until
+        it does), after :meth:`stop`."""
         if self._deleter is not threading.current_thread():
             self._deleter.join(left)

@@ -133,12 +133,13 @@ class RRefService:
             weakref.WeakValueDictionary()
         )
         self._confirmed_early: collections.OrderedDict[ForkId, None] = collections.OrderedDict()
-        self.deletions = Deletions(agent, self.remove_forks)
         self._lost_ranks: set[int] = set()
         # Names of workers gone lately (add_forks refuses forks announced for them).
         self._gone_holders: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._freed_ids: collections.OrderedDict[RRefId, None] = collections.OrderedDict()
         self._closed = False
+        # (last: its thread may drop forks here, with remove_forks, once it is woken)
+        self.deletions = Deletions(agent, self.remove_forks)
 
     @property
     def closed(self) -> bool:
@@ -432,8 +433,9 @@ class RRefService:
         """The worker has shut down: stop the deleter (waiting at most ``left`` seconds,
         and 5) and release every owned value."""
         self._closed = True
+        self.deletions.stop()  # (first: whatever comes next, the deleter is told to go)
         self._wake_unconfirmed(lambda state: True)
-        self.deletions.close(within(5.0, left))
+        self.deletions.join(within(5.0, left))
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()
