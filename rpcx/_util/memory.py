@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-__all__ = ["copy_of", "empty_bytes", "memory_of"]
+__all__ = ["copy_of", "empty_bytes", "memory_at", "memory_of"]
 
 log = logging.getLogger("rpcx.memory")
 
@@ -74,6 +74,10 @@ def memory_of(tensor: torch.Tensor) -> memoryview:
 
     Valid only while the tensor lives: keep the tensor until the bytes are written.
     """
-    nbytes = tensor.numel() * tensor.element_size()
-    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
-    return memoryview(array).cast("B")
+    return memory_at(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def memory_at(address: int, nbytes: int) -> memoryview:
+    """:func:`memory_of` for a caller that has read the tensor's address and size
+    already (the codec, per small tensor sent): the same view, no torch call."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")

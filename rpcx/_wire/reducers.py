@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rpcx._util.memory import memory_of
+from rpcx._util.memory import memory_at
 from rpcx._wire.contexts import (
     DecodeContext,
     EncodeContext,
@@ -179,7 +179,7 @@ def _in_header(ctx: EncodeContext, tensor: torch.Tensor, data: torch.Tensor
     if nbytes and not address:
         return None
     ctx.in_header += nbytes
-    payload = bytearray(memory_of(data)) if nbytes else bytearray()
+    payload = bytearray(memory_at(address, nbytes)) if nbytes else bytearray()
     return (payload, name, tuple(tensor.shape), tensor.requires_grad,
             type(tensor) is torch.nn.Parameter)
 
