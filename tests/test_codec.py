@@ -237,6 +237,15 @@ def test_tensor_from_the_header_is_writable_and_its_own() -> None:
     assert got.data_ptr() % 16 == 0  # aligned for any dtype's element
 
 
+def test_a_view_beside_a_tensor_in_the_header_keeps_its_strides() -> None:
+    sent = torch.arange(6.0).reshape(2, 3)
+    frame = encode(KIND, RID, (sent, sent.t()), EncodeContext(0))
+    assert len(frame.buffers) == 1  # (the view: its span, beside the header)
+    got, got_t = decode_payload(frame, DecodeContext(0))
+    assert torch.equal(got, sent)
+    assert torch.equal(got_t, sent.t()) and got_t.stride() == sent.t().stride()
+
+
 def test_room_in_the_header_is_per_message() -> None:
     limit = reducers.INLINE_MAX_BYTES
     half = torch.zeros(limit // 2 + 1, dtype=torch.uint8)  # two do not fit together
