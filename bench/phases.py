@@ -36,38 +36,31 @@ EXAMPLE = HERE.parent / "examples" / "rnn"
 PHASES = ("forward", "backward", "step", "all")
 
 
-def _tutorial(ns: Any, local: bool) -> tuple[Callable[[], Any], Callable[[Any], Any], Any]:
-    """The tutorial's model: (batch maker, forward from a batch to the loss, optimizer)."""
+def _tutorial_local() -> tuple[Callable[[], Any], Callable[[Any], Any], Any]:
+    """The tutorial's model in one process: (batch maker, forward from a batch to the
+    loss, optimizer). (Its RPC version is ``rnn_model.run_trainer``'s.)"""
     import rnn_model
 
-    batch, ntoken, ninp, nhid, nindices, nlayers = 5, 10, 2, 3, 3, 4
+    batch, ntoken, ninp, nhid, nindices, nlayers = rnn_model.SIZES
     torch.manual_seed(0)
     hidden = [(torch.randn(nlayers, nindices, nhid), torch.randn(nlayers, nindices, nhid))]
     criterion = torch.nn.CrossEntropyLoss()
-    if local:
-        emb = rnn_model.EmbeddingTable(ntoken, ninp, 0.5)
-        lstm = torch.nn.LSTM(ninp, nhid, nlayers, dropout=0.5)
-        dec = rnn_model.Decoder(ntoken, nhid, 0.5)
-        params = [*emb.parameters(), *lstm.parameters(), *dec.parameters()]
-        optimizer: Any = torch.optim.SGD(params, lr=0.05)
-
-        def model(data: torch.Tensor, state: Any) -> Any:
-            output, state = lstm(emb(data), state)
-            return dec(output), state
-    else:
-        model = rnn_model.RNNModel("ps", ntoken, ninp, nhid, nlayers)
-        optimizer = ns.DistributedOptimizer(torch.optim.SGD, model.parameter_rrefs(), lr=0.05)
+    emb = rnn_model.EmbeddingTable(ntoken, ninp, 0.5)
+    lstm = torch.nn.LSTM(ninp, nhid, nlayers, dropout=0.5)
+    dec = rnn_model.Decoder(ntoken, nhid, 0.5)
+    optimizer = torch.optim.SGD([*emb.parameters(), *lstm.parameters(), *dec.parameters()],
+                                lr=0.05)
 
     def make() -> Any:
-        return torch.randint(0, ntoken, (batch, nindices)), torch.randint(0, nindices,
-                                                                          (batch, ntoken))
+        return (torch.randint(0, ntoken, (batch, nindices)),
+                torch.randint(0, nindices, (batch, ntoken)))
 
     def forward(data: Any) -> Any:
         inputs, target = data
         hidden[0][0].detach_()
         hidden[0][1].detach_()
-        output, hidden[0] = model(inputs, hidden[0])
-        return criterion(output, target)
+        output, hidden[0] = lstm(emb(inputs), hidden[0])
+        return criterion(dec(output), target)
 
     return make, forward, optimizer
 
@@ -100,7 +93,15 @@ def _example(ns: Any, local: bool) -> tuple[Callable[[], Any], Callable[[Any], A
 
 
 def _steps(ns: Any, args: argparse.Namespace, local: bool) -> dict[str, float]:
-    make, forward, optimizer = (_tutorial if args.model == "tutorial" else _example)(ns, local)
+    if args.model == "tutorial" and not local:
+        import rnn_model
+
+        phases: dict[str, list[float]] = {}
+        steps = rnn_model.run_trainer("ps", args.steps, args.warmup, phases=phases)
+        phases["all"] = steps
+        return {phase: statistics.median(phases[phase]) * 1e3 for phase in PHASES}
+    make, forward, optimizer = _tutorial_local() if args.model == "tutorial" else _example(
+        ns, local)
     times: dict[str, list[float]] = {phase: [] for phase in PHASES}
     for step in range(args.warmup + args.steps):
         data = make()

@@ -97,15 +97,22 @@ class RNNModel(nn.Module):
         return remote_params
 
 
+# The tutorial's sizes: batch, tokens, embedding, hidden, indices, LSTM layers.
+SIZES = (5, 10, 2, 3, 3, 4)
+
+
 def run_trainer(ps: str, iterations: int, warmup: int,
-                mark: Callable[[str], None] | None = None) -> list[float]:
+                mark: Callable[[str], None] | None = None,
+                phases: dict[str, list[float]] | None = None) -> list[float]:
     """The tutorial's training loop against parameter server ``ps``.
 
     Returns the seconds of each iteration after ``warmup``. ``mark("start")`` runs just
     before the first of them and ``mark("end")`` just after the last (the per-step
-    accounting reads its counters there).
+    accounting reads its counters there). ``phases``, if given, gets each iteration's
+    seconds of ``"forward"`` (to the loss), ``"backward"`` and ``"step"`` (the
+    optimizer's) appended.
     """
-    batch, ntoken, ninp, nhid, nindices, nlayers = 5, 10, 2, 3, 3, 4
+    batch, ntoken, ninp, nhid, nindices, nlayers = SIZES
     torch.manual_seed(0)
     hidden = (torch.randn(nlayers, nindices, nhid), torch.randn(nlayers, nindices, nhid))
     model = RNNModel(ps, ntoken, ninp, nhid, nlayers)
@@ -123,10 +130,17 @@ def run_trainer(ps: str, iterations: int, warmup: int,
             hidden[1].detach_()
             output, hidden = model(data, hidden)
             loss = criterion(output, target)
+            forwarded = time.perf_counter()
             API.dist_autograd.backward(context_id, [loss])
+            backward = time.perf_counter()
             opt.step(context_id)
+            stepped = time.perf_counter()
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            if phases is not None:
+                phases.setdefault("forward", []).append(forwarded - start)
+                phases.setdefault("backward", []).append(backward - forwarded)
+                phases.setdefault("step", []).append(stepped - backward)
     if mark is not None:
         mark("end")
     return times
