@@ -1,7 +1,8 @@
 """Where one step of a two-worker program spends its time, across both processes.
 
 ``profile_rtt.py`` follows one small round trip; this follows any short exchange of
-frames: a 1 MiB ``rpc_sync`` echo (``echo_1m``), or one ``rpcx.autograd.backward`` of
+frames: a 1 MiB ``rpc_sync`` echo (``echo_1m``), a 16-byte one (``echo_small``), or one
+``rpcx.autograd.backward`` of
 the example RNN (``rnn_backward``: examples/rnn, trainer and parameter server). Both
 worker processes stamp ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock for every
 process of a host) at the same points of rpcx's socket transport and call path, by
@@ -22,11 +23,14 @@ wrapping rpcx's own functions in the worker processes (nothing in the library ch
 Each step (``--steps``, after a warm-up) is a window of stamps from both processes in
 time order. The most common sequence of stamps over the windows is printed with the
 median time of each stamp from the step's start and the gap from the stamp before, so
-each hop reads as: encode, send, wake, parse, decode and dispatch, work. Only
+each hop reads as: encode, send, wake, parse, decode and dispatch, work. Where a stamp
+follows one made by the same thread, ``cpu us`` is the CPU time that thread spent in
+the gap (``time.thread_time``): a gap much longer than its CPU time was spent waiting. Only
 ``auto``/``shm``/``tcp`` (the socket transports) are wrapped. The wrappers cost about
 0.5 us a stamp. Usage::
 
-    python bench/hop_timeline.py [--workload echo_1m|rnn_backward] [--steps 300] [--fine]
+    python bench/hop_timeline.py [--workload echo_1m|echo_small|rnn_backward] [--steps 300]
+                                 [--fine]
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import pathlib
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,12 +53,16 @@ HERE = pathlib.Path(__file__).resolve().parent
 WARMUP = 30
 _FINE = "RPCX_HOP_TIMELINE_FINE"  # (set by --fine, read in the worker processes)
 
-_events: list[tuple[float, str, str]] = []
+_events: list[tuple[float, str, str, float, int]] = []
 _side = "?"
 
 
 def stamp(what: str) -> None:
-    _events.append((time.perf_counter(), _side, what))
+    # The calling thread's CPU time beside the wall clock: a gap between two stamps of
+    # one thread that took far more wall time than CPU time was spent waiting (for the
+    # GIL, for the processor), not running Python.
+    _events.append((time.perf_counter(), _side, what, time.thread_time(),
+                    threading.get_ident()))
 
 
 def _wrap(owner: Any, name: str, before: str | None, after: str | None,
@@ -111,12 +120,12 @@ def echo(tensor: Any) -> Any:
     return tensor
 
 
-def _echo_steps(steps: int) -> None:
+def _echo_steps(steps: int, nbytes: int = 1 << 20) -> None:
     import torch
 
     import rpcx
 
-    tensor = torch.ones((1 << 20) // 4)
+    tensor = torch.ones(nbytes // 4)
     for step in range(WARMUP + steps):
         stamp("STEP")
         rpcx.rpc_sync("w1", echo, args=(tensor,))
@@ -159,15 +168,25 @@ def _worker(rank: int, workload: str, init_method: str, steps: int, out: str) ->
     rpcx.init_rpc(f"w{rank}", rank=rank, world_size=2,
                   rpc_backend_options=rpcx.TensorPipeRpcBackendOptions(init_method=init_method))
     if rank == 0:
-        (_echo_steps if workload == "echo_1m" else _rnn_steps)(steps)
+        if workload == "rnn_backward":
+            _rnn_steps(steps)
+        else:
+            _echo_steps(steps, 16 if workload == "echo_small" else 1 << 20)
     rpcx.shutdown()
     pathlib.Path(f"{out}.{rank}").write_text(json.dumps(_events))
 
 
-def report(events: list[tuple[float, str, str]]) -> str:
-    """The most common sequence of stamps per step, with median times (us)."""
-    windows: list[list[tuple[float, str, str]]] = []
-    current: list[tuple[float, str, str]] | None = None
+Event = tuple[float, str, str, float, int]
+
+
+def report(events: list[Event]) -> str:
+    """The most common sequence of stamps per step, with median times (us).
+
+    ``cpu us``: where a stamp follows one made by the same thread, the median CPU time
+    that thread spent between them (the rest of the gap it waited).
+    """
+    windows: list[list[Event]] = []
+    current: list[Event] | None = None
     for event in sorted(events):
         if event[2] == "STEP":
             current = [event]
@@ -176,28 +195,35 @@ def report(events: list[tuple[float, str, str]]) -> str:
             if event[2] == "STEP_END":
                 windows.append(current)
                 current = None
-    by_sequence: dict[tuple[str, ...], list[list[float]]] = collections.defaultdict(list)
+    by_sequence: dict[tuple[str, ...], list[list[Event]]] = collections.defaultdict(list)
     for window in windows:
-        start = window[0][0]
-        key = tuple(f"{side}.{what}" for _, side, what in window)
-        by_sequence[key].append([(t - start) * 1e6 for t, _, _ in window])
+        by_sequence[tuple(f"{e[1]}.{e[2]}" for e in window)].append(window)
     key, runs = max(by_sequence.items(), key=lambda item: len(item[1]))
     lines = [f"{len(runs)} of {len(windows)} steps took this sequence "
              "(A: rank 0, the caller; B: rank 1)",
-             f"{'stamp':<16}{'at us':>9}{'gap us':>9}"]
+             f"{'stamp':<16}{'at us':>9}{'gap us':>9}{'cpu us':>9}"]
     previous = 0.0
     for index, name in enumerate(key):
-        at = statistics.median(run[index] for run in runs)
-        lines.append(f"{name:<16}{at:>9.0f}{at - previous:>9.0f}")
+        at = statistics.median((run[index][0] - run[0][0]) * 1e6 for run in runs)
+        cpu = ""
+        if index and all(_same_thread(run[index - 1], run[index]) for run in runs):
+            spent = statistics.median((run[index][3] - run[index - 1][3]) * 1e6 for run in runs)
+            cpu = f"{spent:>9.0f}"
+        lines.append(f"{name:<16}{at:>9.0f}{at - previous:>9.0f}{cpu}")
         previous = at
     return "\n".join(lines)
+
+
+def _same_thread(first: Event, second: Event) -> bool:
+    return len(first) > 4 and first[1] == second[1] and first[4] == second[4]
 
 
 def main() -> int:
     import torch.multiprocessing as mp
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--workload", choices=("echo_1m", "rnn_backward"), default="echo_1m")
+    parser.add_argument("--workload", choices=("echo_1m", "echo_small", "rnn_backward"),
+                        default="echo_1m")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--fine", action="store_true",
                         help="also stamp decode, the autograd chain's handler, planning, "
