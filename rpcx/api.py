@@ -277,8 +277,9 @@ def debug_info() -> dict[str, Any]:
     ``autograd``: ``contexts`` (distributed autograd contexts alive here),
     ``releasing`` (context releases this worker started that peers have not yet
     confirmed) and ``passes`` (local backward passes run here so far);
-    ``authenticated`` (whether the world runs with a key) and ``refused_frames`` (frames
-    dropped because they failed authentication); ``resent_frames`` (copies of bookkeeping
+    ``authenticated`` (whether the world runs with a key), ``encrypted_peers`` (how many
+    peers this worker encrypts its frames with: ``encrypt``) and ``refused_frames``
+    (frames dropped because they failed authentication); ``resent_frames`` (copies of bookkeeping
     requests sent again because no answer came, on a transport that may lose frames);
     ``bytes_in_flight`` (peer name: bytes of calls to it not answered yet, where any) and
     ``calls_held_back`` (calls that had to wait for ``max_bytes_in_flight``);

@@ -69,6 +69,11 @@ class RpcBackendOptions:
             or send this worker a frame (docs/security.md). Never printed, never sent.
         auth_payload: with a key, also authenticate every tensor's bytes, not only
             headers and sizes (costs a SHA-256 pass over each tensor at both ends).
+        encrypt: with a key, encrypt every byte of every frame (AES-256-GCM, keys derived
+            from the world key per session and direction): ``True`` or ``"hosts"``
+            between workers on different hosts, ``"always"`` between every pair; wins
+            over ``$RPCX_ENCRYPT``. Needs the ``cryptography`` package
+            (``pip install 'torch-rpcx[encrypt]'``); docs/security.md.
         heartbeat_interval: seconds of quiet after which a peer is pinged (multi-process
             backends); ``0`` turns heartbeats off.
         heartbeat_timeout: seconds of silence after which a peer is reported
@@ -93,6 +98,7 @@ class RpcBackendOptions:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         auth_key: str | bytes | None = None,
         auth_payload: bool = False,
+        encrypt: bool | str | None = None,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
@@ -108,6 +114,7 @@ class RpcBackendOptions:
         self.max_frame_bytes = int(max_frame_bytes)
         self.auth_key = auth_key
         self.auth_payload = bool(auth_payload)
+        self.encrypt = encrypt
 
     @property
     def auth_key(self) -> str | bytes | None:
@@ -155,8 +162,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     ``device_maps`` maps a destination worker's name to ``{local device: remote device}``.
     Responses travel along the inverse map. Maps must be one-to-one. ``max_frame_bytes``
-    and the ``auth_*``, ``heartbeat_*``, ``max_bytes_in_flight`` and ``trace_dir`` fields
-    are rpcx's own (see :class:`RpcBackendOptions`).
+    and the ``auth_*``, ``encrypt``, ``heartbeat_*``, ``max_bytes_in_flight`` and
+    ``trace_dir`` fields are rpcx's own (see :class:`RpcBackendOptions`).
     """
 
     def __init__(
@@ -172,6 +179,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         auth_key: str | bytes | None = None,
         auth_payload: bool = False,
+        encrypt: bool | str | None = None,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
@@ -179,7 +187,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     ) -> None:
         super().__init__(rpc_timeout, init_method, num_worker_threads,
                          max_frame_bytes=max_frame_bytes, auth_key=auth_key,
-                         auth_payload=auth_payload, heartbeat_interval=heartbeat_interval,
+                         auth_payload=auth_payload, encrypt=encrypt,
+                         heartbeat_interval=heartbeat_interval,
                          heartbeat_timeout=heartbeat_timeout,
                          max_bytes_in_flight=max_bytes_in_flight, trace_dir=trace_dir)
         self.device_maps: dict[str, DeviceMap] = {}

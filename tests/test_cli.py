@@ -13,8 +13,9 @@ import textwrap
 import pytest
 
 import rpcx.registry
+from rpcx._wire.cipher import aead_available
 from rpcx.cli import main as cli_main
-from rpcx.cli.doctor import diagnose
+from rpcx.cli.doctor import Check, diagnose
 from rpcx.testing.world import free_port
 
 BOUND = 120.0
@@ -86,6 +87,31 @@ def test_doctor_says_how_the_default_backend_reaches_peers(
     checks = {c.name: c for c in diagnose("tcp://127.0.0.1:1")}
     assert checks["default backend"].detail == "gloo (from $RPCX_BACKEND; without it: auto)"
     assert "auto, other hosts" not in checks
+
+
+def test_doctor_says_whether_a_world_would_run_encrypted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def security() -> Check:
+        return {c.name: c for c in diagnose()}["security"]
+
+    monkeypatch.delenv("RPCX_AUTH_KEY", raising=False)
+    monkeypatch.delenv("RPCX_ENCRYPT", raising=False)
+    assert security().status == "note" and "no world key" in security().detail
+    monkeypatch.setenv("RPCX_AUTH_KEY", "a-key-nobody-may-see-0123456789")
+    assert "authenticated, not encrypted" in security().detail
+    monkeypatch.setenv("RPCX_ENCRYPT", "1")
+    if aead_available():
+        assert security().status == "ok" and "between hosts encrypted" in security().detail
+        monkeypatch.setenv("RPCX_ENCRYPT", "always")
+        assert "between every pair" in security().detail
+    else:
+        assert security().status == "PROBLEM" and "torch-rpcx[encrypt]" in security().detail
+    assert "nobody-may-see" not in str(security())
+    monkeypatch.delenv("RPCX_AUTH_KEY")
+    assert security().status == "PROBLEM" and "RPCX_AUTH_KEY is not" in security().detail
+    monkeypatch.setenv("RPCX_ENCRYPT", "perhaps")
+    assert security().status == "PROBLEM" and "'perhaps'" in security().detail
 
 
 def test_doctor_checks_the_path_to_a_rendezvous() -> None:

@@ -103,6 +103,9 @@ class Parts:
             **self.health.stats(),
             "authenticated": guard is not None,
             "refused_frames": guard.refused if guard is not None else 0,
+            # Peers this worker encrypts frames with (a cipher: encrypt was set).
+            "encrypted_peers": sum(1 for peer, on in enumerate(getattr(guard, "encrypted", ()))
+                                   if on and peer != rank),
             "resent_frames": self.retransmission.resent,
             **self.back_pressure.report(names),
             "routes": {names[peer]: how for peer, how in sorted(routes.items())},

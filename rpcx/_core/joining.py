@@ -17,21 +17,25 @@ never imports this module.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from rpcx._wire import auth
+from rpcx._wire import auth, cipher
 from rpcx._wire.devices import DeviceRoutes, WorkerDevices, plan_routes
 from rpcx._world import rendezvous
 from rpcx._world.dynamic import DynamicWorld, HeldToken, claim_kind
 from rpcx.errors import RpcError
+from rpcx.hosts import host_identity
 from rpcx.options import RpcBackendOptions
 from rpcx.registry import BackendSpec, available_backends, dynamic_backends
 from rpcx.worker import VacantRank, WorkerInfo
 
 __all__ = ["Joined", "join", "rank_and_size"]
+
+_HOST_BYTES = 16  # each worker's host, hashed, beside its session nonce
 
 log = logging.getLogger("rpcx")
 
@@ -108,6 +112,16 @@ def join(
     in-process store was opened releases it.
     """
     rank, world_size = rank_and_size(options, rank, world_size)
+    encrypt = cipher.resolve_encrypt(options)
+    if encrypt is not None and key is None:
+        raise RpcError(
+            f"init_rpc: worker {name!r}: encryption ({cipher.ENCRYPT_ENV}) needs a world "
+            f"key: set {auth.AUTH_KEY_ENV} (or the auth_key option) on every worker, the "
+            "same on each")
+    if encrypt is not None and not cipher.aead_available():
+        raise RpcError(
+            f"init_rpc: worker {name!r}: encryption ({cipher.ENCRYPT_ENV}) needs the "
+            "'cryptography' package: pip install 'torch-rpcx[encrypt]'")
     if world_size is None:
         return _join_dynamic(name, spec, options, rank, key)
     seal = auth.ValueSeal(key) if key is not None else None
@@ -137,7 +151,7 @@ def join(
     try:
         routes = exchange_devices(session, rank, name, world_size, options, join_timeout, seal)
         guard, connections = _authenticate(session, key, seal, rank, names, options,
-                                           join_timeout)
+                                           join_timeout, encrypt)
     except BaseException:
         if world_key is not None:
             rendezvous.release_in_process_store(world_key)
@@ -268,21 +282,33 @@ def exchange_devices(
 
 def _authenticate(
     session: Any, key: bytes | None, seal: auth.ValueSeal | None, rank: int,
-    names: list[str], options: Any, timeout: float | None,
+    names: list[str], options: Any, timeout: float | None, encrypt: str | None = None,
 ) -> tuple[auth.FrameGuard | None, auth.ConnectionAuth | None]:
-    """With a key: exchange sealed session nonces, return the frame guard and the proofs
-    transports use on their connections. Without one: ``(None, None)``."""
+    """With a key: exchange sealed session nonces (and each worker's host, which decides
+    the pairs ``encrypt="hosts"`` encrypts), return the frame guard (a cipher when
+    ``encrypt`` is set) and the proofs transports use on their connections. Without one:
+    ``(None, None)``."""
     if key is None or seal is None:
         return None, None
-    nonces = rendezvous.all_gather(
-        session, "auth", rank, len(names), auth.new_nonce(), timeout,
+    host = hashlib.sha256(host_identity().encode()).digest()[:_HOST_BYTES]
+    published = rendezvous.all_gather(
+        session, "auth", rank, len(names), auth.new_nonce() + host, timeout,
         what=f"init_rpc: worker {names[rank]!r} (rank {rank}) waiting for session nonces",
         seal=seal,
     )
-    for peer, nonce in enumerate(nonces):
-        if len(nonce) != auth.NONCE_BYTES:  # sealed by a key holder: a bug, not an attack
+    expected = auth.NONCE_BYTES + _HOST_BYTES
+    for peer, value in enumerate(published):
+        if len(value) != expected:  # sealed by a key holder: a bug, not an attack
             raise RpcError(f"init_rpc: rank {peer} published a session nonce of "
-                           f"{len(nonce)} bytes, expected {auth.NONCE_BYTES}")
-    guard = auth.FrameGuard(key, rank, nonces, names,
-                            payload=bool(getattr(options, "auth_payload", False)))
+                           f"{len(value)} bytes, expected {expected}")
+    nonces = [value[:auth.NONCE_BYTES] for value in published]
+    payload = bool(getattr(options, "auth_payload", False))
+    guard: auth.FrameGuard
+    if encrypt is None:
+        guard = auth.FrameGuard(key, rank, nonces, names, payload=payload)
+    else:
+        hosts = [value[auth.NONCE_BYTES:] for value in published]
+        guard = cipher.FrameCipher(key, rank, nonces, names,
+                                   cipher.encrypted_pairs(rank, hosts, encrypt),
+                                   payload=payload)
     return guard, auth.ConnectionAuth(key, nonces)

@@ -210,10 +210,11 @@ class ServiceHost(Protocol):
     def stats(self) -> dict[str, Any]:
         """This worker's call traffic, for ``debug_info``: ``pending_calls``,
         ``request_threads``, ``lost_peers``, ``lost_causes``, ``unresponsive_peers``,
-        ``authenticated``, ``refused_frames``, ``resent_frames``, ``bytes_in_flight``,
-        ``calls_held_back``, ``routes`` (peer name: how the transport reaches it, for
-        transports that choose per peer) and ``connected_peers`` (how many peers this
-        worker has a connection to; every one, unless the transport connects on demand)."""
+        ``authenticated``, ``encrypted_peers``, ``refused_frames``, ``resent_frames``,
+        ``bytes_in_flight``, ``calls_held_back``, ``routes`` (peer name: how the
+        transport reaches it, for transports that choose per peer) and
+        ``connected_peers`` (how many peers this worker has a connection to; every one,
+        unless the transport connects on demand)."""
 
     def shutdown(self, graceful: bool = True, timeout: float | None = None) -> bool:
         """Leave the world.

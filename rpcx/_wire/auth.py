@@ -210,12 +210,16 @@ class FrameGuard:
     def seal(self, dst: int, frame: Frame) -> Frame:
         """Seal ``frame`` for ``dst`` (its header is replaced by the sealed one) and
         return it. (In place: this runs on every send, and a frame is sent once.)"""
-        with self._seq_lock:
-            seq = self._next_seq[dst] = self._next_seq[dst] + 1
+        seq = self._next_sequence(dst)
         header = frame.header
         frame.header = _SEQ.pack(seq) + self._tag(self._send_keys[dst], seq, header,
                                                   frame.buffers) + header
         return frame
+
+    def _next_sequence(self, dst: int) -> int:
+        with self._seq_lock:
+            seq = self._next_seq[dst] = self._next_seq[dst] + 1
+        return seq
 
     # ------------------------------------------------------------------------ receive
 
@@ -256,10 +260,16 @@ class FrameGuard:
         if not hmac.compare_digest(tag, self._tag(self._receive_keys[src], seq, body,
                                                   frame.buffers)):
             return "bad or missing MAC"
-        # Only after the MAC holds: a forged number must not move the window.
+        problem = self._accept_sequence(src, seq)
+        if problem is None:
+            frame.header = body
+        return problem
+
+    def _accept_sequence(self, src: int, seq: int) -> str | None:
+        """Take ``seq`` from ``src`` into its window, or say why not. Only once the frame
+        is known genuine: a forged number must not move the window."""
         if not self._windows[src].add(seq):
             return f"sequence number {seq} replayed or out of range"
-        frame.header = body
         return None
 
     def _count(self, src: int, problem: str) -> bool:

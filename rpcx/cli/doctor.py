@@ -72,10 +72,45 @@ def diagnose(init_method: str | None = None) -> list[Check]:
         checks.append(Check("cuda", "note", "no CUDA device: CUDA tensors and device maps "
                             "are unavailable; everything else works on CPU"))
     checks.extend(_plugins())
+    checks.append(_security())
     checks.append(_for_torch())
     checks.extend(_default_backend(init_method))
     checks.extend(_rendezvous(init_method))
     return checks
+
+
+def _security() -> Check:
+    """What a world started from this environment would run with: a world key
+    (``RPCX_AUTH_KEY``), encryption (``RPCX_ENCRYPT``). The key itself is never shown."""
+    from rpcx._wire import auth, cipher
+    from rpcx.options import RpcBackendOptions
+
+    key = os.environ.get(auth.AUTH_KEY_ENV)
+    try:
+        encrypt = cipher.resolve_encrypt(RpcBackendOptions())
+    except ValueError as exc:
+        return Check("security", "PROBLEM", str(exc))
+    if encrypt is not None and not key:
+        return Check("security", "PROBLEM",
+                     f"{cipher.ENCRYPT_ENV} is set but {auth.AUTH_KEY_ENV} is not: init_rpc "
+                     "will refuse to start (encryption's keys come from the world key)")
+    if encrypt is not None and not cipher.aead_available():
+        return Check("security", "PROBLEM",
+                     f"{cipher.ENCRYPT_ENV} is set but the 'cryptography' package (45 or "
+                     "newer) is missing: pip install 'torch-rpcx[encrypt]'")
+    if encrypt == "always":
+        return Check("security", "ok", "world key set; every frame encrypted (AES-256-GCM), "
+                     "between every pair of workers")
+    if encrypt == "hosts":
+        return Check("security", "ok", "world key set; frames between hosts encrypted "
+                     "(AES-256-GCM), within one host authenticated")
+    if key:
+        return Check("security", "note", "world key set: frames authenticated, not "
+                     f"encrypted; set {cipher.ENCRYPT_ENV}=1 to encrypt frames between hosts "
+                     "(docs/security.md)")
+    return Check("security", "note", f"no world key ({auth.AUTH_KEY_ENV}): a world started "
+                 "here admits any worker that reaches its store, and nothing is encrypted "
+                 "(docs/security.md)")
 
 
 def _for_torch() -> Check:

@@ -818,6 +818,72 @@ def send_unauthenticated_call(to_rank: int, how: str, marker: str) -> None:
         raise ValueError(f"unknown way to break a MAC: {how!r}")
 
 
+def send_altered_encrypted_call(to_rank: int, how: str, marker: str) -> None:
+    """Send ``to_rank``, straight through the transport, an encrypted call of
+    :func:`tally` (``marker``) with a tensor of 64 KiB beside its header, altered:
+    ``"tensor"`` (one bit of the tensor's ciphertext flipped), ``"header"`` (one bit of
+    the header's ciphertext flipped) or ``"plain"`` (the frame as the codec wrote it,
+    unencrypted)."""
+    import torch
+
+    from rpcx._wire import codec
+    from rpcx.messages import MessageKind
+    from rpcx.transport import Frame
+
+    agent = _context_agent()
+    guard = agent.guard
+    assert getattr(guard, "encrypted", None), "this world runs unencrypted"
+    ctx = codec.EncodeContext(to_rank, agent=agent, routes=agent.routes)
+    frame = codec.encode(MessageKind.CALL, 0, (tally, (marker, torch.ones(1 << 14)), {}),
+                         ctx)
+    assert frame.buffers, "the tensor went in the header"
+    transport = agent._transport.inner  # (past the cipher: the test encrypts)
+    if how == "plain":
+        transport.send(to_rank, frame)
+        return
+    sealed = guard.seal(to_rank, frame)
+    if how == "tensor":
+        sealed.buffers[0][len(sealed.buffers[0]) // 2] ^= 4
+        transport.send(to_rank, sealed)
+    elif how == "header":
+        header = bytearray(sealed.header)
+        header[-20] ^= 1
+        transport.send(to_rank, Frame(bytes(header), sealed.buffers))
+    else:
+        raise ValueError(f"unknown way to alter an encrypted frame: {how!r}")
+
+
+_wire_seen: list[bytes] = []
+
+
+def spy_on_the_wire() -> None:
+    """Record every byte this worker's transport is handed to send from now on (headers
+    and buffers, after the world key's seal or cipher), for :func:`wire_has`. Forgets
+    what was recorded before (workers of one process share the record)."""
+    import torch
+
+    from rpcx._util.memory import memory_of
+
+    _wire_seen.clear()
+    agent = _context_agent()
+    transport = agent._transport.inner
+    original = transport.send
+
+    def send(dst: int, frame: Any) -> None:
+        _wire_seen.append(bytes(frame.header))
+        for buffer in frame.buffers:
+            flat = buffer.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+            _wire_seen.append(bytes(memory_of(flat)) if flat.numel() else b"")
+        original(dst, frame)
+
+    transport.send = send
+
+
+def wire_has(pattern: bytes) -> tuple[int, bool]:
+    """How many parts :func:`spy_on_the_wire` recorded, and whether ``pattern`` is in one."""
+    return len(_wire_seen), any(pattern in part for part in _wire_seen)
+
+
 def process_id() -> int:
     """This worker's process id."""
     return os.getpid()

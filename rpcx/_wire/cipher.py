@@ -1,0 +1,204 @@
+"""Encryption with the world key: every byte of a frame private and authenticated.
+
+:class:`FrameCipher` is a :class:`~rpcx._wire.auth.FrameGuard` that encrypts the frames
+of the pairs it is told to (by default those between two hosts) with AES-256-GCM, and
+seals the rest as the guard does. For an encrypted pair, each frame is::
+
+    header:  seq (8 bytes, in clear) + AES-GCM(codec's header)          (+16 tag bytes)
+    buffer i: AES-GCM(buffer i's bytes)                                  (+16 tag bytes)
+
+Keys come from the world key and both workers' session nonces, one per ordered pair
+(src, dst), so each direction of each session has its own; a worker that did not hold
+the key in this session can neither read nor forge a frame. Each part of a frame has its
+own nonce: the frame's sequence number and the part's index, so no nonce is used twice
+under one key. The associated data of every part is the frame's sequence number, the
+header's length, the number of buffers and each buffer's size: a part cannot be moved
+to another frame or another slot, and a frame cannot gain or lose a buffer. A sequence
+number is accepted once (the guard's window), only after the header decrypted. The
+cryptography is the ``cryptography`` package's (OpenSSL's AES-GCM); nothing here is a
+cipher of rpcx's own.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rpcx._util.memory import empty_bytes, memory_at
+from rpcx._wire.auth import _SEQ, FrameGuard, _derive
+from rpcx.errors import RpcError
+from rpcx.transport import Frame
+
+__all__ = ["ENCRYPT_ENV", "FrameCipher", "aead_available", "encrypted_pairs",
+           "resolve_encrypt"]
+
+ENCRYPT_ENV = "RPCX_ENCRYPT"
+TAG = 16  # AES-GCM's tag, appended to each part
+_NONCE = struct.Struct("<IQ")  # part index, sequence number: 12 bytes, AES-GCM's size
+_HEAD = struct.Struct("<QQI")  # seq, plain header length, number of buffers
+_INSTALL = "pip install 'torch-rpcx[encrypt]'"
+
+# The ``cryptography`` package is optional (the ``encrypt`` extra): without it rpcx runs
+# as before and only a world that asks for encryption fails, saying what to install.
+_AESGCM: Any = None
+_InvalidTag: type[Exception] = Exception
+try:
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+except ImportError:  # pragma: no cover - depends on the environment
+    pass
+else:
+    if hasattr(AESGCM, "encrypt_into"):  # (cryptography 45 on: no copy of each tensor)
+        _AESGCM, _InvalidTag = AESGCM, InvalidTag
+
+
+_MODES = {"1": "hosts", "true": "hosts", "yes": "hosts", "on": "hosts", "hosts": "hosts",
+          "always": "always", "0": None, "false": None, "no": None, "off": None, "": None}
+
+
+def resolve_encrypt(options: Any) -> str | None:
+    """Which pairs to encrypt: ``"hosts"`` (those on two hosts), ``"always"`` (every
+    pair) or ``None``, from ``options.encrypt`` if set, else ``$RPCX_ENCRYPT``.
+
+    ``True``, ``"1"``, ``"hosts"``: between hosts; ``"always"``: every pair, one host
+    included; ``False``, ``"0"``, unset: none.
+    """
+    value = getattr(options, "encrypt", None)
+    source = "encrypt option"
+    if value is None:
+        value = os.environ.get(ENCRYPT_ENV)
+        source = ENCRYPT_ENV
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "hosts"
+    mode = _MODES.get(str(value).strip().lower(), "?")
+    if mode == "?":
+        raise ValueError(f"the {source} is {value!r}; expected 1 (encrypt between hosts), "
+                         "always (every pair, one host included) or 0")
+    return mode
+
+
+def aead_available() -> bool:
+    """Whether the ``cryptography`` package (45 or newer: AES-GCM into given buffers)
+    can be imported here."""
+    return _AESGCM is not None
+
+
+def encrypted_pairs(rank: int, hosts: Sequence[bytes], mode: str) -> list[bool]:
+    """Which peers ``rank`` encrypts frames with: ``mode`` ``"hosts"`` those on another
+    host (``hosts``: each rank's host identity), ``"always"`` every one."""
+    if mode == "always":
+        return [True] * len(hosts)
+    return [host != hosts[rank] for host in hosts]
+
+
+class FrameCipher(FrameGuard):
+    """Encrypts and authenticates every byte of the frames to and from the peers
+    ``encrypted[peer]`` names; seals the others as :class:`FrameGuard` does."""
+
+    def __init__(
+        self,
+        key: bytes,
+        rank: int,
+        nonces: Sequence[bytes],
+        names: Sequence[str],
+        encrypted: Sequence[bool],
+        *,
+        payload: bool = False,
+    ) -> None:
+        if _AESGCM is None:
+            raise RpcError(f"encryption ({ENCRYPT_ENV}) needs the 'cryptography' package: "
+                           f"{_INSTALL}")
+        super().__init__(key, rank, nonces, names, payload=payload)
+        self.encrypted = list(encrypted)
+        self._send_aead = [_AESGCM(_derive(k, b"cipher")) if on else None
+                           for k, on in zip(self._send_keys, self.encrypted, strict=True)]
+        self._receive_aead = [_AESGCM(_derive(k, b"cipher")) if on else None
+                              for k, on in zip(self._receive_keys, self.encrypted, strict=True)]
+
+    # --------------------------------------------------------------------------- send
+
+    def seal(self, dst: int, frame: Frame) -> Frame:
+        """Encrypt ``frame`` for ``dst`` in place (header and buffers replaced), or seal
+        it if the pair is not encrypted."""
+        aead = self._send_aead[dst]
+        if aead is None:
+            return super().seal(dst, frame)
+        seq = self._next_sequence(dst)
+        header = frame.header
+        sizes = [b.numel() * b.element_size() for b in frame.buffers]
+        extra = _extra(seq, len(header), sizes)
+        frame.header = _SEQ.pack(seq) + aead.encrypt(_NONCE.pack(0, seq), header, extra)
+        sealed = []
+        for index, (buffer, size) in enumerate(zip(frame.buffers, sizes, strict=True), start=1):
+            flat = _flat_bytes(buffer)  # (held until encrypted: the view borrows it)
+            out = empty_bytes(size + TAG)
+            aead.encrypt_into(_NONCE.pack(index, seq), _view(flat, size), extra,
+                              _view(out, size + TAG))
+            sealed.append(out)
+        frame.buffers = sealed
+        # Every buffer is now a copy made here: transports need not copy them again.
+        frame.owned = frozenset(range(len(sealed)))
+        return frame
+
+    # ------------------------------------------------------------------------ receive
+
+    def _problem(self, src: int, frame: Frame) -> str | None:
+        if not 0 <= src < len(self._receive_aead) or self._receive_aead[src] is None:
+            return super()._problem(src, frame)
+        if src in self._refused_from:
+            return "its connection already sent a frame that failed"
+        aead = self._receive_aead[src]
+        assert aead is not None
+        header = frame.header
+        if len(header) < _SEQ.size + TAG:
+            return "not an encrypted frame (too short)"
+        sizes = [b.numel() * b.element_size() - TAG for b in frame.buffers]
+        if any(size < 0 for size in sizes):
+            return "not an encrypted frame (a buffer shorter than its tag)"
+        (seq,) = _SEQ.unpack_from(header)
+        extra = _extra(seq, len(header) - _SEQ.size - TAG, sizes)
+        try:
+            plain = aead.decrypt(_NONCE.pack(0, seq), bytes(header[_SEQ.size:]), extra)
+        except _InvalidTag:
+            return "the header did not decrypt (wrong key, not encrypted, or altered)"
+        problem = self._accept_sequence(src, seq)
+        if problem is not None:
+            return problem
+        opened = []
+        for index, (buffer, size) in enumerate(zip(frame.buffers, sizes, strict=True), start=1):
+            flat = _flat_bytes(buffer)
+            out = empty_bytes(size)
+            try:
+                aead.decrypt_into(_NONCE.pack(index, seq), _view(flat, size + TAG), extra,
+                                  _view(out, size))
+            except _InvalidTag:
+                return f"buffer {index - 1} did not decrypt (altered in transit)"
+            opened.append(out)
+        frame.header = plain
+        frame.buffers = opened
+        return None
+
+
+def _extra(seq: int, header_length: int, sizes: list[int]) -> bytes:
+    """The associated data of each part of a frame: what binds the parts together."""
+    head = _HEAD.pack(seq, header_length, len(sizes))
+    return head + struct.pack(f"<{len(sizes)}Q", *sizes) if sizes else head
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat ``uint8`` CPU tensor (a host copy if it lives elsewhere)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.contiguous().view(torch.uint8)
+
+
+def _view(tensor: torch.Tensor, nbytes: int) -> Any:
+    """A writable view of a CPU tensor's first ``nbytes`` (keep the tensor meanwhile)."""
+    return memory_at(tensor.data_ptr(), nbytes) if nbytes else bytearray()

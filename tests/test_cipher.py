@@ -1,0 +1,133 @@
+"""rpcx._wire.cipher on its own: which pairs encrypt, frames in and out, what is refused.
+
+The same on live worlds, per backend, is in the conformance kit
+(``rpcx/testing/conformance_cipher.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rpcx
+from rpcx._wire import auth, cipher
+from rpcx.errors import ProtocolError, RpcError
+from rpcx.transport import Frame
+
+pytestmark = pytest.mark.skipif(not cipher.aead_available(),
+                                reason="encryption needs the 'cryptography' package")
+
+KEY = b"k" * 32
+NAMES = ["w0", "w1"]
+
+
+def _pair(encrypted: bool = True, key: bytes = KEY, nonces: list[bytes] | None = None,
+          ) -> tuple[cipher.FrameCipher, cipher.FrameCipher, list[Frame], list[str]]:
+    nonces = nonces or [auth.new_nonce(), auth.new_nonce()]
+    sender = cipher.FrameCipher(key, 0, nonces, NAMES, [False, encrypted])
+    receiver = cipher.FrameCipher(KEY, 1, nonces, NAMES, [encrypted, False])
+    delivered: list[Frame] = []
+    refused: list[str] = []
+    receiver_deliver = receiver.guarding(lambda src, frame: delivered.append(frame),
+                                         lambda src, why: refused.append(why))
+    sender.deliver_to_receiver = receiver_deliver  # type: ignore[attr-defined]
+    return sender, receiver, delivered, refused
+
+
+def _send(sender: cipher.FrameCipher, frame: Frame) -> None:
+    sender.deliver_to_receiver(0, sender.seal(1, frame))  # type: ignore[attr-defined]
+
+
+def test_the_option_and_the_environment_name_the_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cipher.ENCRYPT_ENV, raising=False)
+    assert cipher.resolve_encrypt(rpcx.RpcBackendOptions()) is None
+    monkeypatch.setenv(cipher.ENCRYPT_ENV, "1")
+    assert cipher.resolve_encrypt(rpcx.RpcBackendOptions()) == "hosts"
+    assert cipher.resolve_encrypt(rpcx.RpcBackendOptions(encrypt="always")) == "always"
+    assert cipher.resolve_encrypt(rpcx.RpcBackendOptions(encrypt=False)) is None
+    monkeypatch.setenv(cipher.ENCRYPT_ENV, "sometimes")
+    with pytest.raises(ValueError, match="RPCX_ENCRYPT is 'sometimes'"):
+        cipher.resolve_encrypt(rpcx.RpcBackendOptions())
+    assert cipher.encrypted_pairs(0, [b"a", b"a", b"b"], "hosts") == [False, False, True]
+    assert cipher.encrypted_pairs(0, [b"a", b"a", b"b"], "always") == [True, True, True]
+
+
+def test_a_frame_arrives_whole_and_crosses_unreadable() -> None:
+    sender, _, delivered, refused = _pair()
+    secret = b"the codec's header, with a secret in it"
+    tensor = torch.arange(1000, dtype=torch.float32)
+    empty = torch.empty(0)
+    sealed = sender.seal(1, Frame(secret, [tensor, empty]))
+    assert b"secret" not in bytes(sealed.header)
+    plain_bytes = bytes(tensor.view(torch.uint8).tolist())
+    assert plain_bytes[:64] not in bytes(sealed.buffers[0].tolist())
+    assert [b.numel() for b in sealed.buffers] == [4000 + cipher.TAG, cipher.TAG]
+    assert sealed.owned == frozenset({0, 1})  # copies made by the cipher
+    sender.deliver_to_receiver(0, sealed)  # type: ignore[attr-defined]
+    assert not refused
+    (frame,) = delivered
+    assert frame.header == secret
+    assert torch.equal(frame.buffers[0].view(torch.float32), tensor)
+    assert frame.buffers[1].numel() == 0
+
+
+@pytest.mark.parametrize("damage", ["header", "tensor", "drop a buffer", "swap buffers"])
+def test_an_altered_frame_is_refused(damage: str) -> None:
+    sender, receiver, delivered, refused = _pair()
+    sealed = sender.seal(1, Frame(b"header", [torch.ones(64), torch.zeros(64)]))
+    if damage == "header":
+        sealed.header = sealed.header[:-1] + bytes([sealed.header[-1] ^ 1])
+    elif damage == "tensor":
+        sealed.buffers[1][7] ^= 1
+    elif damage == "drop a buffer":
+        sealed.buffers = sealed.buffers[:1]
+    else:
+        sealed.buffers = sealed.buffers[::-1]
+    with pytest.raises(ProtocolError, match="failed authentication"):
+        sender.deliver_to_receiver(0, sealed)  # type: ignore[attr-defined]
+    assert not delivered and len(refused) == 1 and receiver.refused == 1
+
+
+def test_a_replayed_frame_runs_once() -> None:
+    sender, _, delivered, refused = _pair()
+    sealed = sender.seal(1, Frame(b"header", []))
+    copy = Frame(sealed.header, list(sealed.buffers))
+    sender.deliver_to_receiver(0, sealed)  # type: ignore[attr-defined]
+    with pytest.raises(ProtocolError, match="replayed"):
+        sender.deliver_to_receiver(0, copy)  # type: ignore[attr-defined]
+    assert len(delivered) == 1 and refused
+
+
+@pytest.mark.parametrize("who", ["another key", "another session", "sealed, not encrypted"])
+def test_frames_not_encrypted_for_this_pair_and_session_are_refused(who: str) -> None:
+    nonces = [auth.new_nonce(), auth.new_nonce()]
+    _, _, delivered, refused = sender_pair = _pair(nonces=nonces)
+    if who == "another key":
+        stranger: auth.FrameGuard = cipher.FrameCipher(b"x" * 32, 0, nonces, NAMES,
+                                                       [False, True])
+    elif who == "another session":
+        stranger = cipher.FrameCipher(KEY, 0, [auth.new_nonce(), nonces[1]], NAMES,
+                                      [False, True])
+    else:
+        stranger = auth.FrameGuard(KEY, 0, nonces, NAMES)
+    frame = stranger.seal(1, Frame(b"header", [torch.ones(8)]))
+    with pytest.raises(ProtocolError, match=r"did not decrypt|not an encrypted frame"):
+        sender_pair[0].deliver_to_receiver(0, frame)  # type: ignore[attr-defined]
+    assert not delivered and refused
+
+
+def test_a_pair_on_one_host_is_sealed_not_encrypted() -> None:
+    sender, _, delivered, refused = _pair(encrypted=False)
+    sealed = sender.seal(1, Frame(b"plain header", [torch.ones(4)]))
+    assert sealed.header.endswith(b"plain header")  # the guard's MAC, then the header
+    sender.deliver_to_receiver(0, sealed)  # type: ignore[attr-defined]
+    assert delivered[0].header == b"plain header" and not refused
+
+
+def test_init_rpc_says_encryption_needs_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(auth.AUTH_KEY_ENV, raising=False)
+    options = rpcx.TensorPipeRpcBackendOptions(init_method="file:///nonexistent/x",
+                                               encrypt=True)
+    with pytest.raises(RpcError, match=r"encryption \(RPCX_ENCRYPT\) needs a world key"):
+        rpcx.init_rpc("w0", backend="loopback", rank=0, world_size=1,
+                      rpc_backend_options=options)
