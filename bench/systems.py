@@ -15,10 +15,11 @@ from typing import Any
 # Without rpcx (or before its registry answers), the systems named when none are given.
 FALLBACK_SYSTEMS = ("torch",)
 # A system is a backend name, optionally with flags: "gloo+auth" runs gloo with a world
-# key (rpcx._wire.auth: every frame's header MACed), "gloo+auth+payload" MACs tensors too;
-# "auto+trace" records every call with rpcx.tracing (files written at shutdown, outside
-# the timed part).
-AUTH_FLAG, PAYLOAD_FLAG, TRACE_FLAG = "auth", "payload", "trace"
+# key (rpcx._wire.auth: every frame's header MACed), "gloo+auth+payload" MACs tensors too,
+# "tcp+auth+encrypt" encrypts every frame between every pair (rpcx._wire.cipher, encrypt=
+# "always": one host's pairs too, so a one-host run measures the cipher); "auto+trace"
+# records every call with rpcx.tracing (files written at shutdown, outside the timed part).
+AUTH_FLAG, PAYLOAD_FLAG, ENCRYPT_FLAG, TRACE_FLAG = "auth", "payload", "encrypt", "trace"
 BENCH_KEY = "rpcx-bench-key-0123456789abcdef"
 BASELINE = "torch"
 RPC_TIMEOUT_S = 60.0  # every call's default timeout: a lost reply becomes an error, not a hang
@@ -110,6 +111,8 @@ def init_worker(
     extra: dict[str, Any] = {}
     if AUTH_FLAG in _flags(ns.system):
         extra = {"auth_key": BENCH_KEY, "auth_payload": PAYLOAD_FLAG in _flags(ns.system)}
+        if ENCRYPT_FLAG in _flags(ns.system):
+            extra["encrypt"] = "always"
     if TRACE_FLAG in _flags(ns.system):
         extra["trace_dir"] = os.path.join(tempfile.gettempdir(), f"rpcx-bench-trace-{os.getppid()}")
     options = ns.rpc.TensorPipeRpcBackendOptions(
@@ -154,10 +157,16 @@ def missing_requirement(system: str) -> str | None:
             import rpcx
         except ImportError as exc:
             return f"rpcx does not import: {exc}"
-        unknown = _flags(system) - {AUTH_FLAG, PAYLOAD_FLAG, TRACE_FLAG}
-        if unknown or (PAYLOAD_FLAG in _flags(system) and AUTH_FLAG not in _flags(system)):
+        flags = _flags(system)
+        unknown = flags - {AUTH_FLAG, PAYLOAD_FLAG, ENCRYPT_FLAG, TRACE_FLAG}
+        if unknown or (flags & {PAYLOAD_FLAG, ENCRYPT_FLAG} and AUTH_FLAG not in flags):
             return (f"system {system!r}: flags are +{AUTH_FLAG}, +{AUTH_FLAG}+"
-                    f"{PAYLOAD_FLAG} and +{TRACE_FLAG}")
+                    f"{PAYLOAD_FLAG}, +{AUTH_FLAG}+{ENCRYPT_FLAG} and +{TRACE_FLAG}")
+        if ENCRYPT_FLAG in flags:
+            from rpcx._wire.cipher import aead_available
+
+            if not aead_available():
+                return "+encrypt needs the 'cryptography' package: pip install cryptography"
         if backend_of(system) not in rpcx.backend_names():
             return (f"unknown system {system!r}: neither torch nor an installed rpcx backend "
                     f"({', '.join(rpcx.backend_names())})")

@@ -15,7 +15,8 @@ which wins), three things hold on every backend, plugins included:
 * transports that accept connections of their own prove the key on each connection
   before reading frames from it (:class:`ConnectionAuth`).
 
-The key never leaves the process: only HMACs of it travel. Nothing is encrypted.
+The key never leaves the process: only HMACs of it travel. Nothing is encrypted here;
+:mod:`rpcx._wire.cipher` encrypts with keys derived from it (``RPCX_ENCRYPT``).
 docs/security.md gives the threat model.
 """
 
