@@ -37,6 +37,39 @@ BOUND = 120.0
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
                        "MASTER_ADDR", "MASTER_PORT")
 
+# Three workers, a world key and RPCX_ENCRYPT=1: host0 and host2 on one host (host2 is
+# host0's child, so it shares its mount namespace: the same host by rpcx.hosts'
+# reckoning), host1 on the other. Prints how many peers each encrypts for, and whether
+# a tensor's bytes went in clear to each peer.
+ENCRYPTED_WORKER = textwrap.dedent("""
+    import subprocess, sys, torch, rpcx
+    from rpcx.testing import remote
+    rank, backend, url = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    child = None
+    if rank == 0:
+        child = subprocess.Popen([sys.executable, sys.argv[0], "2", backend, url])
+    rpcx.init_rpc(f"host{rank}", rank=rank, world_size=3, backend=backend,
+                  rpc_backend_options=rpcx.TensorPipeRpcBackendOptions(
+                      init_method=url, rpc_timeout=60))
+    if rank == 0:
+        pattern = bytes(range(7, 71))
+        big = torch.frombuffer(bytearray(pattern * 4096), dtype=torch.uint8)
+        names = ("host0", "host1", "host2")
+        for name in names:
+            rpcx.rpc_sync(name, remote.spy_on_the_wire)
+        for name in names[1:]:
+            assert torch.equal(rpcx.rpc_sync(name, remote.echo, args=(big,)), big)
+        peers = [rpcx.rpc_sync(name, rpcx.debug_info)["encrypted_peers"] for name in names]
+        print("encrypted peers:", *peers, flush=True)
+        for src, dst in ((0, 1), (1, 0), (0, 2), (2, 0)):
+            parts, clear = rpcx.rpc_sync(names[src], remote.wire_has, args=(pattern, dst))
+            assert parts, (src, dst)
+            print(f"host{src} -> host{dst}:", "clear" if clear else "encrypted", flush=True)
+    rpcx.shutdown()
+    if child is not None:
+        assert child.wait(60) == 0
+""")
+
 WORKER = textwrap.dedent("""
     import sys, torch, rpcx
     rank, backend, url = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -164,3 +197,25 @@ class TestTwoHosts:
         for status, out, err in results:
             assert status == 0, f"{rpcx_backend} across hosts:\n{out}\n{err}"
         assert "two hosts: ok (host1)" in results[0][1]
+
+    def test_rpcx_encrypt_encrypts_between_hosts_and_only_seals_within_one(
+        self, rpcx_backend: str, two_hosts: Hosts, tmp_path: object
+    ) -> None:
+        pytest.importorskip("cryptography")
+        script = os.path.join(str(tmp_path), "encrypted_worker.py")
+        with open(script, "w") as file:
+            file.write(ENCRYPTED_WORKER)
+        url = f"tcp://{two_hosts.addresses[0]}:{free_port()}"
+        env = {k: v for k, v in os.environ.items() if k not in INTERFACE_VARIABLES}
+        env.update(RPCX_AUTH_KEY="two-hosts-key-0123456789abcdef", RPCX_ENCRYPT="1")
+        results = run_on_hosts(
+            [(namespace, [sys.executable, script, str(rank), rpcx_backend, url])
+             for rank, namespace in enumerate(two_hosts.namespaces)], env)
+        for status, out, err in results:
+            assert status == 0, f"{rpcx_backend} encrypted across hosts:\n{out}\n{err}"
+        out = results[0][1]
+        # host0 and host2 encrypt for host1 only; host1 for both.
+        assert "encrypted peers: 1 2 1" in out, out
+        for pair, how in (("host0 -> host1", "encrypted"), ("host1 -> host0", "encrypted"),
+                          ("host0 -> host2", "clear"), ("host2 -> host0", "clear")):
+            assert f"{pair}: {how}" in out, out

@@ -853,13 +853,14 @@ def send_altered_encrypted_call(to_rank: int, how: str, marker: str) -> None:
         raise ValueError(f"unknown way to alter an encrypted frame: {how!r}")
 
 
-_wire_seen: list[bytes] = []
+_wire_seen: list[tuple[int, bytes]] = []
 
 
 def spy_on_the_wire() -> None:
     """Record every byte this worker's transport is handed to send from now on (headers
-    and buffers, after the world key's seal or cipher), for :func:`wire_has`. Forgets
-    what was recorded before (workers of one process share the record)."""
+    and buffers, after the world key's seal or cipher, with the rank each went to), for
+    :func:`wire_has`. Forgets what was recorded before (workers of one process share the
+    record)."""
     import torch
 
     from rpcx._util.memory import memory_of
@@ -870,18 +871,20 @@ def spy_on_the_wire() -> None:
     original = transport.send
 
     def send(dst: int, frame: Any) -> None:
-        _wire_seen.append(bytes(frame.header))
+        _wire_seen.append((dst, bytes(frame.header)))
         for buffer in frame.buffers:
             flat = buffer.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
-            _wire_seen.append(bytes(memory_of(flat)) if flat.numel() else b"")
+            _wire_seen.append((dst, bytes(memory_of(flat)) if flat.numel() else b""))
         original(dst, frame)
 
     transport.send = send
 
 
-def wire_has(pattern: bytes) -> tuple[int, bool]:
-    """How many parts :func:`spy_on_the_wire` recorded, and whether ``pattern`` is in one."""
-    return len(_wire_seen), any(pattern in part for part in _wire_seen)
+def wire_has(pattern: bytes, to: int | None = None) -> tuple[int, bool]:
+    """How many parts :func:`spy_on_the_wire` recorded (those sent to rank ``to``, if
+    given), and whether ``pattern`` is in one of them."""
+    parts = [data for dst, data in _wire_seen if to is None or dst == to]
+    return len(parts), any(pattern in part for part in parts)
 
 
 def process_id() -> int:
