@@ -150,8 +150,10 @@ def join(
     workers = [WorkerInfo(n, r) for r, n in enumerate(names)]
     try:
         routes = exchange_devices(session, rank, name, world_size, options, join_timeout, seal)
-        guard, connections = _authenticate(session, key, seal, rank, names, options,
-                                           join_timeout, encrypt)
+        guard, connections, hidden = _authenticate(session, key, seal, rank, names, options,
+                                                   join_timeout, encrypt)
+        if hidden is not None:
+            session = session.prefixed(hidden)  # (auth.secret_prefix)
     except BaseException:
         if world_key is not None:
             rendezvous.release_in_process_store(world_key)
@@ -283,13 +285,14 @@ def exchange_devices(
 def _authenticate(
     session: Any, key: bytes | None, seal: auth.ValueSeal | None, rank: int,
     names: list[str], options: Any, timeout: float | None, encrypt: str | None = None,
-) -> tuple[auth.FrameGuard | None, auth.ConnectionAuth | None]:
+) -> tuple[auth.FrameGuard | None, auth.ConnectionAuth | None, str | None]:
     """With a key: exchange sealed session nonces (and each worker's host, which decides
     the pairs ``encrypt="hosts"`` encrypts), return the frame guard (a cipher when
-    ``encrypt`` is set) and the proofs transports use on their connections. Without one:
-    ``(None, None)``."""
+    ``encrypt`` is set), the proofs transports use on their connections, and the store
+    prefix the rest of the session hides under (:func:`auth.secret_prefix`). Without
+    one: ``(None, None, None)``."""
     if key is None or seal is None:
-        return None, None
+        return None, None, None
     host = hashlib.sha256(host_identity().encode()).digest()[:_HOST_BYTES]
     published = rendezvous.all_gather(
         session, "auth", rank, len(names), auth.new_nonce() + host, timeout,
@@ -311,4 +314,4 @@ def _authenticate(
         guard = cipher.FrameCipher(key, rank, nonces, names,
                                    cipher.encrypted_pairs(rank, hosts, encrypt),
                                    payload=payload)
-    return guard, auth.ConnectionAuth(key, nonces)
+    return guard, auth.ConnectionAuth(key, nonces), auth.secret_prefix(key, nonces)
