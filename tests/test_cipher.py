@@ -6,6 +6,9 @@ The same on live worlds, per backend, is in the conformance kit
 
 from __future__ import annotations
 
+import pathlib
+import threading
+
 import pytest
 import torch
 
@@ -24,8 +27,11 @@ NAMES = ["w0", "w1"]
 def _pair(encrypted: bool = True, key: bytes = KEY, nonces: list[bytes] | None = None,
           ) -> tuple[cipher.FrameCipher, cipher.FrameCipher, list[Frame], list[str]]:
     nonces = nonces or [auth.new_nonce(), auth.new_nonce()]
-    sender = cipher.FrameCipher(key, 0, nonces, NAMES, [False, encrypted])
-    receiver = cipher.FrameCipher(KEY, 1, nonces, NAMES, [encrypted, False])
+    exchanges = [cipher.KeyExchange(), cipher.KeyExchange()]
+    sender = cipher.FrameCipher(key, 0, nonces, NAMES, [False, encrypted],
+                                _shared(exchanges[0], exchanges))
+    receiver = cipher.FrameCipher(KEY, 1, nonces, NAMES, [encrypted, False],
+                                  _shared(exchanges[1], exchanges))
     delivered: list[Frame] = []
     refused: list[str] = []
     receiver_deliver = receiver.guarding(lambda src, frame: delivered.append(frame),
@@ -34,8 +40,8 @@ def _pair(encrypted: bool = True, key: bytes = KEY, nonces: list[bytes] | None =
     return sender, receiver, delivered, refused
 
 
-def _send(sender: cipher.FrameCipher, frame: Frame) -> None:
-    sender.deliver_to_receiver(0, sender.seal(1, frame))  # type: ignore[attr-defined]
+def _shared(mine: cipher.KeyExchange, everyone: list[cipher.KeyExchange]) -> list[bytes]:
+    return [mine.shared(other.public) for other in everyone]
 
 
 def test_the_option_and_the_environment_name_the_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,16 +104,21 @@ def test_a_replayed_frame_runs_once() -> None:
     assert len(delivered) == 1 and refused
 
 
-@pytest.mark.parametrize("who", ["another key", "another session", "sealed, not encrypted"])
+@pytest.mark.parametrize("who", ["another key", "another session", "the key, not the pair's",
+                                 "sealed, not encrypted"])
 def test_frames_not_encrypted_for_this_pair_and_session_are_refused(who: str) -> None:
     nonces = [auth.new_nonce(), auth.new_nonce()]
     _, _, delivered, refused = sender_pair = _pair(nonces=nonces)
+    # (a key exchange of the stranger's own: it never saw the pair's private halves)
+    shared = _shared(cipher.KeyExchange(), [cipher.KeyExchange(), cipher.KeyExchange()])
     if who == "another key":
         stranger: auth.FrameGuard = cipher.FrameCipher(b"x" * 32, 0, nonces, NAMES,
-                                                       [False, True])
+                                                       [False, True], shared)
     elif who == "another session":
         stranger = cipher.FrameCipher(KEY, 0, [auth.new_nonce(), nonces[1]], NAMES,
-                                      [False, True])
+                                      [False, True], shared)
+    elif who == "the key, not the pair's":  # a member of the world, or a past one
+        stranger = cipher.FrameCipher(KEY, 0, nonces, NAMES, [False, True], shared)
     else:
         stranger = auth.FrameGuard(KEY, 0, nonces, NAMES)
     frame = stranger.seal(1, Frame(b"header", [torch.ones(8)]))
@@ -131,3 +142,28 @@ def test_init_rpc_says_encryption_needs_a_key(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(RpcError, match=r"encryption \(RPCX_ENCRYPT\) needs a world key"):
         rpcx.init_rpc("w0", backend="loopback", rank=0, world_size=1,
                       rpc_backend_options=options)
+
+
+def test_workers_that_disagree_on_encryption_say_so(tmp_path: pathlib.Path) -> None:
+    url = f"file://{tmp_path / 'rendezvous'}"
+    errors: dict[str, BaseException] = {}
+
+    def join(name: str, rank: int, encrypt: str | None) -> None:
+        options = rpcx.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=30,
+                                                   auth_key=KEY, encrypt=encrypt)
+        try:
+            rpcx.init_rpc(name, backend="loopback", rank=rank, world_size=2,
+                          rpc_backend_options=options)
+        except BaseException as exc:
+            errors[name] = exc
+        else:
+            rpcx.shutdown(graceful=False)
+
+    other = threading.Thread(target=join, args=("w1", 1, None))
+    other.start()
+    join("w0", 0, "always")
+    other.join(30)
+    assert not other.is_alive()
+    assert "this worker encrypts and that one does not" in str(errors["w0"])
+    assert "that worker encrypts and this one does not" in str(errors["w1"])
+    assert "RPCX_ENCRYPT the same on every worker" in str(errors["w1"])

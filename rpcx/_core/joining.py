@@ -294,24 +294,34 @@ def _authenticate(
     if key is None or seal is None:
         return None, None, None
     host = hashlib.sha256(host_identity().encode()).digest()[:_HOST_BYTES]
+    # With encryption, each worker's X25519 public key rides along (cipher.KeyExchange).
+    exchange = cipher.KeyExchange() if encrypt is not None else None
+    mine = auth.new_nonce() + host + (exchange.public if exchange is not None else b"")
     published = rendezvous.all_gather(
-        session, "auth", rank, len(names), auth.new_nonce() + host, timeout,
+        session, "auth", rank, len(names), mine, timeout,
         what=f"init_rpc: worker {names[rank]!r} (rank {rank}) waiting for session nonces",
         seal=seal,
     )
-    expected = auth.NONCE_BYTES + _HOST_BYTES
     for peer, value in enumerate(published):
-        if len(value) != expected:  # sealed by a key holder: a bug, not an attack
-            raise RpcError(f"init_rpc: rank {peer} published a session nonce of "
-                           f"{len(value)} bytes, expected {expected}")
+        if len(value) != len(mine):  # sealed by a key holder: its settings differ
+            raise RpcError(
+                f"init_rpc: worker {names[rank]!r} (rank {rank}): rank {peer} "
+                f"({names[peer]!r}) published a session nonce of {len(value)} bytes, "
+                f"expected {len(mine)}: "
+                + ("this worker encrypts and that one does not" if len(value) < len(mine)
+                   else "that worker encrypts and this one does not")
+                + f" (set {cipher.ENCRYPT_ENV} the same on every worker)")
     nonces = [value[:auth.NONCE_BYTES] for value in published]
     payload = bool(getattr(options, "auth_payload", False))
     guard: auth.FrameGuard
-    if encrypt is None:
+    if exchange is None or encrypt is None:
         guard = auth.FrameGuard(key, rank, nonces, names, payload=payload)
     else:
-        hosts = [value[auth.NONCE_BYTES:] for value in published]
+        hosts = [value[auth.NONCE_BYTES:auth.NONCE_BYTES + _HOST_BYTES] for value in published]
+        shared = [exchange.shared(value[auth.NONCE_BYTES + _HOST_BYTES:])
+                  for value in published]
         guard = cipher.FrameCipher(key, rank, nonces, names,
-                                   cipher.encrypted_pairs(rank, hosts, encrypt),
+                                   cipher.encrypted_pairs(rank, hosts, encrypt), shared,
                                    payload=payload)
+        del exchange, shared  # (the private half goes: recorded frames stay unreadable)
     return guard, auth.ConnectionAuth(key, nonces), auth.secret_prefix(key, nonces)

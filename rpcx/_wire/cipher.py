@@ -7,9 +7,14 @@ seals the rest as the guard does. For an encrypted pair, each frame is::
     header:  seq (8 bytes, in clear) + AES-GCM(codec's header)          (+16 tag bytes)
     buffer i: AES-GCM(buffer i's bytes)                                  (+16 tag bytes)
 
-Keys come from the world key and both workers' session nonces, one per ordered pair
-(src, dst), so each direction of each session has its own; a worker that did not hold
-the key in this session can neither read nor forge a frame. Each part of a frame has its
+Keys come from the world key, both workers' session nonces and an X25519 exchange
+between the two (:class:`KeyExchange`: each worker draws a key pair at ``init_rpc`` and
+publishes the public half, sealed), one per ordered pair (src, dst), so each direction
+of each session has its own. A worker that did not hold the world key in this session
+can neither read nor forge a frame; one that holds it but not a pair's private halves
+(another member, a past one, anyone who learns the key later) cannot read that pair's
+frames: the private halves never leave their processes and are dropped once the pair
+keys are made. Each part of a frame has its
 own nonce: the frame's sequence number and the part's index, so no nonce is used twice
 under one key. The associated data of every part is the frame's sequence number, the
 header's length, the number of buffers and each buffer's size: a part cannot be moved
@@ -33,8 +38,8 @@ from rpcx._wire.auth import _SEQ, FrameGuard, _derive
 from rpcx.errors import RpcError
 from rpcx.transport import Frame
 
-__all__ = ["ENCRYPT_ENV", "FrameCipher", "aead_available", "encrypted_pairs",
-           "resolve_encrypt"]
+__all__ = ["ENCRYPT_ENV", "PUBLIC_BYTES", "FrameCipher", "KeyExchange", "aead_available",
+           "encrypted_pairs", "resolve_encrypt"]
 
 ENCRYPT_ENV = "RPCX_ENCRYPT"
 TAG = 16  # AES-GCM's tag, appended to each part
@@ -45,15 +50,24 @@ _INSTALL = "pip install 'torch-rpcx[encrypt]'"
 # The ``cryptography`` package is optional (the ``encrypt`` extra): without it rpcx runs
 # as before and only a world that asks for encryption fails, saying what to install.
 _AESGCM: Any = None
+_X25519: Any = None
+_X25519_PUBLIC: Any = None
 _InvalidTag: type[Exception] = Exception
 try:
     from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.asymmetric.x25519 import (
+        X25519PrivateKey,
+        X25519PublicKey,
+    )
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 except ImportError:  # pragma: no cover - depends on the environment
     pass
 else:
     if hasattr(AESGCM, "encrypt_into"):  # (cryptography 45 on: no copy of each tensor)
         _AESGCM, _InvalidTag = AESGCM, InvalidTag
+        _X25519, _X25519_PUBLIC = X25519PrivateKey, X25519PublicKey
+
+PUBLIC_BYTES = 32  # an X25519 public key, raw
 
 
 _MODES = {"1": "hosts", "true": "hosts", "yes": "hosts", "on": "hosts", "hosts": "hosts",
@@ -97,6 +111,25 @@ def encrypted_pairs(rank: int, hosts: Sequence[bytes], mode: str) -> list[bool]:
     return [host != hosts[rank] for host in hosts]
 
 
+class KeyExchange:
+    """This worker's X25519 key pair for one session: :attr:`public` is published
+    (sealed), :meth:`shared` makes the secret it shares with each peer. Drop it once the
+    pair keys are made: without the private half, recorded frames stay unreadable."""
+
+    def __init__(self) -> None:
+        if _X25519 is None:
+            raise RpcError(f"encryption ({ENCRYPT_ENV}) needs the 'cryptography' package: "
+                           f"{_INSTALL}")
+        self._private = _X25519.generate()
+        self.public: bytes = self._private.public_key().public_bytes_raw()
+
+    def shared(self, public: bytes) -> bytes:
+        """The secret this worker shares with the peer whose public key is ``public``."""
+        peer = _X25519_PUBLIC.from_public_bytes(public)
+        secret: bytes = self._private.exchange(peer)
+        return secret
+
+
 class FrameCipher(FrameGuard):
     """Encrypts and authenticates every byte of the frames to and from the peers
     ``encrypted[peer]`` names; seals the others as :class:`FrameGuard` does."""
@@ -108,18 +141,26 @@ class FrameCipher(FrameGuard):
         nonces: Sequence[bytes],
         names: Sequence[str],
         encrypted: Sequence[bool],
+        shared: Sequence[bytes],
         *,
         payload: bool = False,
     ) -> None:
+        """``encrypted[peer]``: whether frames to and from ``peer`` are encrypted;
+        ``shared[peer]``: the secret of this worker's key exchange with it
+        (:meth:`KeyExchange.shared`)."""
         if _AESGCM is None:
             raise RpcError(f"encryption ({ENCRYPT_ENV}) needs the 'cryptography' package: "
                            f"{_INSTALL}")
         super().__init__(key, rank, nonces, names, payload=payload)
         self.encrypted = list(encrypted)
-        self._send_aead = [_AESGCM(_derive(k, b"cipher")) if on else None
-                           for k, on in zip(self._send_keys, self.encrypted, strict=True)]
-        self._receive_aead = [_AESGCM(_derive(k, b"cipher")) if on else None
-                              for k, on in zip(self._receive_keys, self.encrypted, strict=True)]
+
+        def aead(pair_key: bytes, peer: int) -> Any:
+            if not self.encrypted[peer]:
+                return None
+            return _AESGCM(_derive(pair_key, b"cipher", shared[peer]))
+
+        self._send_aead = [aead(k, peer) for peer, k in enumerate(self._send_keys)]
+        self._receive_aead = [aead(k, peer) for peer, k in enumerate(self._receive_keys)]
 
     # --------------------------------------------------------------------------- send
 
