@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from rpcx.registry import DEFAULT_BACKEND
 from rpcx.testing.world import free_port
 
 # (Hosts, two_hosts, two_namespaces, NamespacesUnavailable and INTERFACE_VARIABLES are for
@@ -201,6 +202,12 @@ class TestTwoHosts:
     def test_rpcx_encrypt_encrypts_between_hosts_and_only_seals_within_one(
         self, rpcx_backend: str, two_hosts: Hosts, tmp_path: object
     ) -> None:
+        if rpcx_backend != DEFAULT_BACKEND:
+            # Which pairs encrypt is decided above the transport (the world's hosts, the
+            # cipher wrapping every backend alike): three processes per backend would
+            # check the same code again.
+            pytest.skip("the cipher wraps every backend alike: checked once, on the "
+                        f"default backend ({DEFAULT_BACKEND})")
         pytest.importorskip("cryptography")
         script = os.path.join(str(tmp_path), "encrypted_worker.py")
         with open(script, "w") as file:
