@@ -150,10 +150,8 @@ def join(
     workers = [WorkerInfo(n, r) for r, n in enumerate(names)]
     try:
         routes = exchange_devices(session, rank, name, world_size, options, join_timeout, seal)
-        guard, connections, hidden = _authenticate(session, key, seal, rank, names, options,
-                                                   join_timeout, encrypt)
-        if hidden is not None:
-            session = session.prefixed(hidden)  # (auth.secret_prefix)
+        guard, connections = _authenticate(session, key, seal, rank, names, options,
+                                           join_timeout, encrypt)
     except BaseException:
         if world_key is not None:
             rendezvous.release_in_process_store(world_key)
@@ -285,14 +283,13 @@ def exchange_devices(
 def _authenticate(
     session: Any, key: bytes | None, seal: auth.ValueSeal | None, rank: int,
     names: list[str], options: Any, timeout: float | None, encrypt: str | None = None,
-) -> tuple[auth.FrameGuard | None, auth.ConnectionAuth | None, str | None]:
+) -> tuple[auth.FrameGuard | None, auth.ConnectionAuth | None]:
     """With a key: exchange sealed session nonces (and each worker's host, which decides
     the pairs ``encrypt="hosts"`` encrypts), return the frame guard (a cipher when
-    ``encrypt`` is set), the proofs transports use on their connections, and the store
-    prefix the rest of the session hides under (:func:`auth.secret_prefix`). Without
-    one: ``(None, None, None)``."""
+    ``encrypt`` is set) and the proofs transports use on their connections. Without one:
+    ``(None, None)``."""
     if key is None or seal is None:
-        return None, None, None
+        return None, None
     host = hashlib.sha256(host_identity().encode()).digest()[:_HOST_BYTES]
     # With encryption, each worker's X25519 public key rides along (cipher.KeyExchange).
     exchange = cipher.KeyExchange() if encrypt is not None else None
@@ -324,4 +321,4 @@ def _authenticate(
                                    cipher.encrypted_pairs(rank, hosts, encrypt), shared,
                                    payload=payload)
         del exchange, shared  # (the private half goes: recorded frames stay unreadable)
-    return guard, auth.ConnectionAuth(key, nonces), auth.secret_prefix(key, nonces)
+    return guard, auth.ConnectionAuth(key, nonces)

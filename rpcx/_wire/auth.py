@@ -47,7 +47,6 @@ __all__ = [
     "ValueSeal",
     "new_nonce",
     "resolve_key",
-    "secret_prefix",
 ]
 
 log = logging.getLogger("rpcx.auth")
@@ -93,16 +92,6 @@ def new_nonce() -> bytes:
 def _derive(key: bytes, purpose: bytes, *parts: bytes) -> bytes:
     """A subkey of ``key`` for one purpose: keys for different jobs never coincide."""
     return hmac.digest(key, b"\x00".join((b"rpcx", purpose, *parts)), "sha256")
-
-
-def secret_prefix(key: bytes, nonces: Sequence[bytes]) -> str:
-    """A store prefix only this session's workers can name: what a keyed world keeps in
-    the store once its members are authenticated (presence marks, shutdown barriers,
-    transport addresses) goes under it. A stray store client, even one that follows
-    rpcx's protocol, cannot find those keys to overwrite them or add to a barrier's
-    count; what it writes where an unkeyed world would look is never read."""
-    digest = hmac.digest(_derive(key, b"store names"), b"".join(nonces), "sha256")
-    return "k" + digest[:16].hex()
 
 
 class ValueSeal:

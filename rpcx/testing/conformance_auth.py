@@ -221,33 +221,6 @@ class TestAuthentication:
         assert not posed, posed
         assert marker not in os.environ
 
-    @pytest.mark.rpcx_requires("multi_process", reason="an in-process world has no store "
-                                "other processes can reach")
-    def test_a_stray_store_client_cannot_find_or_steer_a_formed_world(
-        self, rpcx_backend: str, own_worlds: str, caplog: pytest.LogCaptureFixture,
-    ) -> None:
-        # A client of the store that knows rpcx's protocol looks where an unkeyed world
-        # keeps its presence marks, and writes there and to the shutdown's barrier
-        # counters. A keyed world keeps them under a prefix only its members can name:
-        # the client finds nothing, and what it writes is never read.
-        with world(rpcx_backend, size=2, init_method=own_worlds, rpc_timeout=BOUND,
-                   auth_key=KEY):
-            stray = rendezvous.open_store(own_worlds, 1, 2, BOUND).prefixed("rpcx/s0")
-            assert rpcx.rpc_sync("worker1", remote.store_has, args=("process/1",))
-            assert not stray.check(["process/0"], BOUND)
-            assert not stray.check(["process/1"], BOUND)
-            for rank in (0, 1):
-                stray.set(f"process/{rank}", b"not a process mark", BOUND)
-            for round_ in range(16):  # (more than the shutdown's drain ever runs)
-                stray.add(f"drained/{round_}/sent", 1000, BOUND)
-            assert rpcx.rpc_sync("worker1", remote.add, args=(2, 3), timeout=BOUND) == 5
-            assert rpcx.rpc_sync("worker1", rpcx.debug_info)["lost_peers"] == {}
-            with caplog.at_level(logging.WARNING, logger="rpcx"):
-                rpcx.shutdown(timeout=BOUND)
-        # Had the counters been the world's, every drain round would have seen frames
-        # still in flight, and the shutdown said so.
-        assert "still busy" not in caplog.text, caplog.text
-
     def test_frames_with_bad_missing_or_replayed_macs_run_nothing(
         self, rpcx_backend: str, own_worlds: str,
     ) -> None:

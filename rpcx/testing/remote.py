@@ -887,12 +887,6 @@ def wire_has(pattern: bytes, to: int | None = None) -> tuple[int, bool]:
     return len(parts), any(pattern in part for part in parts)
 
 
-def store_has(key: str) -> bool:
-    """Whether ``key`` is in this worker's session store, as the worker names it (under
-    the hidden prefix of a keyed world: :func:`rpcx._wire.auth.secret_prefix`)."""
-    return bool(_context_agent()._presence.store.check([key], 30.0))
-
-
 def process_id() -> int:
     """This worker's process id."""
     return os.getpid()
