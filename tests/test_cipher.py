@@ -144,7 +144,10 @@ def test_init_rpc_says_encryption_needs_a_key(monkeypatch: pytest.MonkeyPatch) -
                       rpc_backend_options=options)
 
 
-def test_workers_that_disagree_on_encryption_say_so(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("modes", [("always", None), ("always", "hosts")])
+def test_workers_that_disagree_on_encryption_say_so(
+    tmp_path: pathlib.Path, modes: tuple[str, str | None],
+) -> None:
     url = f"file://{tmp_path / 'rendezvous'}"
     errors: dict[str, BaseException] = {}
 
@@ -159,11 +162,49 @@ def test_workers_that_disagree_on_encryption_say_so(tmp_path: pathlib.Path) -> N
         else:
             rpcx.shutdown(graceful=False)
 
-    other = threading.Thread(target=join, args=("w1", 1, None))
+    other = threading.Thread(target=join, args=("w1", 1, modes[1]))
     other.start()
-    join("w0", 0, "always")
+    join("w0", 0, modes[0])
     other.join(30)
     assert not other.is_alive()
-    assert "this worker encrypts and that one does not" in str(errors["w0"])
-    assert "that worker encrypts and this one does not" in str(errors["w1"])
-    assert "RPCX_ENCRYPT the same on every worker" in str(errors["w1"])
+    second = "does not encrypt" if modes[1] is None else "encrypts between hosts"
+    assert (f"this worker encrypts every pair (RPCX_ENCRYPT=always) and rank 1 ('w1') "
+            f"{second}") in str(errors["w0"])
+    assert (f"this worker {second}") in str(errors["w1"])
+    assert "and rank 0 ('w0') encrypts every pair" in str(errors["w1"])
+    assert "RPCX_ENCRYPT (or the encrypt option) the same on every worker" in str(errors["w1"])
+
+
+def test_parts_larger_than_a_piece_go_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (AES-GCM calls take under 2 GiB: a part over PIECE_BYTES goes in pieces)
+    monkeypatch.setattr(cipher, "PIECE_BYTES", 64)
+    for size in range(0, 400):
+        assert cipher.plain_size(cipher.sealed_size(size)) == size
+    assert cipher.plain_size(cipher.TAG - 1) is None
+    assert cipher.plain_size(64 + cipher.TAG + 1) is None  # (one byte needs a tag of its own)
+    sender, _, delivered, refused = _pair()
+    header = bytes(range(200))
+    buffers = [torch.arange(n, dtype=torch.uint8) for n in (0, 64, 65, 300)]
+    sealed = sender.seal(1, Frame(header, [b.clone() for b in buffers]))
+    assert [b.numel() for b in sealed.buffers] == [16, 80, 97, 300 + 5 * 16]
+    sender.deliver_to_receiver(0, sealed)  # type: ignore[attr-defined]
+    assert not refused
+    assert delivered[0].header == header
+    assert all(torch.equal(got, want) for got, want in zip(delivered[0].buffers, buffers,
+                                                             strict=True))
+    swapped = sender.seal(1, Frame(b"h", [torch.arange(200, dtype=torch.uint8)]))
+    first, second = swapped.buffers[0][:80].clone(), swapped.buffers[0][80:160].clone()
+    swapped.buffers[0][:80], swapped.buffers[0][80:160] = second, first  # two pieces swapped
+    with pytest.raises(ProtocolError, match="buffer 0 did not decrypt"):
+        sender.deliver_to_receiver(0, swapped)  # type: ignore[attr-defined]
+
+
+def test_a_frame_refused_for_its_tensor_does_not_use_up_its_sequence_number() -> None:
+    sender, receiver, delivered, _ = _pair()
+    sealed = sender.seal(1, Frame(b"header", [torch.ones(8)]))
+    genuine = sealed.buffers[0].clone()
+    sealed.buffers[0][0] ^= 1
+    with pytest.raises(ProtocolError, match="buffer 0 did not decrypt"):
+        sender.deliver_to_receiver(0, sealed)  # type: ignore[attr-defined]
+    assert 1 not in receiver._windows[0]  # (refused before it entered the window)
+    assert not delivered and genuine.numel()

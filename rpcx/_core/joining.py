@@ -284,41 +284,98 @@ def _authenticate(
     session: Any, key: bytes | None, seal: auth.ValueSeal | None, rank: int,
     names: list[str], options: Any, timeout: float | None, encrypt: str | None = None,
 ) -> tuple[auth.FrameGuard | None, auth.ConnectionAuth | None]:
-    """With a key: exchange sealed session nonces (and each worker's host, which decides
-    the pairs ``encrypt="hosts"`` encrypts), return the frame guard (a cipher when
-    ``encrypt`` is set) and the proofs transports use on their connections. Without one:
-    ``(None, None)``."""
+    """With a key: exchange sealed session records (each worker's nonce, host, whether
+    and where it encrypts, and with encryption its X25519 public key), return the frame
+    guard (a cipher when ``encrypt`` is set) and the proofs transports use on their
+    connections. Without one: ``(None, None)``."""
     if key is None or seal is None:
         return None, None
-    host = hashlib.sha256(host_identity().encode()).digest()[:_HOST_BYTES]
     # With encryption, each worker's X25519 public key rides along (cipher.KeyExchange).
     exchange = cipher.KeyExchange() if encrypt is not None else None
-    mine = auth.new_nonce() + host + (exchange.public if exchange is not None else b"")
-    published = rendezvous.all_gather(
-        session, "auth", rank, len(names), mine, timeout,
-        what=f"init_rpc: worker {names[rank]!r} (rank {rank}) waiting for session nonces",
-        seal=seal,
-    )
-    for peer, value in enumerate(published):
-        if len(value) != len(mine):  # sealed by a key holder: its settings differ
-            raise RpcError(
-                f"init_rpc: worker {names[rank]!r} (rank {rank}): rank {peer} "
-                f"({names[peer]!r}) published a session nonce of {len(value)} bytes, "
-                f"expected {len(mine)}: "
-                + ("this worker encrypts and that one does not" if len(value) < len(mine)
-                   else "that worker encrypts and this one does not")
-                + f" (set {cipher.ENCRYPT_ENV} the same on every worker)")
-    nonces = [value[:auth.NONCE_BYTES] for value in published]
-    payload = bool(getattr(options, "auth_payload", False))
-    guard: auth.FrameGuard
-    if exchange is None or encrypt is None:
-        guard = auth.FrameGuard(key, rank, nonces, names, payload=payload)
-    else:
-        hosts = [value[auth.NONCE_BYTES:auth.NONCE_BYTES + _HOST_BYTES] for value in published]
-        shared = [exchange.shared(value[auth.NONCE_BYTES + _HOST_BYTES:])
-                  for value in published]
-        guard = cipher.FrameCipher(key, rank, nonces, names,
-                                   cipher.encrypted_pairs(rank, hosts, encrypt), shared,
-                                   payload=payload)
-        del exchange, shared  # (the private half goes: recorded frames stay unreadable)
+    try:
+        mine = _SessionRecord(auth.new_nonce(), _host_digest(), _MODES[encrypt],
+                              exchange.public if exchange is not None else b"")
+        published = rendezvous.all_gather(
+            session, "auth", rank, len(names), mine.to_bytes(), timeout,
+            what=f"init_rpc: worker {names[rank]!r} (rank {rank}) waiting for session nonces",
+            seal=seal,
+        )
+        records = [_SessionRecord.read(value, peer, names, rank, mine.mode)
+                   for peer, value in enumerate(published)]
+        nonces = [record.nonce for record in records]
+        payload = bool(getattr(options, "auth_payload", False))
+        guard: auth.FrameGuard
+        if exchange is None or encrypt is None:
+            guard = auth.FrameGuard(key, rank, nonces, names, payload=payload)
+        else:
+            shared = []
+            for peer, record in enumerate(records):
+                try:
+                    shared.append(exchange.shared(record.public))
+                except ValueError as exc:  # (a degenerate public key)
+                    raise RpcError(
+                        f"init_rpc: worker {names[rank]!r} (rank {rank}): rank {peer} "
+                        f"({names[peer]!r}) published an unusable public key ({exc})"
+                    ) from None
+            guard = cipher.FrameCipher(
+                key, rank, nonces, names,
+                cipher.encrypted_pairs(rank, [r.host for r in records], encrypt), shared,
+                payload=payload)
+            del shared
+    finally:
+        del exchange  # (the private half goes, even on failure: recorded frames stay unreadable)
     return guard, auth.ConnectionAuth(key, nonces)
+
+
+_MODES = {None: 0, "hosts": 1, "always": 2}
+_MODE_NAMES = {0: "does not encrypt", 1: f"encrypts between hosts ({cipher.ENCRYPT_ENV}=1)",
+               2: f"encrypts every pair ({cipher.ENCRYPT_ENV}=always)"}
+
+
+@dataclass(frozen=True)
+class _SessionRecord:
+    """What each worker of a keyed world publishes, sealed, at ``init_rpc``."""
+
+    nonce: bytes  # auth.NONCE_BYTES
+    host: bytes  # _HOST_BYTES: rpcx.hosts.host_identity, hashed
+    mode: int  # _MODES: whether and where this worker encrypts
+    public: bytes  # its X25519 public key when it encrypts, else empty
+
+    _FIXED = auth.NONCE_BYTES + _HOST_BYTES + 1
+
+    def to_bytes(self) -> bytes:
+        return self.nonce + self.host + bytes([self.mode]) + self.public
+
+    @classmethod
+    def read(cls, value: bytes, peer: int, names: list[str], rank: int,
+             mode: int) -> _SessionRecord:
+        """Rank ``peer``'s record; ``RpcError`` naming it if its settings differ from this
+        worker's (``mode``) or it is no record this version writes."""
+        me = f"init_rpc: worker {names[rank]!r} (rank {rank})"
+        if len(value) < cls._FIXED or value[cls._FIXED - 1] not in _MODE_NAMES:
+            raise RpcError(f"{me}: rank {peer} ({names[peer]!r}) published a session record "
+                           f"this version of rpcx cannot read ({len(value)} bytes): run the "
+                           "same rpcx on every worker")
+        theirs = value[cls._FIXED - 1]
+        if theirs != mode:
+            raise RpcError(f"{me}: this worker {_MODE_NAMES[mode]} and rank {peer} "
+                           f"({names[peer]!r}) {_MODE_NAMES[theirs]}: set "
+                           f"{cipher.ENCRYPT_ENV} (or the encrypt option) the same on every "
+                           "worker")
+        public = value[cls._FIXED:]
+        if len(public) != (cipher.PUBLIC_BYTES if mode else 0):
+            raise RpcError(f"{me}: rank {peer} ({names[peer]!r}) published a public key of "
+                           f"{len(public)} bytes")
+        return cls(value[:auth.NONCE_BYTES], value[auth.NONCE_BYTES:cls._FIXED - 1], theirs,
+                   public)
+
+
+def _host_digest() -> bytes:
+    """This worker's host, hashed, for the pairs ``RPCX_ENCRYPT=1`` encrypts. Where a part
+    of the host's identity cannot be read (no boot id, no mount namespace: not Linux, a
+    restricted ``/proc``), a random one: this worker then counts as a host of its own,
+    and encrypts with everyone, rather than trusting a hostname another machine may share."""
+    identity = host_identity()
+    if any(not part for part in identity.split("|")):
+        return os.urandom(_HOST_BYTES)
+    return hashlib.sha256(identity.encode()).digest()[:_HOST_BYTES]

@@ -7,21 +7,26 @@ seals the rest as the guard does. For an encrypted pair, each frame is::
     header:  seq (8 bytes, in clear) + AES-GCM(codec's header)          (+16 tag bytes)
     buffer i: AES-GCM(buffer i's bytes)                                  (+16 tag bytes)
 
+(a part over ``PIECE_BYTES``, 1 GiB, goes in pieces, each with its own tag).
+
 Keys come from the world key, both workers' session nonces and an X25519 exchange
 between the two (:class:`KeyExchange`: each worker draws a key pair at ``init_rpc`` and
 publishes the public half, sealed), one per ordered pair (src, dst), so each direction
 of each session has its own. A worker that did not hold the world key in this session
-can neither read nor forge a frame; one that holds it but not a pair's private halves
-(another member, a past one, anyone who learns the key later) cannot read that pair's
-frames: the private halves never leave their processes and are dropped once the pair
-keys are made. Each part of a frame has its
-own nonce: the frame's sequence number and the part's index, so no nonce is used twice
-under one key. The associated data of every part is the frame's sequence number, the
-header's length, the number of buffers and each buffer's size: a part cannot be moved
-to another frame or another slot, and a frame cannot gain or lose a buffer. A sequence
-number is accepted once (the guard's window), only after the header decrypted. The
-cryptography is the ``cryptography`` package's (OpenSSL's AES-GCM); nothing here is a
-cipher of rpcx's own.
+can neither read nor forge a frame. Recorded frames stay unreadable to anyone who holds
+the world key but not the pair's private halves (another member listening, a past one,
+whoever learns the key later): the halves never leave their processes and are dropped
+once the pair keys are made. That is forward secrecy against listeners; a member who
+can write to the store while the world forms could still put its own public key in
+(the world key is what authenticates members, and a member can run code on any peer).
+
+Each piece of a frame has its own nonce: the frame's sequence number and the piece's
+index in the frame, so no nonce is used twice under one key. The associated data of
+every piece is the frame's sequence number, the header's length, the number of buffers
+and each buffer's size: a piece cannot be moved to another frame or another slot, and a
+frame cannot gain or lose a buffer. A sequence number is refused if seen before, and
+taken into the guard's window only once every part decrypted. The cryptography is the
+``cryptography`` package's (OpenSSL's AES-GCM); nothing here is a cipher of rpcx's own.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ __all__ = ["ENCRYPT_ENV", "PUBLIC_BYTES", "FrameCipher", "KeyExchange", "aead_av
 
 ENCRYPT_ENV = "RPCX_ENCRYPT"
 TAG = 16  # AES-GCM's tag, appended to each part
-_NONCE = struct.Struct("<IQ")  # part index, sequence number: 12 bytes, AES-GCM's size
+_NONCE = struct.Struct("<IQ")  # piece index, sequence number: 12 bytes, AES-GCM's size
 _HEAD = struct.Struct("<QQI")  # seq, plain header length, number of buffers
 _INSTALL = "pip install 'torch-rpcx[encrypt]'"
 
@@ -174,13 +179,14 @@ class FrameCipher(FrameGuard):
         header = frame.header
         sizes = [b.numel() * b.element_size() for b in frame.buffers]
         extra = _extra(seq, len(header), sizes)
-        frame.header = _SEQ.pack(seq) + aead.encrypt(_NONCE.pack(0, seq), header, extra)
+        parts = _Parts(aead, seq, extra)
+        frame.header = _SEQ.pack(seq) + parts.encrypt_header(header)
         sealed = []
-        for index, (buffer, size) in enumerate(zip(frame.buffers, sizes, strict=True), start=1):
-            flat = _flat_bytes(buffer)  # (held until encrypted: the view borrows it)
-            out = empty_bytes(size + TAG)
-            aead.encrypt_into(_NONCE.pack(index, seq), _view(flat, size), extra,
-                              _view(out, size + TAG))
+        for buffer, size in zip(frame.buffers, sizes, strict=True):
+            flat = _flat_bytes(buffer)  # (held until encrypted: the views borrow it)
+            # Storage of exactly this size: a transport may send a view's whole storage.
+            out = torch.empty(sealed_size(size), dtype=torch.uint8)
+            parts.encrypt(_view(flat, size), _view(out, out.numel()))
             sealed.append(out)
         frame.buffers = sealed
         # Every buffer is now a copy made here: transports need not copy them again.
@@ -196,34 +202,110 @@ class FrameCipher(FrameGuard):
             return "its connection already sent a frame that failed"
         aead = self._receive_aead[src]
         assert aead is not None
-        header = frame.header
-        if len(header) < _SEQ.size + TAG:
+        header = memoryview(frame.header)
+        header_size = plain_size(len(header) - _SEQ.size)
+        if header_size is None:
             return "not an encrypted frame (too short)"
-        sizes = [b.numel() * b.element_size() - TAG for b in frame.buffers]
-        if any(size < 0 for size in sizes):
+        sizes = [plain_size(b.numel() * b.element_size()) for b in frame.buffers]
+        if None in sizes:
             return "not an encrypted frame (a buffer shorter than its tag)"
+        known = [size for size in sizes if size is not None]  # (all of them)
         (seq,) = _SEQ.unpack_from(header)
-        extra = _extra(seq, len(header) - _SEQ.size - TAG, sizes)
+        parts = _Parts(aead, seq, _extra(seq, header_size, known))
         try:
-            plain = aead.decrypt(_NONCE.pack(0, seq), bytes(header[_SEQ.size:]), extra)
+            plain = parts.decrypt_header(header[_SEQ.size:], header_size)
         except _InvalidTag:
             return "the header did not decrypt (wrong key, not encrypted, or altered)"
-        problem = self._accept_sequence(src, seq)
-        if problem is not None:
-            return problem
+        if seq in self._windows[src]:  # (taken into the window only once all is genuine)
+            return f"sequence number {seq} replayed or out of range"
         opened = []
-        for index, (buffer, size) in enumerate(zip(frame.buffers, sizes, strict=True), start=1):
+        for index, (buffer, size) in enumerate(zip(frame.buffers, known, strict=True)):
             flat = _flat_bytes(buffer)
             out = empty_bytes(size)
             try:
-                aead.decrypt_into(_NONCE.pack(index, seq), _view(flat, size + TAG), extra,
-                                  _view(out, size))
+                parts.decrypt(_view(flat, sealed_size(size)), _view(out, size), size)
             except _InvalidTag:
-                return f"buffer {index - 1} did not decrypt (altered in transit)"
+                return f"buffer {index} did not decrypt (altered in transit)"
             opened.append(out)
+        problem = self._accept_sequence(src, seq)
+        if problem is not None:
+            return problem
         frame.header = plain
         frame.buffers = opened
         return None
+
+
+PIECE_BYTES = 1 << 30
+"""The most one AES-GCM call encrypts: ``cryptography`` takes at most 2**31 - 1 bytes a
+call, so a larger header or buffer is encrypted in pieces, each with its own tag."""
+
+
+def _pieces(size: int) -> int:
+    return max(1, -(-size // PIECE_BYTES))
+
+
+def sealed_size(size: int) -> int:
+    """How many bytes ``size`` bytes take encrypted: a tag per piece."""
+    return size + TAG * _pieces(size)
+
+
+def plain_size(sealed: int) -> int | None:
+    """The plain size of ``sealed`` encrypted bytes, or ``None`` if no plain size
+    encrypts to that many."""
+    if sealed < TAG:
+        return None
+    size = sealed - TAG * -(-sealed // (PIECE_BYTES + TAG))
+    return size if size >= 0 and sealed_size(size) == sealed else None
+
+
+class _Parts:
+    """The parts of one frame, in order (header, then each buffer), each in pieces of
+    at most ``PIECE_BYTES``: piece ``n`` of the frame is sealed under the nonce
+    (``n``, the frame's sequence number), so no nonce repeats under the pair's key."""
+
+    __slots__ = ("_aead", "_extra", "_next", "_seq")
+
+    def __init__(self, aead: Any, seq: int, extra: bytes) -> None:
+        self._aead, self._seq, self._extra, self._next = aead, seq, extra, 0
+
+    def _nonce(self) -> bytes:
+        nonce = _NONCE.pack(self._next, self._seq)
+        self._next += 1
+        return nonce
+
+    def encrypt_header(self, header: bytes) -> bytes:
+        if len(header) <= PIECE_BYTES:  # (every header but a pathological one)
+            sealed: bytes = self._aead.encrypt(self._nonce(), header, self._extra)
+            return sealed
+        out = bytearray(sealed_size(len(header)))
+        self.encrypt(memoryview(header), memoryview(out))
+        return bytes(out)
+
+    def decrypt_header(self, sealed: memoryview, size: int) -> bytes:
+        if size <= PIECE_BYTES:
+            plain: bytes = self._aead.decrypt(self._nonce(), bytes(sealed), self._extra)
+            return plain
+        out = bytearray(size)
+        self.decrypt(sealed, memoryview(out), size)
+        return bytes(out)
+
+    def encrypt(self, plain: Any, out: Any) -> None:
+        """``plain`` into ``out`` (``sealed_size(len(plain))`` bytes), piece by piece."""
+        size = len(plain)
+        for piece in range(_pieces(size)):
+            start = piece * PIECE_BYTES
+            end = min(size, start + PIECE_BYTES)
+            self._aead.encrypt_into(self._nonce(), plain[start:end], self._extra,
+                                    out[start + piece * TAG : end + (piece + 1) * TAG])
+
+    def decrypt(self, sealed: Any, out: Any, size: int) -> None:
+        """``sealed`` into ``out`` (``size`` bytes); ``InvalidTag`` if any piece fails."""
+        for piece in range(_pieces(size)):
+            start = piece * PIECE_BYTES
+            end = min(size, start + PIECE_BYTES)
+            self._aead.decrypt_into(self._nonce(), sealed[start + piece * TAG :
+                                                          end + (piece + 1) * TAG],
+                                    self._extra, out[start:end])
 
 
 def _extra(seq: int, header_length: int, sizes: list[int]) -> bytes:
