@@ -208,3 +208,11 @@ def test_a_frame_refused_for_its_tensor_does_not_use_up_its_sequence_number() ->
         sender.deliver_to_receiver(0, sealed)  # type: ignore[attr-defined]
     assert 1 not in receiver._windows[0]  # (refused before it entered the window)
     assert not delivered and genuine.numel()
+
+
+def test_ciphertext_has_storage_of_exactly_its_size() -> None:
+    # (a transport may send a view's whole storage: nothing beyond the ciphertext may go)
+    sender, _, _, _ = _pair()
+    sealed = sender.seal(1, Frame(b"h", [torch.ones((40 << 20) // 4)]))  # over 32 MiB
+    (buffer,) = sealed.buffers
+    assert buffer.untyped_storage().nbytes() == buffer.numel() == (40 << 20) + cipher.TAG

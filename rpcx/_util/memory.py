@@ -39,13 +39,15 @@ if sys.platform.startswith("linux"):
         _madvise = None
 
 
-def empty_bytes(nbytes: int) -> torch.Tensor:
+def empty_bytes(nbytes: int, exact: bool = False) -> torch.Tensor:
     """An uninitialised flat ``uint8`` CPU tensor of ``nbytes``, huge-page backed if large.
 
     From ``_ALIGNED`` bytes up it is a view into an allocation one huge page longer,
-    starting on a huge-page boundary, so that all of it can be huge pages.
+    starting on a huge-page boundary, so that all of it can be huge pages; ``exact``:
+    never a view (its storage is exactly ``nbytes``, for what a transport may send whole,
+    storage and all), so only the huge pages inside it.
     """
-    if _madvise is not None and nbytes >= _ALIGNED:
+    if _madvise is not None and nbytes >= _ALIGNED and not exact:
         whole = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
         offset = -whole.data_ptr() % HUGE_PAGE
         buffer = whole[offset : offset + nbytes]

@@ -185,7 +185,7 @@ class FrameCipher(FrameGuard):
         for buffer, size in zip(frame.buffers, sizes, strict=True):
             flat = _flat_bytes(buffer)  # (held until encrypted: the views borrow it)
             # Storage of exactly this size: a transport may send a view's whole storage.
-            out = torch.empty(sealed_size(size), dtype=torch.uint8)
+            out = empty_bytes(sealed_size(size), exact=True)
             parts.encrypt(_view(flat, size), _view(out, out.numel()))
             sealed.append(out)
         frame.buffers = sealed
