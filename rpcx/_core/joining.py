@@ -21,7 +21,7 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from rpcx._wire import auth, cipher
 from rpcx._wire.devices import DeviceRoutes, WorkerDevices, plan_routes
@@ -310,13 +310,16 @@ def _authenticate(
         else:
             shared = []
             for peer, record in enumerate(records):
+                unusable = None
                 try:
                     shared.append(exchange.shared(record.public))
                 except ValueError as exc:  # (a degenerate public key)
+                    unusable = str(exc)
+                if unusable is not None:  # (raised out here: the error's traceback would
+                    # hold the exchange, private half and all)
                     raise RpcError(
                         f"init_rpc: worker {names[rank]!r} (rank {rank}): rank {peer} "
-                        f"({names[peer]!r}) published an unusable public key ({exc})"
-                    ) from None
+                        f"({names[peer]!r}) published an unusable public key ({unusable})")
             guard = cipher.FrameCipher(
                 key, rank, nonces, names,
                 cipher.encrypted_pairs(rank, [r.host for r in records], encrypt), shared,
@@ -341,10 +344,13 @@ class _SessionRecord:
     mode: int  # _MODES: whether and where this worker encrypts
     public: bytes  # its X25519 public key when it encrypts, else empty
 
-    _FIXED = auth.NONCE_BYTES + _HOST_BYTES + 1
+    # A record starts with _MAGIC (one of an older rpcx, which started with its nonce, is
+    # told apart), then the nonce, the host and the mode byte.
+    _MAGIC: ClassVar[bytes] = b"rsr1"
+    _FIXED: ClassVar[int] = len(_MAGIC) + auth.NONCE_BYTES + _HOST_BYTES + 1
 
     def to_bytes(self) -> bytes:
-        return self.nonce + self.host + bytes([self.mode]) + self.public
+        return self._MAGIC + self.nonce + self.host + bytes([self.mode]) + self.public
 
     @classmethod
     def read(cls, value: bytes, peer: int, names: list[str], rank: int,
@@ -352,7 +358,8 @@ class _SessionRecord:
         """Rank ``peer``'s record; ``RpcError`` naming it if its settings differ from this
         worker's (``mode``) or it is no record this version writes."""
         me = f"init_rpc: worker {names[rank]!r} (rank {rank})"
-        if len(value) < cls._FIXED or value[cls._FIXED - 1] not in _MODE_NAMES:
+        if (len(value) < cls._FIXED or not value.startswith(cls._MAGIC)
+                or value[cls._FIXED - 1] not in _MODE_NAMES):
             raise RpcError(f"{me}: rank {peer} ({names[peer]!r}) published a session record "
                            f"this version of rpcx cannot read ({len(value)} bytes): run the "
                            "same rpcx on every worker")
@@ -366,8 +373,9 @@ class _SessionRecord:
         if len(public) != (cipher.PUBLIC_BYTES if mode else 0):
             raise RpcError(f"{me}: rank {peer} ({names[peer]!r}) published a public key of "
                            f"{len(public)} bytes")
-        return cls(value[:auth.NONCE_BYTES], value[auth.NONCE_BYTES:cls._FIXED - 1], theirs,
-                   public)
+        start = len(cls._MAGIC)
+        return cls(value[start:start + auth.NONCE_BYTES],
+                   value[start + auth.NONCE_BYTES:cls._FIXED - 1], theirs, public)
 
 
 def _host_digest() -> bytes:

@@ -24,8 +24,8 @@ Each piece of a frame has its own nonce: the frame's sequence number and the pie
 index in the frame, so no nonce is used twice under one key. The associated data of
 every piece is the frame's sequence number, the header's length, the number of buffers
 and each buffer's size: a piece cannot be moved to another frame or another slot, and a
-frame cannot gain or lose a buffer. A sequence number is refused if seen before, and
-taken into the guard's window only once every part decrypted. The cryptography is the
+frame cannot gain or lose a buffer. A sequence number is taken into the guard's window
+once the header decrypted, and refused if seen before. The cryptography is the
 ``cryptography`` package's (OpenSSL's AES-GCM); nothing here is a cipher of rpcx's own.
 """
 
@@ -216,8 +216,14 @@ class FrameCipher(FrameGuard):
             plain = parts.decrypt_header(header[_SEQ.size:], header_size)
         except _InvalidTag:
             return "the header did not decrypt (wrong key, not encrypted, or altered)"
-        if seq in self._windows[src]:  # (taken into the window only once all is genuine)
-            return f"sequence number {seq} replayed or out of range"
+        # The number goes into the window as soon as the header proves the frame is the
+        # peer's: a large frame's buffers take a while to decrypt, and frames delivered
+        # meanwhile on another thread must not push its number below the window. (A
+        # genuine header with a forged buffer so uses its number up: harmless, as the
+        # refusal below ends everything from that source.)
+        problem = self._accept_sequence(src, seq)
+        if problem is not None:
+            return problem
         opened = []
         for index, (buffer, size) in enumerate(zip(frame.buffers, known, strict=True)):
             flat = _flat_bytes(buffer)
@@ -227,9 +233,6 @@ class FrameCipher(FrameGuard):
             except _InvalidTag:
                 return f"buffer {index} did not decrypt (altered in transit)"
             opened.append(out)
-        problem = self._accept_sequence(src, seq)
-        if problem is not None:
-            return problem
         frame.header = plain
         frame.buffers = opened
         return None
