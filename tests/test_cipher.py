@@ -215,3 +215,20 @@ def test_a_session_record_of_another_version_is_named_as_such() -> None:
     older = auth.new_nonce() + b"h" * 16 + cipher.KeyExchange().public  # (no magic, no mode)
     with pytest.raises(RpcError, match="this version of rpcx cannot read"):
         _SessionRecord.read(older, 1, NAMES, 0, 2)
+
+
+@pytest.mark.parametrize("piece", [None, 64], ids=["one piece", "in pieces"])
+def test_a_frame_of_a_header_alone_arrives_whole_or_is_refused_if_altered(
+    monkeypatch: pytest.MonkeyPatch, piece: int | None,
+) -> None:
+    if piece is not None:
+        monkeypatch.setattr(cipher, "PIECE_BYTES", piece)
+    sender, _, delivered, refused = _pair()
+    header = bytes(range(200))
+    sender.deliver_to_receiver(0, sender.seal(1, Frame(header, [])))  # type: ignore[attr-defined]
+    assert delivered[0].header == header and not refused
+    altered = sender.seal(1, Frame(header, []))
+    altered.header = altered.header[:20] + bytes([altered.header[20] ^ 1]) + altered.header[21:]
+    with pytest.raises(ProtocolError, match="the header did not decrypt"):
+        sender.deliver_to_receiver(0, altered)  # type: ignore[attr-defined]
+    assert len(delivered) == 1

@@ -177,6 +177,10 @@ class FrameCipher(FrameGuard):
             return super().seal(dst, frame)
         seq = self._next_sequence(dst)
         header = frame.header
+        if not frame.buffers and len(header) <= PIECE_BYTES:  # most calls: one AES-GCM call
+            frame.header = _SEQ.pack(seq) + aead.encrypt(
+                _NONCE.pack(0, seq), header, _HEAD.pack(seq, len(header), 0))
+            return frame
         sizes = [b.numel() * b.element_size() for b in frame.buffers]
         extra = _extra(seq, len(header), sizes)
         parts = _Parts(aead, seq, extra)
@@ -206,6 +210,17 @@ class FrameCipher(FrameGuard):
         header_size = plain_size(len(header) - _SEQ.size)
         if header_size is None:
             return "not an encrypted frame (too short)"
+        if not frame.buffers and header_size <= PIECE_BYTES:  # most calls (as seal does)
+            (seq,) = _SEQ.unpack_from(header)
+            try:
+                plain = aead.decrypt(_NONCE.pack(0, seq), bytes(header[_SEQ.size:]),
+                                     _HEAD.pack(seq, header_size, 0))
+            except _InvalidTag:
+                return "the header did not decrypt (wrong key, not encrypted, or altered)"
+            problem = self._accept_sequence(src, seq)
+            if problem is None:
+                frame.header = plain
+            return problem
         sizes = [plain_size(b.numel() * b.element_size()) for b in frame.buffers]
         if None in sizes:
             return "not an encrypted frame (a buffer shorter than its tag)"
