@@ -47,7 +47,7 @@ __all__ = ["ENCRYPT_ENV", "PUBLIC_BYTES", "FrameCipher", "KeyExchange", "aead_av
            "encrypted_pairs", "resolve_encrypt"]
 
 ENCRYPT_ENV = "RPCX_ENCRYPT"
-TAG = 16  # AES-GCM's tag, appended to each part
+TAG = 16  # AES-GCM's tag, appended to each piece
 _NONCE = struct.Struct("<IQ")  # piece index, sequence number: 12 bytes, AES-GCM's size
 _HEAD = struct.Struct("<QQI")  # seq, plain header length, number of buffers
 _INSTALL = "pip install 'torch-rpcx[encrypt]'"
