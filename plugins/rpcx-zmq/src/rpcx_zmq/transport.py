@@ -370,7 +370,12 @@ class ZmqTransport(MessageTransport[_Peer]):
         if ctx.auth is not None:
             tx.plain_username = str(ctx.rank).encode()
             tx.plain_password = _password(ctx, ctx.rank, peer.rank).encode()
-        peer.tx_monitor = tx.get_monitor_socket(_MONITOR_EVENTS)
+        # An endpoint of its own: pyzmq's default names it after the socket's descriptor,
+        # and a rank taken again gets a socket whose descriptor the old one freed while
+        # the old monitor's endpoint may still be bound (ZeroMQ's reaper closes it
+        # later): the bind then fails "Address already in use" (seen under load).
+        peer.tx_monitor = tx.get_monitor_socket(
+            _MONITOR_EVENTS, addr=f"inproc://rpcx-zmq-{self._token}-tx-{next(_ids)}")
         tx.connect(peer.endpoint)
         peer.tx = tx
 
