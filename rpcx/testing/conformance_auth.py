@@ -164,6 +164,16 @@ class _Outsider:
         return got
 
 
+def assert_refused(victim: str, sender: str, problem: str) -> None:
+    """``victim`` refused a frame of ``sender``'s and reported it lost, as a protocol
+    error whose reason names ``problem``."""
+    lost = rpcx.rpc_sync(victim, remote.wait_until_lost, args=(sender, BOUND))
+    assert sender in lost, (victim, lost)
+    assert "failed authentication" in lost[sender] and problem in lost[sender], lost
+    causes = rpcx.rpc_sync(victim, rpcx.debug_info)["lost_causes"]
+    assert causes[sender] == "protocol error", causes
+
+
 class TestAuthentication:
     """A world whose workers hold ``KEY`` (the ``auth_key`` option)."""
 
@@ -276,11 +286,7 @@ class TestAuthentication:
         for victim, sender, problem in (("worker1", "worker2", "bad or missing MAC"),
                                         ("worker1", "worker3", "MAC"),
                                         ("worker2", "worker3", "replayed")):
-            lost = rpcx.rpc_sync(victim, remote.wait_until_lost, args=(sender, BOUND))
-            assert sender in lost, (victim, lost)
-            assert "failed authentication" in lost[sender] and problem in lost[sender], lost
-            causes = rpcx.rpc_sync(victim, rpcx.debug_info)["lost_causes"]
-            assert causes[sender] == "protocol error", causes
+            assert_refused(victim, sender, problem)
         assert rpcx.rpc_sync("worker1", rpcx.debug_info)["refused_frames"] == 2
         assert rpcx.rpc_sync("worker2", rpcx.debug_info)["refused_frames"] == 1
         assert rpcx.debug_info()["authenticated"] is True
