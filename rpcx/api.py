@@ -120,7 +120,7 @@ def _join(name: str, spec: BackendSpec, options: RpcBackendOptions, rank: int,
             workers=world.workers,
             store=world.store,
             transport=(spec.factory() if world.guard is None
-                       else keyed(spec.factory(), world.guard)),
+                       else keyed(spec.factory(), world.guard, world.admit_keys)),
             backend=spec.name,
             options=world.options,
             init_method=world.options.init_method,

@@ -183,6 +183,13 @@ class ConnectionAuth(Protocol):
     def challenge(self) -> bytes:
         """A fresh random challenge (``rpcx._wire.auth.NONCE_BYTES`` long)."""
 
+    def renew(self, rank: int) -> None:
+        """A connection from ``rank`` says a worker joins there (a dynamic world): learn
+        that worker's session before the proofs. Call it before :meth:`proof` and
+        :meth:`check` for a newcomer's connection; raises ``RpcError`` (refuse the
+        connection) if the newcomer published no genuine session. Nothing happens in a
+        world of fixed size."""
+
     def proof(self, purpose: str, src: int, dst: int, challenge: bytes = b"") -> bytes:
         """What ``src`` answers ``dst``'s ``challenge`` with (``rpcx._wire.auth.TAG_BYTES``)."""
 

@@ -208,13 +208,14 @@ def test_ciphertext_has_storage_of_exactly_its_size() -> None:
 
 
 def test_a_session_record_of_another_version_is_named_as_such() -> None:
-    from rpcx._core.joining import _SessionRecord
+    from rpcx._wire.sessions import SessionRecord
 
-    record = _SessionRecord(auth.new_nonce(), b"h" * 16, 2, cipher.KeyExchange().public)
-    assert _SessionRecord.read(record.to_bytes(), 1, NAMES, 0, 2) == record
+    record = SessionRecord(auth.new_nonce(), b"h" * 16, 2, cipher.KeyExchange().public)
+    assert SessionRecord.read(record.to_bytes(), "rank 1", "me", 2) == record
     older = auth.new_nonce() + b"h" * 16 + cipher.KeyExchange().public  # (no magic, no mode)
-    with pytest.raises(RpcError, match="this version of rpcx cannot read"):
-        _SessionRecord.read(older, 1, NAMES, 0, 2)
+    with pytest.raises(RpcError, match="rank 1 published a session record this version of "
+                                       "rpcx cannot read"):
+        SessionRecord.read(older, "rank 1", "me", 2)
 
 
 @pytest.mark.parametrize("piece", [None, 64], ids=["one piece", "in pieces"])

@@ -17,25 +17,23 @@ never imports this module.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from rpcx._wire import auth, cipher
 from rpcx._wire.devices import DeviceRoutes, WorkerDevices, plan_routes
+from rpcx._wire.sessions import Sessions
 from rpcx._world import rendezvous
 from rpcx._world.dynamic import DynamicWorld, HeldToken, claim_kind
 from rpcx.errors import RpcError
-from rpcx.hosts import host_identity
 from rpcx.options import RpcBackendOptions
 from rpcx.registry import BackendSpec, available_backends, dynamic_backends
 from rpcx.worker import VacantRank, WorkerInfo
 
 __all__ = ["Joined", "join", "rank_and_size"]
-
-_HOST_BYTES = 16  # each worker's host, hashed, beside its session nonce
 
 log = logging.getLogger("rpcx")
 
@@ -58,6 +56,9 @@ class Joined:
         world_key: the in-process store's key, for a backend whose workers are threads of
             one process (released once the worker leaves: :meth:`leave`); else ``None``.
         dynamic: a dynamic world's record in the store (``None`` for a static world).
+        token: a dynamic worker's membership token, held until :meth:`settle`.
+        admit_keys: a dynamic world with a key: keys the pair with a worker joining at
+            a rank (``rpcx._wire.keyed.keyed``'s ``admit_keys``).
     """
 
     backend: BackendSpec
@@ -73,6 +74,7 @@ class Joined:
     world_key: str | None
     dynamic: DynamicWorld | None = None
     token: HeldToken | None = None
+    admit_keys: Callable[[int], None] | None = None
 
     def settle(self) -> None:
         """The agent started: give the membership token back (a dynamic world; nothing
@@ -123,7 +125,7 @@ def join(
             f"init_rpc: worker {name!r}: encryption ({cipher.ENCRYPT_ENV}) needs the "
             "'cryptography' package: pip install 'torch-rpcx[encrypt]'")
     if world_size is None:
-        return _join_dynamic(name, spec, options, rank, key)
+        return _join_dynamic(name, spec, options, rank, key, encrypt)
     seal = auth.ValueSeal(key) if key is not None else None
     join_timeout = options.rpc_timeout or None
     in_process = spec.capabilities.in_process
@@ -192,15 +194,17 @@ def rank_and_size(options: RpcBackendOptions, rank: int, world_size: int | None
 
 
 def _join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank: int,
-                  key: bytes | None) -> Joined:
+                  key: bytes | None, encrypt: str | None) -> Joined:
     """Join the dynamic world on ``options.init_method`` as worker ``name`` of ``rank``:
     under its membership token, which the returned record holds until
-    :meth:`Joined.settle`."""
-    _check_dynamic(name, spec, options, key)
+    :meth:`Joined.settle`. With a key, this worker checks the members' session records
+    and publishes its own before it enters (:class:`_DynamicSessions`)."""
+    _check_dynamic(name, spec, options)
     join_timeout = options.rpc_timeout or None
     store = rendezvous.open_store(options.init_method, rank, None, join_timeout)
     claim_kind(store, "dynamic", repr(name), join_timeout)
     world = DynamicWorld(store, name, rank, join_timeout)
+    keys = _DynamicSessions(world, key, encrypt, options)
     token = world.hold_token("join")
     try:
         roster = world.strike_off_the_dead(world.roster())
@@ -214,6 +218,7 @@ def _join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank
                 + ", ".join(n for n, other in available_backends().items()
                             if other.capabilities.dynamic and other.capabilities.reuses_ranks)
                 + ")")
+        keys.meet(roster)
         world.enter(roster)
     except BaseException:
         token.release()
@@ -222,16 +227,90 @@ def _join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank
     workers: list[WorkerInfo] = [VacantRank(r) for r in range(max(roster) + 1)]
     for held, holder in roster.items():
         workers[held] = WorkerInfo(holder, held)
+    try:
+        guard, connections = keys.start([w.name for w in workers])
+    except BaseException:  # (a member's public key unusable: leave as a failed start does)
+        world.leave()
+        token.release()
+        raise
     return Joined(
         backend=spec, name=name, rank=rank, world_size=len(workers), workers=workers,
         store=world.store, options=options,
-        routes=DeviceRoutes(rank, [w.name for w in workers]), guard=None,
-        connection_auth=None, world_key=None, dynamic=world, token=token,
+        routes=DeviceRoutes(rank, [w.name for w in workers]), guard=guard,
+        connection_auth=connections, world_key=None, dynamic=world, token=token,
+        admit_keys=keys.admit if guard is not None else None,
     )
 
 
-def _check_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions,
-                   key: bytes | None) -> None:
+class _DynamicSessions:
+    """The session records of a dynamic world with a key (nothing without one): each
+    worker publishes its own, sealed, under the membership token before it enters; the
+    members read a newcomer's when its connection arrives."""
+
+    def __init__(self, world: DynamicWorld, key: bytes | None, encrypt: str | None,
+                 options: RpcBackendOptions) -> None:
+        self._world = world
+        self._me = f"init_rpc: worker {world.name!r} (rank {world.rank})"
+        self._seal = auth.ValueSeal(key) if key is not None else None
+        self._sessions = (None if key is None else Sessions(
+            key, world.rank, self._me, encrypt, bool(getattr(options, "auth_payload", False))))
+
+    def meet(self, roster: dict[int, str]) -> None:
+        """Under the token, before entering: check that every member of ``roster`` runs
+        with this worker's key and settings (``RpcError`` naming the first that does
+        not), and publish this worker's record."""
+        found = self._world.sessions(sorted(roster))
+        if self._sessions is None or self._seal is None:
+            keyed = [rank for rank, value in found.items() if value]
+            if keyed:
+                raise RpcError(
+                    f"{self._me}: the dynamic world's members hold a world key (rank "
+                    f"{keyed[0]}, {roster[keyed[0]]!r}, published a sealed session record) "
+                    f"and this worker has none: set {auth.AUTH_KEY_ENV} (or the auth_key "
+                    "option) to the world's key")
+            return
+        for rank, value in found.items():
+            self._sessions.read(rank, self._open(rank, value, roster[rank]), roster[rank])
+        self._world.publish_session(
+            self._seal.seal(self._label(self._world.rank), self._sessions.mine.to_bytes()))
+
+    def start(self, names: list[str]) -> tuple[auth.FrameGuard | None,
+                                               auth.ConnectionAuth | None]:
+        """The frame guard and connection proofs (``(None, None)`` without a key)."""
+        if self._sessions is None:
+            return None, None
+        return self._sessions.start(names, fetch=self._fetch)
+
+    def admit(self, rank: int) -> None:
+        """Key the pair with the worker joining at ``rank`` (:meth:`Sessions.admit`)."""
+        if self._sessions is not None:
+            self._sessions.admit(rank)
+
+    def _fetch(self, rank: int) -> bytes:
+        """The opened record of the worker holding ``rank`` now (joining: it published
+        the record before it dialled); ``RpcError`` if it has none, or a forged one."""
+        return self._open(rank, self._world.sessions([rank])[rank], None)
+
+    def _open(self, rank: int, value: bytes, name: str | None) -> bytes:
+        assert self._seal is not None
+        who = f"rank {rank}" + (f" ({name!r})" if name else "")
+        if not value:
+            raise RpcError(f"{self._me}: {who} published no session record: it runs "
+                           f"without a world key; set {auth.AUTH_KEY_ENV} the same on "
+                           "every worker")
+        opened = self._seal.open(self._label(rank), value)
+        if opened is None:
+            raise RpcError(f"{self._me}: the session record of {who} is not sealed with "
+                           "this worker's world key: the keys differ, or something other "
+                           "than rpcx wrote it")
+        return opened
+
+    @staticmethod
+    def _label(rank: int) -> str:
+        return f"{DynamicWorld.PREFIX}/{DynamicWorld.SESSION}/{rank}"
+
+
+def _check_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions) -> None:
     """Refuse, saying why, what a dynamic world cannot do yet."""
     me = f"init_rpc: worker {name!r} (without world_size: a dynamic world)"
     if not spec.capabilities.dynamic:
@@ -242,11 +321,6 @@ def _check_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions,
             f"{me}: the {spec.name!r} backend cannot admit workers after the world started "
             f"({where}). Backends that can: {', '.join(dynamic_backends()) or 'none'}; or "
             "pass world_size to start a world of fixed size")
-    if key is not None:
-        raise RpcError(
-            f"{me}: a world key (authentication) is not supported in a dynamic world yet: "
-            "every worker's session nonce is exchanged once, at start. Unset the key for a "
-            "dynamic world on a trusted network, or pass world_size")
     if getattr(options, "device_maps", None) or getattr(options, "devices", None):
         raise RpcError(
             f"{me}: device maps are not supported in a dynamic world yet (the world's "
@@ -284,106 +358,17 @@ def _authenticate(
     session: Any, key: bytes | None, seal: auth.ValueSeal | None, rank: int,
     names: list[str], options: Any, timeout: float | None, encrypt: str | None = None,
 ) -> tuple[auth.FrameGuard | None, auth.ConnectionAuth | None]:
-    """With a key: exchange sealed session records (each worker's nonce, host, whether
-    and where it encrypts, and with encryption its X25519 public key), return the frame
-    guard (a cipher when ``encrypt`` is set) and the proofs transports use on their
-    connections. Without one: ``(None, None)``."""
+    """With a key: exchange sealed session records (:mod:`rpcx._wire.sessions`), return
+    the frame guard (a cipher when ``encrypt`` is set) and the proofs transports use on
+    their connections. Without one: ``(None, None)``."""
     if key is None or seal is None:
         return None, None
-    # With encryption, each worker's X25519 public key rides along (cipher.KeyExchange).
-    exchange = cipher.KeyExchange() if encrypt is not None else None
-    try:
-        mine = _SessionRecord(auth.new_nonce(), _host_digest(), _MODES[encrypt],
-                              exchange.public if exchange is not None else b"")
-        published = rendezvous.all_gather(
-            session, "auth", rank, len(names), mine.to_bytes(), timeout,
-            what=f"init_rpc: worker {names[rank]!r} (rank {rank}) waiting for session nonces",
-            seal=seal,
-        )
-        records = [_SessionRecord.read(value, peer, names, rank, mine.mode)
-                   for peer, value in enumerate(published)]
-        nonces = [record.nonce for record in records]
-        payload = bool(getattr(options, "auth_payload", False))
-        guard: auth.FrameGuard
-        if exchange is None or encrypt is None:
-            guard = auth.FrameGuard(key, rank, nonces, names, payload=payload)
-        else:
-            shared = []
-            for peer, record in enumerate(records):
-                unusable = None
-                try:
-                    shared.append(exchange.shared(record.public))
-                except ValueError as exc:  # (a degenerate public key)
-                    unusable = str(exc)
-                if unusable is not None:  # (raised out here: the error's traceback would
-                    # hold the exchange, private half and all)
-                    raise RpcError(
-                        f"init_rpc: worker {names[rank]!r} (rank {rank}): rank {peer} "
-                        f"({names[peer]!r}) published an unusable public key ({unusable})")
-            guard = cipher.FrameCipher(
-                key, rank, nonces, names,
-                cipher.encrypted_pairs(rank, [r.host for r in records], encrypt), shared,
-                payload=payload)
-            del shared
-    finally:
-        del exchange  # (the private half goes, even on failure: recorded frames stay unreadable)
-    return guard, auth.ConnectionAuth(key, nonces)
-
-
-_MODES = {None: 0, "hosts": 1, "always": 2}
-_MODE_NAMES = {0: "does not encrypt", 1: f"encrypts between hosts ({cipher.ENCRYPT_ENV}=1)",
-               2: f"encrypts every pair ({cipher.ENCRYPT_ENV}=always)"}
-
-
-@dataclass(frozen=True)
-class _SessionRecord:
-    """What each worker of a keyed world publishes, sealed, at ``init_rpc``."""
-
-    nonce: bytes  # auth.NONCE_BYTES
-    host: bytes  # _HOST_BYTES: rpcx.hosts.host_identity, hashed
-    mode: int  # _MODES: whether and where this worker encrypts
-    public: bytes  # its X25519 public key when it encrypts, else empty
-
-    # A record starts with _MAGIC (one of an older rpcx, which started with its nonce, is
-    # told apart), then the nonce, the host and the mode byte.
-    _MAGIC: ClassVar[bytes] = b"rsr1"
-    _FIXED: ClassVar[int] = len(_MAGIC) + auth.NONCE_BYTES + _HOST_BYTES + 1
-
-    def to_bytes(self) -> bytes:
-        return self._MAGIC + self.nonce + self.host + bytes([self.mode]) + self.public
-
-    @classmethod
-    def read(cls, value: bytes, peer: int, names: list[str], rank: int,
-             mode: int) -> _SessionRecord:
-        """Rank ``peer``'s record; ``RpcError`` naming it if its settings differ from this
-        worker's (``mode``) or it is no record this version writes."""
-        me = f"init_rpc: worker {names[rank]!r} (rank {rank})"
-        if (len(value) < cls._FIXED or not value.startswith(cls._MAGIC)
-                or value[cls._FIXED - 1] not in _MODE_NAMES):
-            raise RpcError(f"{me}: rank {peer} ({names[peer]!r}) published a session record "
-                           f"this version of rpcx cannot read ({len(value)} bytes): run the "
-                           "same rpcx on every worker")
-        theirs = value[cls._FIXED - 1]
-        if theirs != mode:
-            raise RpcError(f"{me}: this worker {_MODE_NAMES[mode]} and rank {peer} "
-                           f"({names[peer]!r}) {_MODE_NAMES[theirs]}: set "
-                           f"{cipher.ENCRYPT_ENV} (or the encrypt option) the same on every "
-                           "worker")
-        public = value[cls._FIXED:]
-        if len(public) != (cipher.PUBLIC_BYTES if mode else 0):
-            raise RpcError(f"{me}: rank {peer} ({names[peer]!r}) published a public key of "
-                           f"{len(public)} bytes")
-        start = len(cls._MAGIC)
-        return cls(value[start:start + auth.NONCE_BYTES],
-                   value[start + auth.NONCE_BYTES:cls._FIXED - 1], theirs, public)
-
-
-def _host_digest() -> bytes:
-    """This worker's host, hashed, for the pairs ``RPCX_ENCRYPT=1`` encrypts. Where a part
-    of the host's identity cannot be read (no boot id, no mount namespace: not Linux, a
-    restricted ``/proc``), a random one: this worker then counts as a host of its own,
-    and encrypts with everyone, rather than trusting a hostname another machine may share."""
-    identity = host_identity()
-    if any(not part for part in identity.split("|")):
-        return os.urandom(_HOST_BYTES)
-    return hashlib.sha256(identity.encode()).digest()[:_HOST_BYTES]
+    me = f"init_rpc: worker {names[rank]!r} (rank {rank})"
+    sessions = Sessions(key, rank, me, encrypt, bool(getattr(options, "auth_payload", False)))
+    published = rendezvous.all_gather(
+        session, "auth", rank, len(names), sessions.mine.to_bytes(), timeout,
+        what=f"{me} waiting for session nonces", seal=seal,
+    )
+    for peer, value in enumerate(published):
+        sessions.read(peer, value, names[peer])
+    return sessions.start(names)

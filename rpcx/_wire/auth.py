@@ -134,16 +134,30 @@ class ConnectionAuth:
     proof also covers both ranks, both session nonces and a ``purpose`` naming the
     transport and the role, so a proof cannot be replayed in another session, in the
     other direction or on another transport.
+
+    ``nonces``: every rank's session nonce (``None`` for a rank nobody holds). In a
+    dynamic world, ``renew(rank)`` reads the nonce of the worker that holds ``rank`` now
+    (from its sealed session record): :meth:`renew` calls it for a worker joining.
     """
 
-    def __init__(self, key: bytes, nonces: Sequence[bytes]) -> None:
+    def __init__(self, key: bytes, nonces: Sequence[bytes | None],
+                 renew: Callable[[int], bytes] | None = None) -> None:
         self._key = _derive(key, b"connection")
-        self._nonces = list(nonces)
+        self._nonces = {rank: nonce for rank, nonce in enumerate(nonces) if nonce is not None}
+        self._renew = renew
 
     @staticmethod
     def challenge() -> bytes:
         """A fresh random challenge (``NONCE_BYTES`` long)."""
         return new_nonce()
+
+    def renew(self, rank: int) -> None:
+        """A connection from ``rank`` says a worker joins there (a dynamic world): take
+        the nonce of its session record, which it published before it dialled. Raises
+        ``RpcError`` naming the rank if there is none, or it is not sealed with the key;
+        does nothing in a world of fixed size."""
+        if self._renew is not None:
+            self._nonces[rank] = self._renew(rank)
 
     def proof(self, purpose: str, src: int, dst: int, challenge: bytes = b"") -> bytes:
         """What rank ``src`` answers ``dst``'s ``challenge`` with (``TAG_BYTES`` long)."""
@@ -154,7 +168,7 @@ class ConnectionAuth:
 
     def check(self, purpose: str, src: int, dst: int, challenge: bytes, proof: bytes) -> bool:
         """Whether ``proof`` is rank ``src``'s genuine answer to ``challenge``."""
-        if not 0 <= src < len(self._nonces) or not 0 <= dst < len(self._nonces):
+        if src not in self._nonces or dst not in self._nonces:
             return False
         return hmac.compare_digest(self.proof(purpose, src, dst, challenge), proof)
 
@@ -173,33 +187,80 @@ class FrameGuard:
         self,
         key: bytes,
         rank: int,
-        nonces: Sequence[bytes],
+        nonces: Sequence[bytes | None],
         names: Sequence[str],
         *,
         payload: bool = False,
     ) -> None:
+        """``nonces``: every rank's session nonce, ``None`` for a rank nobody holds yet
+        (a dynamic world: :meth:`admit` keys it when a worker joins there)."""
         self.rank = rank
         self._names = list(names)
         self._payload = payload
-        base = _derive(key, b"frame")
-        world = len(nonces)
-
-        def pair_key(src: int, dst: int) -> bytes:
-            return _derive(base, b"pair", _SEQ.pack(src), _SEQ.pack(dst), nonces[src],
-                           nonces[dst])
-
-        self._send_keys = [pair_key(rank, dst) for dst in range(world)]
-        self._receive_keys = [pair_key(src, rank) for src in range(world)]
-        self._next_seq = [0] * world
-        self._seq_lock = threading.Lock()
+        self._base = _derive(key, b"frame")
+        own = nonces[rank]
+        assert own is not None, "this worker's own nonce"
+        self._nonce = own
+        self._send_keys: list[bytes] = []
+        self._receive_keys: list[bytes] = []
+        self._next_seq: list[int] = []
         # Sequence numbers seen, per source. Senders number frames before the transport
         # has them, so two sending threads may put them on the wire swapped: any order is
         # accepted, each number once.
-        self._windows = [RecentIds() for _ in range(world)]
+        self._windows: list[RecentIds] = []
+        self._refused: list[int] = []
+        self._last_logged: list[float] = []
         self._refused_from: set[int] = set()  # sources whose connection is condemned
-        self._refused = [0] * world
-        self._last_logged = [0.0] * world
+        self._seq_lock = threading.Lock()
         self._count_lock = threading.Lock()
+        self._grow(len(nonces))
+        for peer, nonce in enumerate(nonces):
+            if nonce is not None:
+                self._key_peer(peer, nonce)
+
+    def _pair_key(self, src: int, dst: int, src_nonce: bytes, dst_nonce: bytes) -> bytes:
+        return _derive(self._base, b"pair", _SEQ.pack(src), _SEQ.pack(dst), src_nonce,
+                       dst_nonce)
+
+    def _grow(self, size: int) -> None:
+        """Room for ranks below ``size`` (unkeyed: every frame to or from them refused)."""
+        more = size - len(self._send_keys)
+        if more <= 0:
+            return
+        self._send_keys.extend([b""] * more)
+        self._receive_keys.extend([b""] * more)
+        self._next_seq.extend([0] * more)
+        self._windows.extend(RecentIds() for _ in range(more))
+        self._refused.extend([0] * more)
+        self._last_logged.extend([0.0] * more)
+        self._names.extend("?" for _ in range(len(self._names), size))
+
+    def _key_peer(self, peer: int, nonce: bytes) -> None:
+        """Make the pair keys with the worker holding ``peer`` whose nonce is ``nonce``."""
+        self._send_keys[peer] = self._pair_key(self.rank, peer, self._nonce, nonce)
+        self._receive_keys[peer] = self._pair_key(peer, self.rank, nonce, self._nonce)
+
+    def admit(self, peer: int, nonce: bytes) -> None:
+        """A worker joins a dynamic world at ``peer``, with session nonce ``nonce``:
+        frames to and from it are keyed from now on, numbered from the start. Whatever
+        this guard knew of an earlier holder of the rank is dropped (its keys, its
+        numbers, its refusal): nothing of it verifies any more."""
+        with self._seq_lock, self._count_lock:
+            self._admit_locked(peer, nonce)
+
+    def named(self, peer: int, name: str) -> None:
+        """The worker admitted at ``peer`` is ``name`` (for the log lines)."""
+        self._names[peer] = name
+
+    def _admit_locked(self, peer: int, nonce: bytes) -> None:
+        self._grow(peer + 1)
+        self._key_peer(peer, nonce)
+        self._names[peer] = "?"
+        self._next_seq[peer] = 0
+        self._windows[peer] = RecentIds()
+        self._refused[peer] = 0
+        self._last_logged[peer] = 0.0
+        self._refused_from.discard(peer)
 
     @property
     def refused(self) -> int:
@@ -252,6 +313,8 @@ class FrameGuard:
         header is the codec's again: the seal is taken off)."""
         if src in self._refused_from:
             return "its connection already sent a frame that failed"
+        if not 0 <= src < len(self._receive_keys) or not self._receive_keys[src]:
+            return "no worker of this world holds that rank"
         header = frame.header
         if len(header) < _SEALED_PREFIX:
             return "missing MAC"
@@ -278,6 +341,8 @@ class FrameGuard:
         with self._count_lock:
             first = src not in self._refused_from
             self._refused_from.add(src)
+            if not 0 <= src < len(self._refused):  # (no rank of this world: not counted)
+                return first
             self._refused[src] += 1
             now = time.monotonic()
             due = now - self._last_logged[src] >= _LOG_EVERY

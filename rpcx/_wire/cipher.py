@@ -143,7 +143,7 @@ class FrameCipher(FrameGuard):
         self,
         key: bytes,
         rank: int,
-        nonces: Sequence[bytes],
+        nonces: Sequence[bytes | None],
         names: Sequence[str],
         encrypted: Sequence[bool],
         shared: Sequence[bytes],
@@ -156,16 +156,40 @@ class FrameCipher(FrameGuard):
         if _AESGCM is None:
             raise RpcError(f"encryption ({ENCRYPT_ENV}) needs the 'cryptography' package: "
                            f"{_INSTALL}")
+        # (before the guard's own start, which grows them with its per-rank tables)
+        self.encrypted: list[bool] = []
+        self._send_aead: list[Any] = []
+        self._receive_aead: list[Any] = []
         super().__init__(key, rank, nonces, names, payload=payload)
-        self.encrypted = list(encrypted)
+        for peer, on in enumerate(encrypted):
+            if on:
+                self._encrypt_with(peer, shared[peer])
 
-        def aead(pair_key: bytes, peer: int) -> Any:
-            if not self.encrypted[peer]:
-                return None
-            return _AESGCM(_derive(pair_key, b"cipher", shared[peer]))
+    def _grow(self, size: int) -> None:
+        more = size - len(self.encrypted)
+        super()._grow(size)
+        if more > 0:
+            self.encrypted.extend([False] * more)
+            self._send_aead.extend([None] * more)
+            self._receive_aead.extend([None] * more)
 
-        self._send_aead = [aead(k, peer) for peer, k in enumerate(self._send_keys)]
-        self._receive_aead = [aead(k, peer) for peer, k in enumerate(self._receive_keys)]
+    def _encrypt_with(self, peer: int, shared: bytes | None) -> None:
+        """Encrypt the frames to and from ``peer`` with keys made from the pair's keys and
+        ``shared`` (the secret of the key exchange with it); ``None``: only seal them."""
+        self.encrypted[peer] = shared is not None
+        if shared is None:
+            self._send_aead[peer] = self._receive_aead[peer] = None
+            return
+        self._send_aead[peer] = _AESGCM(_derive(self._send_keys[peer], b"cipher", shared))
+        self._receive_aead[peer] = _AESGCM(_derive(self._receive_keys[peer], b"cipher",
+                                                   shared))
+
+    def admit(self, peer: int, nonce: bytes, *, shared: bytes | None = None) -> None:
+        """As :meth:`FrameGuard.admit`; ``shared``: the secret of the key exchange with
+        the newcomer when the pair encrypts (``None``: it only seals)."""
+        with self._seq_lock, self._count_lock:
+            self._admit_locked(peer, nonce)
+            self._encrypt_with(peer, shared)
 
     # --------------------------------------------------------------------------- send
 

@@ -7,11 +7,17 @@ the call path never see the key. The seals go next to the wire, under any other
 decorator: the fault injector reads each frame's kind, so it wraps the seals, and the
 two compose. A frame that fails its check is dropped, its sender
 reported lost with a protocol error (once), and its connection ended by the transport.
+
+In a dynamic world the transport's ``admit`` goes through here too: the pair with a
+worker that joins is keyed (from the session record it published) before the agent
+admits it, so its first frame is checked like every other; a newcomer without a
+genuine record is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import ClassVar
 
 from rpcx._wire.auth import FrameGuard
@@ -37,32 +43,48 @@ class KeyedTransport(TransportDecorator):
 
     capabilities: ClassVar[Capabilities]
 
-    def __init__(self, inner: Transport, guard: FrameGuard) -> None:
+    def __init__(self, inner: Transport, guard: FrameGuard,
+                 admit_keys: Callable[[int], None] | None = None) -> None:
         self.inner = inner
         self.guard = guard
+        self._admit_keys = admit_keys
 
     def start(self, ctx: TransportContext) -> None:
-        """Start the inner transport with a ``deliver`` that checks each frame."""
+        """Start the inner transport with a ``deliver`` that checks each frame (and in a
+        dynamic world an ``admit`` that keys each newcomer first)."""
         def refuse(src: int, why: str) -> None:
             ctx.peer_lost(src, LostCause.PROTOCOL_ERROR, why)
 
+        admit = ctx.admit
+        if ctx.admit is not None and self._admit_keys is not None:
+            admit_keys, admit_worker, guard = self._admit_keys, ctx.admit, self.guard
+
+            def keyed_admit(rank: int) -> str:
+                admit_keys(rank)  # (raises for a newcomer without a genuine record)
+                name = admit_worker(rank)
+                guard.named(rank, name)
+                return name
+
+            admit = keyed_admit
         self.inner.start(dataclasses.replace(
-            ctx, deliver=self.guard.guarding(ctx.deliver, refuse)))
+            ctx, deliver=self.guard.guarding(ctx.deliver, refuse), admit=admit))
 
     def send(self, dst: int, frame: Frame) -> None:
         """Seal ``frame`` for ``dst`` and send it."""
         self.inner.send(dst, self.guard.seal(dst, frame))
 
 
-def keyed(inner: Transport, guard: FrameGuard) -> Transport:
+def keyed(inner: Transport, guard: FrameGuard,
+          admit_keys: Callable[[int], None] | None = None) -> Transport:
     """``inner`` behind the world key's seals (a :class:`KeyedTransport` with its
     capabilities). When ``inner`` is a decorator, the seals go under it, around the
     transport it decorates: what it sees of a frame (the fault injector reads the kind)
-    is never sealed."""
+    is never sealed. ``admit_keys(rank)``: in a dynamic world, keys the pair with a
+    worker joining at ``rank`` (:meth:`rpcx._wire.sessions.Sessions.admit`)."""
     if isinstance(inner, TransportDecorator) and not isinstance(inner, KeyedTransport):
-        inner.inner = keyed(inner.inner, guard)
+        inner.inner = keyed(inner.inner, guard, admit_keys)
         return inner
     cls = type(f"Keyed{type(inner).__name__}", (KeyedTransport,),
                {"capabilities": inner.capabilities})
-    transport: Transport = cls(inner, guard)
+    transport: Transport = cls(inner, guard, admit_keys)
     return transport

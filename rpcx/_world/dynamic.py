@@ -17,7 +17,9 @@ Keys, under ``rpcx/dynamic/`` of the store:
 * ``incarnation/<rank>``: how many workers have taken ``rank`` so far (the ids a worker
   makes, of RRefs and autograd contexts, start past those its predecessors made, which
   other workers may still remember);
-* ``roster``: every rank held now, as JSON (``{"rank": "name"}``).
+* ``roster``: every rank held now, as JSON (``{"rank": "name"}``);
+* ``session/<rank>``: in a world with a key, the session record of the worker holding
+  ``rank``, sealed (:mod:`rpcx._wire.sessions`; empty once it left).
 
 A worker killed outright (``kill -9``) never gives its place back. On one host the
 kernel says so: a worker waiting for the token takes it over from a holder whose
@@ -80,9 +82,11 @@ class DynamicWorld:
     bounded by ``timeout`` seconds (``None``: no bound, with a progress line every 30 s).
     """
 
+    PREFIX = "rpcx/dynamic"
+
     def __init__(self, store: BoundedStore, name: str, rank: int,
                  timeout: float | None) -> None:
-        self.store = store.prefixed("rpcx/dynamic")
+        self.store = store.prefixed(self.PREFIX)
         self.name = name
         self.rank = rank
         self.timeout = timeout
@@ -210,6 +214,7 @@ class DynamicWorld:
         kept = {rank: name for rank, name in roster.items() if rank not in ranks}
         for rank in ranks:
             self.store.set(f"member/{rank}", "", self.timeout)
+            self._forget_session(rank)
         self.store.set("roster", json.dumps(kept), self.timeout)
         return kept
 
@@ -220,6 +225,14 @@ class DynamicWorld:
             del roster[self.rank]
             self.store.set("roster", json.dumps(roster), self.timeout)
         self.store.set(f"member/{self.rank}", "", self.timeout)
+        self._forget_session(self.rank)
+
+    def _forget_session(self, rank: int) -> None:
+        """Empty ``rank``'s session record, if it has one (a keyless worker may take
+        the rank next, in a world whose keyed members have all left)."""
+        key = f"{self.SESSION}/{rank}"
+        if self.store.check([key], self.timeout):
+            self.store.set(key, b"", self.timeout)
 
     @contextlib.contextmanager
     def departing(self, timeout: float | None = None) -> Iterator[None]:
@@ -248,6 +261,26 @@ class DynamicWorld:
             yield
         finally:
             token.release()
+
+    # ------------------------------------------------------------ session records
+
+    SESSION = "session"
+    """The key of a rank's session record is ``f"{SESSION}/{rank}"`` (under
+    :attr:`PREFIX`, what its seal's label names)."""
+
+    def publish_session(self, sealed: bytes) -> None:
+        """Publish this worker's session record, ``sealed`` (before it enters: a member
+        reads it when this worker's connection arrives)."""
+        self.store.set(f"{self.SESSION}/{self.rank}", sealed, self.timeout)
+
+    def sessions(self, ranks: list[int]) -> dict[int, bytes]:
+        """The session records ``ranks`` published, as stored (empty: none)."""
+        found = {}
+        for rank in ranks:
+            key = f"{self.SESSION}/{rank}"
+            found[rank] = (self.store.get(key, self.timeout)
+                           if self.store.check([key], self.timeout) else b"")
+        return found
 
     def was_held(self, rank: int) -> bool:
         """Whether a worker ever held ``rank`` in this world (read under the token)."""

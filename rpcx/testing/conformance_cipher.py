@@ -32,7 +32,8 @@ BOUND = 30.0
 PATTERN = bytes(range(7, 7 + 64))
 
 
-def _patterned(repeats: int) -> torch.Tensor:
+def patterned(repeats: int) -> torch.Tensor:
+    """A tensor of ``PATTERN`` repeated ``repeats`` times."""
     return torch.frombuffer(bytearray(PATTERN * repeats), dtype=torch.uint8)
 
 
@@ -55,7 +56,7 @@ class TestEncryption:
                    auth_key=KEY, encrypt="always") as started:
             for name in started.names:
                 rpcx.rpc_sync(name, remote.spy_on_the_wire)
-            small, large = _patterned(1), _patterned(4096)  # in the header; beside it
+            small, large = patterned(1), patterned(4096)  # in the header; beside it
             for tensor in (small, large):
                 back = rpcx.rpc_sync("worker1", remote.echo, args=(tensor,), timeout=BOUND)
                 assert torch.equal(back, tensor)

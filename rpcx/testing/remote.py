@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 import rpcx
+from rpcx.errors import UnknownWorkerError
 from rpcx.functions import async_execution
 
 
@@ -723,7 +724,12 @@ def wait_until_lost(name: str, timeout: float) -> dict[str, str]:
     """Wait (at most ``timeout``) until this worker knows ``name`` is gone and has
     reacted (failed calls, services' hooks); return ``debug_info()["lost_peers"]``."""
     agent = _context_agent()
-    agent.wait_lost(agent.resolve(name).id, timeout)
+    try:
+        rank = agent.resolve(name).id
+    except UnknownWorkerError:  # (a dynamic world forgets a lost worker's name once
+        pass  # the loss is handled: there is nothing left to wait for)
+    else:
+        agent.wait_lost(rank, timeout)
     found: dict[str, str] = rpcx.debug_info()["lost_peers"]
     return found
 

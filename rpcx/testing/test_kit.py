@@ -15,6 +15,7 @@ from rpcx.testing.conformance_auth import *  # noqa: F403
 from rpcx.testing.conformance_cipher import *  # noqa: F403
 from rpcx.testing.conformance_cuda import *  # noqa: F403
 from rpcx.testing.conformance_dynamic import *  # noqa: F403
+from rpcx.testing.conformance_dynamic_keyed import *  # noqa: F403
 from rpcx.testing.conformance_failures import *  # noqa: F403
 from rpcx.testing.conformance_hostile import *  # noqa: F403
 from rpcx.testing.conformance_hosts import *  # noqa: F403

@@ -205,17 +205,18 @@ class DynamicWorld:
     _processes: dict[str, Any] = field(default_factory=dict)
 
     def join(self, name: str, rank: int, timeout: float = _JOIN_TIMEOUT,
-             world_size: int | None = None) -> tuple[str, ...]:
+             world_size: int | None = None, **options: Any) -> tuple[str, ...]:
         """Start a process that joins as ``name`` at ``rank``; wait (bounded) until it
         joined or was refused; its outcome (``("joined", name)`` or ``("refused",
         error type, message)``). ``world_size``: join as a static worker instead (to
-        check the refusal)."""
+        check the refusal). ``options``: its backend options other than the world's
+        (e.g. another ``auth_key``)."""
         context = worker_context()
         outcome = context.Queue()
         process = context.Process(
             target=_join_dynamic, daemon=True,
-            args=(name, rank, world_size, self.init_method, self.backend, self.options,
-                  outcome))
+            args=(name, rank, world_size, self.init_method, self.backend,
+                  {**self.options, **options}, outcome))
         process.start()
         self._processes[name] = process
         try:

@@ -75,11 +75,12 @@ def introduce(sock: socket.socket, ctx: TransportContext, rank: int, label: str)
 
 
 def admit(conn: socket.socket, ctx: TransportContext, label: str,
-          expected: Callable[[int], bool]) -> int | None:
+          expected: Callable[[int], bool], joining: bool = False) -> int | None:
     """The rank of a connection this worker accepted, or ``None`` (logged: "refused an
     <label> connection ...") for one that is no ``expected`` rank's or, with a world key,
     fails the challenge-response. A stranger that sends nothing is given up on after
-    ``HANDSHAKE_TIMEOUT`` seconds."""
+    ``HANDSHAKE_TIMEOUT`` seconds. ``joining``: the connection is a worker's joining a
+    dynamic world (its session is read first: ``ConnectionAuth.renew``)."""
     me = ctx.names[ctx.rank]
     conn.settimeout(HANDSHAKE_TIMEOUT)
     try:
@@ -89,6 +90,8 @@ def admit(conn: socket.socket, ctx: TransportContext, label: str,
             log.warning("%s: refused an %s connection that is no expected worker's", me, label)
             return None
         if ctx.auth is not None:
+            if joining:
+                ctx.auth.renew(rank)
             challenge = ctx.auth.challenge()
             theirs = receive_exactly(conn, _NONCE)
             conn.sendall(challenge + ctx.auth.proof(f"{label} accept", ctx.rank, rank, theirs))
@@ -97,7 +100,7 @@ def admit(conn: socket.socket, ctx: TransportContext, label: str,
                 log.warning("%s: refused an %s connection claiming to be rank %d: it failed "
                             "authentication", me, label, rank)
                 return None
-    except (OSError, EOFError) as exc:
+    except (OSError, EOFError, RpcError) as exc:
         log.warning("%s: refused an %s connection: %s", me, label, exc)
         return None
     return rank
@@ -378,7 +381,7 @@ class Doorway:
 
     def _greet(self, conn: socket.socket) -> None:
         ctx = self._ctx
-        rank = admit(conn, ctx, self._label, self._expected)
+        rank = admit(conn, ctx, self._label, self._expected, joining=True)
         if rank is None:
             conn.close()
             return

@@ -55,11 +55,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def run(program: str, mode: str, backend: str | None, tmp: Path) -> dict[str, Any]:
-    """Run ``program`` on torch (``backend=None``) or on rpcx's ``backend``; its result."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RPCX_FOR_TORCH", "RPCX_BACKEND")}
+def run(program: str, mode: str, backend: str | None, tmp: Path,
+        **environment: str) -> dict[str, Any]:
+    """Run ``program`` on torch (``backend=None``) or on rpcx's ``backend`` (with
+    ``environment`` added to its environment); its result."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RPCX_FOR_TORCH", "RPCX_BACKEND", "RPCX_AUTH_KEY", "RPCX_ENCRYPT")}
     if backend is not None:
-        env.update(RPCX_FOR_TORCH="1", RPCX_BACKEND=backend)
+        env.update(RPCX_FOR_TORCH="1", RPCX_BACKEND=backend, **environment)
     args = [mode] if program not in WRITES_RESULT else [
         str(tmp / "result.json"), *([mode] if mode else [])]
     done = subprocess.run([sys.executable, str(HERE / program), *args], cwd=tmp, env=env,
@@ -112,4 +115,27 @@ def test_same_results_as_on_torch(library: str, program: str, mode: str, backend
     result = run(program, mode, backend, tmp_path)
     assert result.pop("rpc") == "rpcx._services.calls", (
         "the switch did not reach TorchRL's processes")
+    assert result.pop("encrypted_peers", 0) == 0
     assert result == on_torch(program, mode)
+
+
+DYNAMIC_BACKENDS = [name for name in BACKENDS if available_backends()[name].capabilities.dynamic]
+
+
+@pytest.mark.parametrize("backend", DYNAMIC_BACKENDS)
+def test_a_dynamic_replay_buffer_with_a_key_encrypts_and_gives_torchs_results(
+        backend: str, tmp_path: Path, on_torch: Callable[[str, str], dict[str, Any]]) -> None:
+    # TorchRL's dynamic replay-buffer world, every worker holding a world key and
+    # encrypting every pair (RPCX_ENCRYPT=always: the three run on one host).
+    pytest.importorskip("torchrl", reason="torchrl is not installed (nox -s clients "
+                                          "installs it)")
+    pytest.importorskip("cryptography", reason="encryption needs the 'cryptography' package")
+    if backend == "tensorpipe":
+        pytest.importorskip("numpy", reason="torch's TensorPipe agent needs numpy")
+    result = run("torchrl_replay_buffer.py", "dynamic", backend, tmp_path,
+                 RPCX_AUTH_KEY="torchrl-replay-buffer-" + "0123456789abcdef",
+                 RPCX_ENCRYPT="always")
+    assert result.pop("rpc") == "rpcx._services.calls", (
+        "the switch did not reach TorchRL's processes")
+    assert result.pop("encrypted_peers") == 2  # the trainer, with the buffer and collector
+    assert result == on_torch("torchrl_replay_buffer.py", "dynamic")

@@ -8,6 +8,8 @@ satisfy. Prints ``RESULT <json>``: which RPC ran it, the buffer's size, three sa
 batches' sums (the owner's sampler is seeded, so they match across runs).
 
 ``python torchrl_replay_buffer.py OUT`` starts a world of fixed size (``world_size=3``).
+On rpcx the result also says how many peers the trainer encrypts with
+(``encrypted_peers``: ``RPCX_AUTH_KEY`` and ``RPCX_ENCRYPT`` in the environment).
 ``python torchrl_replay_buffer.py OUT dynamic`` starts a dynamic one, as TorchRL's own
 replay-buffer example does: ``init_rpc`` without ``world_size``, the workers joining in
 whatever order their processes get there, the trainer looking the others up by name
@@ -105,8 +107,13 @@ def run(rank: int, port: int, out: str, dynamic: bool, others_left: Barrier) -> 
             for _ in range(3)
         ]
         size = rpc.rpc_sync(buffer.owner(), length, args=(buffer,))
+        result = {"rpc": rpc.rpc_sync.__module__, "size": size, "samples": samples}
+        if result["rpc"].startswith("rpcx"):  # (how many peers the trainer encrypts with)
+            import rpcx
+
+            result["encrypted_peers"] = rpcx.debug_info()["encrypted_peers"]
         with open(out, "w") as f:
-            json.dump({"rpc": rpc.rpc_sync.__module__, "size": size, "samples": samples}, f)
+            json.dump(result, f)
         if dynamic:
             del buffer
             rpc.rpc_sync("Collector", finish)

@@ -262,6 +262,8 @@ class ZmqTransport(MessageTransport[_Peer]):
         the one it bound for this worker, tell it (it connects once told)."""
         ctx = self.ctx
         peer = self._new_peer(rank)
+        if self._zap is not None:  # (its session was read at the doorway: renew)
+            self._allow(rank)
         try:
             # (a name of its own per admission: a rank taken again gets fresh ones)
             mine = self._bind_rx(peer, self._host, f"{self._token}-{next(_ids)}")
@@ -301,11 +303,18 @@ class ZmqTransport(MessageTransport[_Peer]):
         self._zap = ThreadAuthenticator(self._zctx, log=logging.getLogger("rpcx_zmq.zap"))
         self._zap.start()
         for rank in range(ctx.world_size):
-            if rank != ctx.rank:
-                self._zap.configure_plain(_zap_domain(rank), {
-                    str(rank): _password(ctx, rank, ctx.rank),
-                    _LOCAL: _password(ctx, ctx.rank, ctx.rank),  # our own control socket
-                })
+            if rank != ctx.rank and not ctx.vacant(rank):
+                self._allow(rank)
+
+    def _allow(self, rank: int) -> None:
+        """Let the worker at ``rank`` (and our own control socket) log in to the socket
+        that receives from it: at start, and for a worker joining (its session's proof)."""
+        ctx = self.ctx
+        assert self._zap is not None
+        self._zap.configure_plain(_zap_domain(rank), {
+            str(rank): _password(ctx, rank, ctx.rank),
+            _LOCAL: _password(ctx, ctx.rank, ctx.rank),  # our own control socket
+        })
 
     def _bind_rx(self, peer: _Peer, host: str, token: str) -> dict[str, str]:
         """Create and bind the PULL socket for ``peer``; its endpoints for the peer."""
