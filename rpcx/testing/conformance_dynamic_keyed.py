@@ -14,6 +14,7 @@ This process is rank 0 (it hosts the store); the others are processes it starts.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -80,7 +81,7 @@ class TestKeyedDynamicWorld:
                              "every pair"),
     ], ids=["another-key", "no-key", "not-encrypting"])
     def test_a_joiner_without_the_key_or_the_settings_is_refused(
-            self, keyed: DynamicWorld, settings: tuple[dict[str, object], str]) -> None:
+            self, keyed: DynamicWorld, settings: tuple[dict[str, Any], str]) -> None:
         options, reason = settings
         outcome = keyed.join("stranger", 3, **options)
         assert outcome[:2] == ("refused", "RpcError"), outcome
