@@ -189,7 +189,9 @@ class RpcAgent:
         """Start the transport. Frames may arrive as soon as this is called."""
         self._transport.start(TransportContext(
             rank=self.rank, world_size=self.world_size, names=self._transport_names,
-            store=rendezvous.prefixed(self._presence.store, "transport"), options=self.options,
+            store=rendezvous.prefixed(self._presence.store, "transport",
+                                      self.options.rpc_timeout or None),
+            options=self.options,
             init_method=self.init_method, deliver=self._calls.on_frame,
             peer_lost=self._events.peer_lost,
             routes=self.routes,

@@ -160,7 +160,7 @@ def join(
         raise
     return Joined(
         backend=spec, name=name, rank=rank, world_size=world_size, workers=workers,
-        store=session, options=options, routes=routes, guard=guard,
+        store=session.with_seal(seal), options=options, routes=routes, guard=guard,
         connection_auth=connections, world_key=world_key,
     )
 
@@ -203,7 +203,8 @@ def _join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank
     join_timeout = options.rpc_timeout or None
     store = rendezvous.open_store(options.init_method, rank, None, join_timeout)
     claim_kind(store, "dynamic", repr(name), join_timeout)
-    world = DynamicWorld(store, name, rank, join_timeout)
+    world = DynamicWorld(store.with_seal(auth.ValueSeal(key) if key is not None else None),
+                         name, rank, join_timeout)
     keys = _DynamicSessions(world, key, encrypt, options)
     token = world.hold_token("join")
     try:

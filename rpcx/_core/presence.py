@@ -16,7 +16,7 @@ from rpcx._core.executors import Executors
 from rpcx._core.peer_health import PeerHealth
 from rpcx._core.shutdown import step_bound
 from rpcx._util.process_watch import PeerProcesses, local_mark
-from rpcx._world import rendezvous
+from rpcx._world import rendezvous, sealed
 from rpcx.errors import RpcError
 from rpcx.messages import PING, MessageKind
 from rpcx.options import RpcBackendOptions
@@ -82,7 +82,7 @@ class Presence:
         if dynamic:
             self.start_heartbeat()
         elif not self._transport.capabilities.in_process:
-            self.store.set(f"process/{self._rank}", local_mark())
+            sealed.publish(self.store, f"process/{self._rank}", local_mark())
 
     def watch_peers(self, timeout: float | None) -> None:
         """A static world is ready (every worker passed the ``ready`` barrier): read the
@@ -116,8 +116,10 @@ class Presence:
         try:
             # (check first: multi_get waits for missing keys, a lost worker's say)
             if ranks and store.check(keys, timeout):
-                self.peer_processes.learn(dict(zip(ranks, store.multi_get(keys, timeout),
-                                                   strict=True)))
+                marks = sealed.read(store, keys, timeout)  # (a forged mark is not learnt)
+                self.peer_processes.learn({rank: mark for rank, mark in zip(ranks, marks,
+                                                                            strict=True)
+                                           if mark is not None})
         except RpcError as exc:
             log.debug("%s: peers' process marks not read: %s", self._name, exc)
 
@@ -126,7 +128,7 @@ class Presence:
         store, key = self.store, f"process/{rank}"
         if store is None or not store.check([key], _MARK_FETCH_TIMEOUT):
             return None  # (a get of a missing key would hold the store's caller)
-        return bytes(store.get(key, _MARK_FETCH_TIMEOUT))
+        return sealed.read(store, [key], _MARK_FETCH_TIMEOUT)[0]
 
     def barrier(self, tag: str, timeout: float | None, *, leaving: bool = False) -> None:
         """Wait until every live worker reached the barrier ``tag``. ``leaving``: one of

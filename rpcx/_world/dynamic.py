@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Iterator
 
 from rpcx._util.process_watch import local_mark, process_state
+from rpcx._world import sealed
 from rpcx._world.store import BoundedStore
 from rpcx.errors import RpcError, RpcTimeoutError
 
@@ -175,7 +176,7 @@ class DynamicWorld:
                     f"init_rpc: worker name {self.name!r} is taken in the dynamic world (by "
                     f"rank {rank}); names must be unique")
         self.incarnation = self.store.add(f"incarnation/{self.rank}", 1, self.timeout) - 1
-        self.store.set(f"process/{self.rank}", local_mark(), self.timeout)
+        sealed.publish(self.store, f"process/{self.rank}", local_mark(), self.timeout)
         self.store.set(f"member/{self.rank}", self.name, self.timeout)
         self.store.set("roster", json.dumps({**roster, self.rank: self.name}), self.timeout)
 
@@ -187,8 +188,9 @@ class DynamicWorld:
         keys = [f"process/{rank}" for rank in ranks]
         if not ranks or not self.store.check(keys, self.timeout):
             return roster  # (a member without a mark is one from before marks: kept)
-        marks = self.store.multi_get(keys, self.timeout)
-        dead = [rank for rank, mark in zip(ranks, marks, strict=True) if _is_dead(mark.hex())]
+        marks = sealed.read(self.store, keys, self.timeout)  # (a forged mark: not dead)
+        dead = [rank for rank, mark in zip(ranks, marks, strict=True)
+                if mark is not None and _is_dead(mark.hex())]
         if not dead:
             return roster
         for rank in dead:

@@ -27,6 +27,7 @@ from torch.distributed.rendezvous import rendezvous as torch_rendezvous
 
 from rpcx._util.timer import remaining
 from rpcx._wire.auth import AUTH_KEY_ENV, ValueSeal, is_sealed
+from rpcx._world import sealed as _sealed
 from rpcx._world import store_dial as _store_dial
 from rpcx._world.store import BoundedStore
 from rpcx.errors import AuthenticationError, RpcError, RpcTimeoutError
@@ -244,10 +245,16 @@ def release_in_process_store(key: str) -> None:
             _hub[key] = (store, users - 1)
 
 
-def prefixed(store: BoundedStore, prefix: str) -> Any:
+def prefixed(store: BoundedStore, prefix: str, bound: float | None = None) -> Any:
     """The torch store under ``store`` seen through ``prefix/`` (every key starts with
-    it), for what needs a real one: a transport's address exchange."""
-    return PrefixStore(prefix + "/", store.raw)
+    it), for what needs a real one: a transport's address exchange. Where ``store``
+    carries the world key's seal, a :class:`~rpcx._world.sealed.SealedStore`: what goes
+    through it is sealed, and a value that is not genuine is waited past (at most
+    ``bound`` seconds; ``None``: for good)."""
+    view = PrefixStore(prefix + "/", store.raw)
+    if store.seal is None:
+        return view
+    return _sealed.SealedStore(view, store.seal, store.label(prefix + "/"), bound)
 
 
 def join_world(
@@ -363,6 +370,7 @@ def barrier(
         describe=describe,
         publish=(f"{tag}/{rank}", b"1"),
         probe=probe,
+        sealed=True,
     )
 
 
@@ -379,8 +387,9 @@ def leave(
     """
     deadline = time.monotonic() + timeout
     try:
-        store.set(f"left/{rank}", b"1", max(timeout, _LEAVE_MOMENT))
-        if rank == 0:
+        if rank != 0:
+            _sealed.publish(store, f"left/{rank}", b"1", max(timeout, _LEAVE_MOMENT))
+        else:  # (publishes its own word first)
             _wait_for(
                 store,
                 [f"left/{r}" for r in range(world_size)],
@@ -388,6 +397,8 @@ def leave(
                 is_gone=is_gone,
                 what="rank 0 waiting for workers to leave",
                 describe=lambda ranks: ", ".join(map(str, ranks)),
+                publish=(f"left/{rank}", b"1"),
+                sealed=True,
             )
     except Exception as exc:  # the store host may already be gone; nothing left to do
         log.debug("leaving the rendezvous store: %s", exc)
@@ -403,10 +414,15 @@ def _wait_for(
     describe: Callable[[list[int]], str],
     publish: tuple[str, bytes] | None = None,
     probe: Callable[[list[int]], None] | None = None,
+    sealed: bool = False,
 ) -> None:
     """Set ``publish`` (a key and its value) if given, then wait until every
     ``keys[rank]`` exists or its rank is gone; keys are per rank. ``deadline``: a
-    ``time.monotonic()`` value, ``None`` for none."""
+    ``time.monotonic()`` value, ``None`` for none.
+
+    ``sealed``: where the store view carries the world key's seal, ``publish`` is sealed
+    and a key counts only once its value is genuine (a stray client's value is ignored,
+    logged, and waited past; this worker's own, if overwritten, is published again)."""
     started = time.monotonic()
     next_report = started + _REPORT_EVERY
 
@@ -419,14 +435,48 @@ def _wait_for(
             log.info("%s: still missing %s after %.0f s", what, describe(missing), now - started)
             next_report = now + _REPORT_EVERY
 
+    checked = sealed and store.seal is not None
     try:
         if publish is not None:
-            store.set(*publish, timeout=remaining(deadline))
-        missing = store.wait_for(keys, deadline, skip=is_gone, on_poll=report,
-                                 report_every=_REPORT_EVERY if probe is None else PROBE_EVERY)
+            if sealed:
+                _sealed.publish(store, *publish, timeout=remaining(deadline))
+            else:
+                store.set(*publish, timeout=remaining(deadline))
+        pause = _FORGED_POLL
+        while True:
+            missing = store.wait_for(keys, deadline, skip=is_gone, on_poll=report,
+                                     report_every=_REPORT_EVERY if probe is None
+                                     else PROBE_EVERY)
+            if missing or not checked:
+                break
+            missing = _forged(store, keys, is_gone, deadline, publish)
+            if not missing or (deadline is not None and time.monotonic() >= deadline):
+                break
+            time.sleep(pause)  # (the genuine value is written over the forged one)
+            pause = min(pause * 2, _FORGED_POLL_MAX)
     except RpcError as exc:  # the store itself failed or did not answer
         raise type(exc)(f"{what}: {exc}") from exc
     if missing:
         raise RpcTimeoutError(f"{what}: gave up after {time.monotonic() - started:.1f} s; "
                               f"missing: {describe(missing)}")
+
+
+_FORGED_POLL, _FORGED_POLL_MAX = 0.005, 0.2
+_LOOK_MIN = 0.05
+
+
+def _forged(store: BoundedStore, keys: list[str], is_gone: Callable[[int], bool],
+            deadline: float | None, publish: tuple[str, bytes] | None) -> list[int]:
+    """The indices of ``keys`` (all there) whose values are not genuine, ranks gone
+    aside (each logged once); this worker's own (``publish``) is published again."""
+    indices = [i for i in range(len(keys)) if not is_gone(i)]
+    if not indices:
+        return []
+    # (a look at the deadline still gets a moment: the store is slow, not gone)
+    bound = None if deadline is None else max(deadline - time.monotonic(), _LOOK_MIN)
+    values = _sealed.read(store, [keys[i] for i in indices], bound)
+    forged = [i for i, value in zip(indices, values, strict=True) if value is None]
+    if publish is not None and publish[0] in (keys[i] for i in forged):
+        _sealed.publish(store, *publish, timeout=bound)
+    return forged
 

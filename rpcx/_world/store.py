@@ -38,12 +38,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed import DistNetworkError
 from torch.distributed.distributed_c10d import PrefixStore
 
 from rpcx.errors import RpcError, RpcTimeoutError
+
+if TYPE_CHECKING:
+    from rpcx._wire.auth import ValueSeal
 
 __all__ = ["BoundedStore"]
 
@@ -208,7 +211,7 @@ class BoundedStore:
     def __init__(self, raw: Any, where: str, *, reopen: Callable[[], Any] | None = None,
                  stalled: Callable[[], bool] = lambda: False,
                  _connection: _Connection | None = None,
-                 _prefixes: tuple[str, ...] = ()) -> None:
+                 _prefixes: tuple[str, ...] = (), _seal: ValueSeal | None = None) -> None:
         self._connection = _connection or _Connection(raw, reopen, _Caller("rpcx-store"),
                                                       stalled)
         self._prefixes = _prefixes  # each view's prefix, outermost first
@@ -216,6 +219,9 @@ class BoundedStore:
         self._generation = self._connection.generation
         self.where = where
         self._prefix = "".join(f"{p}/" for p in _prefixes)
+        # The world key's seal for the values that steer a keyed world (rpcx._world.sealed
+        # uses it); plain set and get never seal.
+        self.seal = _seal
 
     @property
     def raw(self) -> Any:
@@ -229,9 +235,22 @@ class BoundedStore:
         return self._raw
 
     def prefixed(self, prefix: str) -> BoundedStore:
-        """A view whose keys all start with ``prefix/``, sharing this one's caller."""
+        """A view whose keys all start with ``prefix/``, sharing this one's caller (and
+        seal)."""
         return BoundedStore(PrefixStore(prefix + "/", self.raw), self.where,
-                            _connection=self._connection, _prefixes=(*self._prefixes, prefix))
+                            _connection=self._connection, _prefixes=(*self._prefixes, prefix),
+                            _seal=self.seal)
+
+    def with_seal(self, seal: ValueSeal | None) -> BoundedStore:
+        """This view, carrying the world key's ``seal`` (see :mod:`rpcx._world.sealed`)."""
+        view = BoundedStore(self.raw, self.where, _connection=self._connection,
+                            _prefixes=self._prefixes, _seal=seal)
+        view._raw = self._raw
+        return view
+
+    def label(self, key: str) -> str:
+        """``key``'s full name in the store (with every prefix): what a seal covers."""
+        return self._prefix + key
 
     def set(self, key: str, value: bytes | str, timeout: float | None = None) -> None:
         """Store ``value`` under ``key``."""

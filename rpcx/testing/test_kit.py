@@ -21,3 +21,4 @@ from rpcx.testing.conformance_hostile import *  # noqa: F403
 from rpcx.testing.conformance_hosts import *  # noqa: F403
 from rpcx.testing.conformance_links import *  # noqa: F403
 from rpcx.testing.conformance_parity import *  # noqa: F403
+from rpcx.testing.conformance_store_seals import *  # noqa: F403
