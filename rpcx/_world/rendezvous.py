@@ -129,8 +129,9 @@ def keep_if_file_store(store: Any) -> None:
     worker's store is gone, but asks ``file://`` users to remove it all the same), and
     a world can start on it again.
     """
-    while isinstance(store, PrefixStore):
-        store = store.underlying_store
+    while isinstance(store, PrefixStore | _sealed.SealedStore):
+        store = (store.inner if isinstance(store, _sealed.SealedStore)
+                 else store.underlying_store)
     if isinstance(store, FileStore):
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
 
