@@ -233,3 +233,26 @@ def test_a_frame_of_a_header_alone_arrives_whole_or_is_refused_if_altered(
     with pytest.raises(ProtocolError, match="the header did not decrypt"):
         sender.deliver_to_receiver(0, altered)  # type: ignore[attr-defined]
     assert len(delivered) == 1
+
+
+def test_a_frame_held_back_past_the_window_is_refused_and_one_within_runs_once() -> None:
+    # An attacker on the path who holds a frame back: within the window (what two
+    # sending threads racing onto the wire need) it is taken once, in its new place;
+    # behind the window it is refused as a replay would be.
+    sender, _, delivered, refused = _pair()
+    deliver = sender.deliver_to_receiver  # type: ignore[attr-defined]
+    held = sender.seal(1, Frame(b"held", []))
+    deliver(0, sender.seal(1, Frame(b"later", [])))
+    deliver(0, held)
+    with pytest.raises(ProtocolError, match="replayed"):
+        deliver(0, held)
+    assert [f.header for f in delivered] == [b"later", b"held"] and refused
+
+    sender, _, delivered, refused = _pair()
+    deliver = sender.deliver_to_receiver  # type: ignore[attr-defined]
+    stale = sender.seal(1, Frame(b"stale", []))
+    for _ in range(4097):  # (the window keeps the last 4096 numbers)
+        deliver(0, sender.seal(1, Frame(b"x", [])))
+    with pytest.raises(ProtocolError, match="replayed or out of range"):
+        deliver(0, stale)
+    assert len(delivered) == 4097 and refused
