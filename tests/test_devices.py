@@ -16,7 +16,7 @@ import torch
 
 import rpcx
 from rpcx._wire.codec import DecodeContext, EncodeContext, decode_payload, encode
-from rpcx._wire.devices import SAME_DEVICE, WorkerDevices, plan_routes
+from rpcx._wire.devices import SAME_DEVICE, WorkerDevices, plan_dynamic_routes, plan_routes
 from rpcx.testing.world import start_world, world
 
 CPU = torch.device("cpu")
@@ -84,6 +84,49 @@ def test_invalid_declarations_raise_naming_worker_and_entry(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         plan_routes(0, workers)
+
+
+def test_a_dynamic_world_routes_newcomers_as_they_join() -> None:
+    # lead (rank 0) maps to "late" before late exists; mid (rank 2) joins first, with a
+    # map to lead; late joins at rank 1 with a map to mid.
+    lead = declare("lead", late={0: 1})
+    mid = declare("mid", lead={1: 0})
+    late = declare("late", mid={0: 0})
+    routes = plan_dynamic_routes(0, {0: lead}, 1)  # the first worker, alone
+    assert routes.for_request(1) is None and routes.devices == []  # (none used yet)
+    routes.admit(2, mid)
+    assert routes.names == ["lead", "<rank 1: vacant>", "mid"]
+    assert routes.for_response(2) == {CUDA0: CUDA1}  # mid's map to lead, inverted
+    assert routes.devices == [CUDA0]
+    routes.admit(1, late)
+    assert routes.names == ["lead", "late", "mid"]
+    assert routes.for_request(1) == {CUDA0: CUDA1}  # lead's map, waiting since the start
+    assert routes.devices == [CUDA0]
+    # late's own view, planned as it joins
+    joined = plan_dynamic_routes(1, {0: lead, 1: late, 2: mid}, 3)
+    assert joined.for_request(2) == {CUDA0: CUDA0}
+    assert joined.for_response(0) == {CUDA1: CUDA0}
+    # a rank taken again: the new holder's maps replace the old one's
+    routes.admit(2, declare("again", lead={0: 0}))
+    assert routes.names[2] == "again" and routes.for_response(2) == {CUDA0: CUDA0}
+
+
+@pytest.mark.parametrize(("newcomer", "message"), [
+    (declare("late", 1, lead={0: 3}), "'lead' has 2 CUDA device"),
+    (declare("late", 1, lead={2: 0}), "'late' has 1 CUDA device"),
+    (declare("late", 0), "'late' has 0 CUDA device"),  # (lead's map to late names cuda:0)
+])
+def test_a_newcomer_whose_maps_do_not_fit_is_refused_naming_the_entry(
+        newcomer: WorkerDevices, message: str) -> None:
+    routes = plan_dynamic_routes(0, {0: declare("lead", late={1: 0})}, 1)
+    with pytest.raises(ValueError, match=message):
+        routes.admit(1, newcomer)
+    assert routes.for_request(1) is None and len(routes.names) == 1  # nothing taken
+
+
+def test_a_map_to_a_worker_not_there_yet_still_checks_its_own_devices() -> None:
+    with pytest.raises(ValueError, match="'lead' has 2 CUDA device"):
+        plan_dynamic_routes(0, {0: declare("lead", later={7: 0})}, 1)
 
 
 def test_declarations_travel_as_plain_data() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._C._distributed_c10d import HashStore
 
-from rpcx._core.joining import _DynamicSessions
+from rpcx._core.dynamic_join import _DynamicSessions
 from rpcx._wire import auth, cipher
 from rpcx._wire.sessions import Sessions
 from rpcx._world.dynamic import DynamicWorld

@@ -28,6 +28,8 @@ __all__ = [
     "DeviceMap",
     "DeviceRoutes",
     "WorkerDevices",
+    "check_declarations",
+    "plan_dynamic_routes",
     "plan_routes",
 ]
 
@@ -125,6 +127,41 @@ class DeviceRoutes:
     outgoing: dict[int, DeviceMap] = field(default_factory=dict)
     incoming: dict[int, DeviceMap] = field(default_factory=dict)
     devices: list[torch.device] = field(default_factory=list)
+    declared: WorkerDevices | None = None  # this worker's declaration, where there is one
+
+    def connect(self, peer: int, theirs: WorkerDevices) -> None:
+        """Take the routes to and from worker ``peer`` (declared ``theirs``; checked):
+        this worker's map to it, the inverse of its map to this worker."""
+        me = self.declared
+        if me is None:
+            return
+        mine, back = me.device_maps.get(theirs.name), theirs.device_maps.get(me.name)
+        self.outgoing.pop(peer, None)
+        self.incoming.pop(peer, None)
+        if mine:
+            self.outgoing[peer] = dict(mine)
+        if back:
+            self.incoming[peer] = invert_device_map(back)
+        if not me.devices:  # (declared explicitly: the list stays as declared)
+            used = set(self.devices)
+            used |= {d for m in (mine or {}, invert_device_map(back or {})) for d in m}
+            self.devices = sorted((d for d in used if d.type != "cpu"),
+                                  key=lambda d: (d.type, d.index))
+        else:
+            self.devices = list(me.devices)
+
+    def admit(self, peer: int, theirs: WorkerDevices) -> None:
+        """A worker joined a dynamic world at ``peer``, declaring ``theirs``: check the
+        maps between it and this worker (``ValueError`` naming the entry at fault, as
+        :func:`plan_routes`) and take its routes; a map this worker holds to its name
+        applies from now on."""
+        me = self.declared
+        if me is None:
+            return
+        check_declarations([me, theirs], later=True)
+        self.names.extend(f"<rank {r}: vacant>" for r in range(len(self.names), peer + 1))
+        self.names[peer] = theirs.name
+        self.connect(peer, theirs)
 
     def for_request(self, dst: int) -> Mapping[torch.device, torch.device] | None:
         """The map a request (or one-way message) to rank ``dst`` takes."""
@@ -171,6 +208,23 @@ def plan_routes(rank: int, everyone: Sequence[WorkerDevices]) -> DeviceRoutes:
     worker, a device index past a worker's device count, a map that is not one-to-one,
     a mapped device missing from a worker's explicit ``devices``.
     """
+    check_declarations(everyone)
+    return _routes(rank, dict(enumerate(everyone)), len(everyone))
+
+
+def plan_dynamic_routes(rank: int, members: Mapping[int, WorkerDevices],
+                        size: int) -> DeviceRoutes:
+    """:func:`plan_routes` for a worker joining a dynamic world: ``members`` by rank (this
+    worker's included), ``size`` ranks in all (the others vacant). A map to a worker not
+    in the world yet is kept for when it joins (:meth:`DeviceRoutes.admit`)."""
+    check_declarations(list(members.values()), later=True)
+    return _routes(rank, members, size)
+
+
+def check_declarations(everyone: Sequence[WorkerDevices], later: bool = False) -> None:
+    """Check the declarations of ``everyone`` against each other (see
+    :func:`plan_routes`); ``later``: a map to a worker not among them is one that may
+    join later (a dynamic world), not an error."""
     names = [w.name for w in everyone]
     by_name = {w.name: w for w in everyone}
     for worker in everyone:
@@ -178,6 +232,10 @@ def plan_routes(rank: int, everyone: Sequence[WorkerDevices]) -> DeviceRoutes:
             _check_device(device, worker.name, "devices", worker)
         for to, device_map in worker.device_maps.items():
             if to not in by_name:
+                if later:  # (its own devices can be checked now; the peer's when it joins)
+                    for src in device_map:
+                        _check_device(src, worker.name, f"device map to {to!r}", worker)
+                    continue
                 raise ValueError(
                     f"worker {worker.name!r} has a device map to {to!r}, which is not a "
                     f"worker of this world ({', '.join(names)})"
@@ -196,19 +254,16 @@ def plan_routes(rank: int, everyone: Sequence[WorkerDevices]) -> DeviceRoutes:
     for worker in everyone:
         if worker.devices:  # declared explicitly: every mapped device must be in it
             _check_declared(worker, everyone)
-    me = everyone[rank]
-    outgoing = {names.index(to): dict(m) for to, m in me.device_maps.items() if m}
-    incoming = {
-        r: invert_device_map(w.device_maps[me.name])
-        for r, w in enumerate(everyone)
-        if w.device_maps.get(me.name)
-    }
-    devices = list(me.devices)
-    if not devices:
-        used = {d for m in outgoing.values() for d in m}
-        used |= {d for m in incoming.values() for d in m}
-        devices = sorted((d for d in used if d.type != "cpu"), key=lambda d: (d.type, d.index))
-    return DeviceRoutes(rank, names, outgoing, incoming, devices)
+
+
+def _routes(rank: int, members: Mapping[int, WorkerDevices], size: int) -> DeviceRoutes:
+    """The routes of worker ``rank`` among ``members`` (checked), ``size`` ranks in all."""
+    me = members[rank]
+    names = [members[r].name if r in members else f"<rank {r}: vacant>" for r in range(size)]
+    routes = DeviceRoutes(rank, names, declared=me)
+    for peer, worker in members.items():
+        routes.connect(peer, worker)
+    return routes
 
 
 def _check_declared(worker: WorkerDevices, everyone: Sequence[WorkerDevices]) -> None:

@@ -35,7 +35,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rpcx._util.process_watch import local_mark, process_state
 from rpcx._world import sealed
@@ -93,6 +93,9 @@ class DynamicWorld:
         self.timeout = timeout
         self._held: HeldToken | None = None  # the token this worker holds now, if any
         self.incarnation = 0  # workers that held this rank before this one (see enter)
+        # Run with a newcomer's rank before it is admitted; one that raises refuses it
+        # (joining adds the check of its device declaration).
+        self.admission_checks: list[Callable[[int], None]] = []
 
     # ------------------------------------------------------------------ the token
 
@@ -287,6 +290,12 @@ class DynamicWorld:
     def was_held(self, rank: int) -> bool:
         """Whether a worker ever held ``rank`` in this world (read under the token)."""
         return self.store.check([f"member/{rank}"], self.timeout)
+
+    def admitting(self, rank: int) -> None:
+        """A worker joins at ``rank``: run the admission checks (each raises
+        ``RpcError`` to refuse it)."""
+        for check in self.admission_checks:
+            check(rank)
 
     def member(self, rank: int) -> str:
         """The name of the worker that holds ``rank`` (a worker admitting a newcomer

@@ -32,7 +32,7 @@ from rpcx.testing.fixtures import WorldKeeper
 from rpcx.testing.soak import leftover_problems, settled_leftovers
 from rpcx.testing.world import DynamicWorld, _options, dynamic_world, free_port
 
-__all__ = ["TestDynamicWorld", "TestDynamicWorldRefused"]
+__all__ = ["TestDynamicDeviceMaps", "TestDynamicWorld", "TestDynamicWorldRefused"]
 
 BOUND = 60.0
 
@@ -185,6 +185,42 @@ class TestDynamicWorld:
         # the world is as it was
         assert [w.name for w in rpcx.get_worker_infos()] == ["lead", "late1", "late2"]
         assert rpcx.rpc_sync("late2", remote.worker_name) == "late2"
+
+
+@pytest.mark.rpcx_requires(
+    "dynamic", reason="it cannot admit workers after the world started")
+class TestDynamicDeviceMaps:
+    """Device maps in a dynamic world: checked as each worker joins, routed both ways."""
+
+    def test_maps_are_checked_and_routed_as_workers_join(
+            self, rpcx_backend: str, rpc_world_keeper: WorldKeeper) -> None:
+        rpc_world_keeper.close()
+        cpu = {torch.device("cpu"): torch.device("cpu")}
+        if resolve_backend(rpcx_backend).capabilities.cuda_direct:
+            options = _options(rpcx_backend, f"tcp://127.0.0.1:{free_port()}",
+                               {"device_maps": {"late1": {"cpu": "cpu"}}})
+            with pytest.raises(RpcError, match="device maps in a dynamic world are not "
+                                               f"supported on the {rpcx_backend!r} backend"):
+                rpcx.init_rpc("lead", backend=rpcx_backend, rank=0,
+                              rpc_backend_options=options)
+            return
+        with dynamic_world(rpcx_backend, name="lead", rpc_timeout=BOUND,
+                           device_maps={"late1": {"cpu": "cpu"}}) as world:
+            agent = cast(RpcAgent, _context.current_agent())
+            assert agent.routes.for_request(1) is None  # (late1 is not there yet)
+            assert world.join("late1", 1, device_maps={"lead": {"cpu": "cpu"}}) == (
+                "joined", "late1")
+            assert agent.routes.for_request(1) == cpu  # lead's map, held for late1
+            assert agent.routes.for_response(1) == cpu  # late1's map to lead, inverted
+            assert agent.routes.names[1] == "late1"
+            # a map to a device its peer lacks (whatever GPUs this machine has) is refused
+            past = f"cuda:{torch.cuda.device_count()}"
+            outcome = world.join("late2", 2, device_maps={"lead": {"cpu": "cpu",
+                                                                   "cuda:0": past}})
+            assert outcome[:2] == ("refused", "RpcError"), outcome
+            assert "invalid device maps" in outcome[2] and "CUDA device" in outcome[2]
+            assert rpcx.rpc_sync("late1", remote.add, args=(torch.ones(2), 1)).tolist() == [
+                2, 2]
 
 
 class TestDynamicWorldRefused:

@@ -1,0 +1,227 @@
+"""Joining a dynamic world (``init_rpc`` without ``world_size``, as torch's).
+
+Under the world's membership token (:mod:`rpcx._world.dynamic`), a joining worker reads
+who is in the world, checks the members' session records (with a world key:
+:class:`_DynamicSessions`) and device declarations (:class:`_DynamicDevices`),
+publishes its own, and enters the roster; the token stays held until its transport has
+connected to every member (:meth:`Joined.settle <rpcx._core.joined.Joined.settle>`).
+A member takes a newcomer's record and declaration when the newcomer's connection
+arrives (the frame guard's keys in the transport's ``admit``, the routes through the
+dynamic world's admission checks).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from rpcx._core.joined import Joined
+from rpcx._wire import auth
+from rpcx._wire.devices import DeviceRoutes, WorkerDevices, plan_dynamic_routes
+from rpcx._wire.sessions import Sessions
+from rpcx._world import rendezvous, sealed
+from rpcx._world.dynamic import DynamicWorld, claim_kind
+from rpcx.errors import RpcError
+from rpcx.options import RpcBackendOptions
+from rpcx.registry import BackendSpec, available_backends, dynamic_backends
+from rpcx.worker import VacantRank, WorkerInfo
+
+__all__ = ["join_dynamic"]
+
+
+def join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank: int,
+                  key: bytes | None, encrypt: str | None) -> Joined:
+    """Join the dynamic world on ``options.init_method`` as worker ``name`` of ``rank``:
+    under its membership token, which the returned record holds until
+    :meth:`Joined.settle`. With a key, this worker checks the members' session records
+    and publishes its own before it enters (:class:`_DynamicSessions`)."""
+    _check_dynamic(name, spec, options)
+    join_timeout = options.rpc_timeout or None
+    store = rendezvous.open_store(options.init_method, rank, None, join_timeout)
+    claim_kind(store, "dynamic", repr(name), join_timeout)
+    world = DynamicWorld(store.with_seal(auth.ValueSeal(key) if key is not None else None),
+                         name, rank, join_timeout)
+    keys = _DynamicSessions(world, key, encrypt, options)
+    devices = _DynamicDevices(world, WorkerDevices.of(name, options))
+    token = world.hold_token("join")
+    try:
+        roster = world.strike_off_the_dead(world.roster())
+        if (rank not in roster and not spec.capabilities.reuses_ranks
+                and world.was_held(rank)):
+            raise RpcError(
+                f"init_rpc: worker {name!r} cannot take rank {rank} of the dynamic world: "
+                f"a worker held it before, and the {spec.name!r} backend cannot give a rank "
+                "to a new worker (torch's agent keeps the old connection); pick a rank not "
+                "used in this world, or a backend that can ("
+                + ", ".join(n for n, other in available_backends().items()
+                            if other.capabilities.dynamic and other.capabilities.reuses_ranks)
+                + ")")
+        keys.meet(roster)
+        routes = devices.meet(roster)
+        world.enter(roster)
+    except BaseException:
+        token.release()
+        raise
+    roster[rank] = name
+    workers: list[WorkerInfo] = [VacantRank(r) for r in range(max(roster) + 1)]
+    for held, holder in roster.items():
+        workers[held] = WorkerInfo(holder, held)
+    try:
+        guard, connections = keys.start([w.name for w in workers])
+    except BaseException:  # (a member's public key unusable: leave as a failed start does)
+        world.leave()
+        token.release()
+        raise
+    world.admission_checks.append(functools.partial(devices.admit, routes))
+    return Joined(
+        backend=spec, name=name, rank=rank, world_size=len(workers), workers=workers,
+        store=world.store, options=options, routes=routes, guard=guard,
+        connection_auth=connections, world_key=None, dynamic=world, token=token,
+        admit_keys=keys.admit if guard is not None else None,
+    )
+
+
+class _DynamicSessions:
+    """The session records of a dynamic world with a key (nothing without one): each
+    worker publishes its own, sealed, under the membership token before it enters; the
+    members read a newcomer's when its connection arrives."""
+
+    def __init__(self, world: DynamicWorld, key: bytes | None, encrypt: str | None,
+                 options: RpcBackendOptions) -> None:
+        self._world = world
+        self._me = f"init_rpc: worker {world.name!r} (rank {world.rank})"
+        self._seal = auth.ValueSeal(key) if key is not None else None
+        self._sessions = (None if key is None else Sessions(
+            key, world.rank, self._me, encrypt, bool(getattr(options, "auth_payload", False))))
+
+    def meet(self, roster: dict[int, str]) -> None:
+        """Under the token, before entering: check that every member of ``roster`` runs
+        with this worker's key and settings (``RpcError`` naming the first that does
+        not), and publish this worker's record."""
+        found = self._world.sessions(sorted(roster))
+        if self._sessions is None or self._seal is None:
+            keyed = [rank for rank, value in found.items() if value]
+            if keyed:
+                raise RpcError(
+                    f"{self._me}: the dynamic world's members hold a world key (rank "
+                    f"{keyed[0]}, {roster[keyed[0]]!r}, published a sealed session record) "
+                    f"and this worker has none: set {auth.AUTH_KEY_ENV} (or the auth_key "
+                    "option) to the world's key")
+            return
+        for rank, value in found.items():
+            self._sessions.read(rank, self._open(rank, value, roster[rank]), roster[rank])
+        self._world.publish_session(
+            self._seal.seal(self._label(self._world.rank), self._sessions.mine.to_bytes()))
+
+    def start(self, names: list[str]) -> tuple[auth.FrameGuard | None,
+                                               auth.ConnectionAuth | None]:
+        """The frame guard and connection proofs (``(None, None)`` without a key)."""
+        if self._sessions is None:
+            return None, None
+        return self._sessions.start(names, fetch=self._fetch)
+
+    def admit(self, rank: int) -> None:
+        """Key the pair with the worker joining at ``rank`` (:meth:`Sessions.admit`)."""
+        if self._sessions is not None:
+            self._sessions.admit(rank)
+
+    def _fetch(self, rank: int) -> bytes:
+        """The opened record of the worker holding ``rank`` now (joining: it published
+        the record before it dialled); ``RpcError`` if it has none, or a forged one."""
+        return self._open(rank, self._world.sessions([rank])[rank], None)
+
+    def _open(self, rank: int, value: bytes, name: str | None) -> bytes:
+        assert self._seal is not None
+        who = f"rank {rank}" + (f" ({name!r})" if name else "")
+        if not value:
+            raise RpcError(f"{self._me}: {who} published no session record: it runs "
+                           f"without a world key; set {auth.AUTH_KEY_ENV} the same on "
+                           "every worker")
+        opened = self._seal.open(self._label(rank), value)
+        if opened is None:
+            raise RpcError(f"{self._me}: the session record of {who} is not sealed with "
+                           "this worker's world key: the keys differ, or something other "
+                           "than rpcx wrote it")
+        return opened
+
+    @staticmethod
+    def _label(rank: int) -> str:
+        return f"{DynamicWorld.PREFIX}/{DynamicWorld.SESSION}/{rank}"
+
+
+class _DynamicDevices:
+    """The device declarations of a dynamic world: each worker publishes its own (sealed
+    with a key) before it enters, plans its routes from the members' (a map to a worker
+    not in the world yet waits for it), and takes each newcomer's when it is admitted."""
+
+    KEY = "devices"
+
+    def __init__(self, world: DynamicWorld, mine: WorkerDevices) -> None:
+        self._world = world
+        self._mine = mine
+        self._me = f"init_rpc: worker {world.name!r} (rank {world.rank})"
+
+    def meet(self, roster: dict[int, str]) -> DeviceRoutes:
+        """Under the token, before entering: this worker's routes among the members of
+        ``roster`` (``RpcError`` naming the entry at fault), and its declaration
+        published."""
+        ranks = sorted(roster)
+        members = {rank: self._read(rank, roster[rank]) for rank in ranks}
+        members[self._world.rank] = self._mine
+        try:
+            routes = plan_dynamic_routes(self._world.rank, members,
+                                         max([*ranks, self._world.rank]) + 1)
+        except ValueError as exc:
+            raise RpcError(f"{self._me}: invalid device maps: {exc}") from None
+        sealed.publish(self._world.store, f"{self.KEY}/{self._world.rank}",
+                       self._mine.to_bytes())
+        return routes
+
+    def admit(self, routes: DeviceRoutes, rank: int) -> None:
+        """A worker joins at ``rank``: take its declaration into ``routes`` (``RpcError``,
+        refusing it, if its maps and this worker's do not fit)."""
+        theirs = self._read(rank, None)
+        try:
+            routes.admit(rank, theirs)
+        except ValueError as exc:
+            raise RpcError(f"worker {self._world.name!r} refuses rank {rank} "
+                           f"({theirs.name!r}): invalid device maps: {exc}") from None
+
+    def _read(self, rank: int, name: str | None) -> WorkerDevices:
+        """The declaration the worker holding ``rank`` published (one from before
+        declarations were published: no maps)."""
+        key = f"{self.KEY}/{rank}"
+        who = f"rank {rank}" + (f" ({name!r})" if name else "")
+        if not self._world.store.check([key], self._world.timeout):
+            return WorkerDevices(name=name or self._world.member(rank), device_count=0)
+        (value,) = sealed.read(self._world.store, [key], self._world.timeout)
+        if value is None:
+            raise RpcError(f"{self._me}: the device declaration of {who} is not sealed "
+                           "with this worker's world key")
+        try:
+            return WorkerDevices.from_bytes(value)
+        except ValueError as exc:
+            raise RpcError(f"{self._me}: {who} published an invalid device declaration "
+                           f"({exc}); is something other than rpcx writing to the store?"
+                           ) from None
+
+
+def _check_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions) -> None:
+    """Refuse, saying why, what a dynamic world cannot do yet."""
+    me = f"init_rpc: worker {name!r} (without world_size: a dynamic world)"
+    if not spec.capabilities.dynamic:
+        where = ("its workers are threads of one process, started together"
+                 if spec.capabilities.in_process else
+                 "its transport connects a fixed set of workers at start")
+        raise RpcError(
+            f"{me}: the {spec.name!r} backend cannot admit workers after the world started "
+            f"({where}). Backends that can: {', '.join(dynamic_backends()) or 'none'}; or "
+            "pass world_size to start a world of fixed size")
+    if getattr(options, "device_maps", None) and spec.capabilities.cuda_direct:
+        raise RpcError(
+            f"{me}: device maps in a dynamic world are not supported on the "
+            f"{spec.name!r} backend yet (its transport moves device memory itself, and "
+            "newcomers' maps are not handed to it); use a backend where rpcx places "
+            "tensors (" + ", ".join(
+                n for n, other in available_backends().items()
+                if other.capabilities.dynamic and not other.capabilities.cuda_direct)
+            + "), send CPU tensors, or pass world_size")
