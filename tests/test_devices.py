@@ -124,6 +124,15 @@ def test_a_newcomer_whose_maps_do_not_fit_is_refused_naming_the_entry(
     assert routes.for_request(1) is None and len(routes.names) == 1  # nothing taken
 
 
+def test_a_newcomer_refused_after_its_routes_were_taken_leaves_none_behind() -> None:
+    routes = plan_dynamic_routes(0, {0: declare("lead", late={0: 1})}, 1)
+    undo = routes.admit(1, declare("late", lead={1: 0}))
+    assert routes.for_request(1) == {CUDA0: CUDA1} and routes.names == ["lead", "late"]
+    undo()  # (the roster refused it: its name was taken)
+    assert routes.for_request(1) is None and routes.for_response(1) is None
+    assert routes.names == ["lead"] and routes.devices == []
+
+
 def test_a_map_to_a_worker_not_there_yet_still_checks_its_own_devices() -> None:
     with pytest.raises(ValueError, match="'lead' has 2 CUDA device"):
         plan_dynamic_routes(0, {0: declare("lead", later={7: 0})}, 1)

@@ -174,3 +174,12 @@ def test_compare_set_expecting_no_value_replaces_a_forged_one(logged) -> None:  
     stray.prefixed("transport").set("other", b"x")
     assert store.compare_set("other", "x", "y") == b"x"
     assert stray.prefixed("transport").get("other") == b"x"
+
+
+def test_compare_set_expecting_none_takes_a_key_set_empty_through_the_view() -> None:
+    # torch's token pattern: set(k, "") to free it, then compare_set(k, "", mine)
+    keyed, _ = _session()
+    store = rendezvous.prefixed(keyed, "transport", BOUND)
+    store.set("token", "")
+    assert store.compare_set("token", "", "mine") == b"mine"
+    assert store.compare_set("token", "", "theirs") == b"mine"  # (held: not taken)

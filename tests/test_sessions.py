@@ -27,9 +27,10 @@ needs_cipher = pytest.mark.skipif(not cipher.aead_available(),
 
 def _joiner(store: BoundedStore, name: str, rank: int, key: bytes | None = KEY,
             encrypt: str | None = "always") -> _DynamicSessions:
-    """A worker that publishes its record as joining does (under no token: one at a time
-    here), and starts its guard for the roster ``roster`` of the store."""
-    world = DynamicWorld(store, name, rank, BOUND)
+    """A worker that publishes its record and enters as joining does (under no token:
+    one at a time here)."""
+    world = DynamicWorld(store.with_seal(auth.ValueSeal(key) if key else None), name, rank,
+                         BOUND)
     sessions = _DynamicSessions(world, key, encrypt, RpcBackendOptions())
     roster = world.roster()
     sessions.meet(roster)
@@ -82,10 +83,12 @@ def test_a_member_keys_a_newcomer_from_its_record_and_a_later_holder_anew(
     back = lead_guard.seal(1, Frame(b"answer", []))
     assert _delivered(late_guard, 0, back)[0].header == b"answer"
     # the worker leaves; another takes rank 1 and publishes a record of its own
-    DynamicWorld(store, "w1", 1, BOUND).leave()
+    DynamicWorld(store.with_seal(auth.ValueSeal(KEY)), "w1", 1, BOUND).leave()
     again = _joiner(store, "again", 1)
     again_guard, _ = _started(again, 2)
     old_frame = late_guard.seal(0, Frame(b"old", []))  # (the one that left, still sending)
+    lead_guard.forget(1)  # (what the transport's loss report does: its keys go)
+    assert _delivered(lead_guard, 1, Frame(bytes(old_frame.header), [])) == []
     lead.admit(1)
     assert _delivered(lead_guard, 1, old_frame) == []  # its keys verify nothing any more
     lead.admit(1)  # (a refusal is the old holder's: the next one starts clean)
@@ -96,22 +99,25 @@ def test_a_newcomer_without_a_genuine_record_is_refused_and_nothing_is_keyed(
         store: BoundedStore) -> None:
     lead = _joiner(store, "w0", 0, encrypt=None)
     lead_guard, lead_proofs = _started(lead, 1)
-    # a stray store client writes a record for rank 1 under another key, and enters it
-    world = DynamicWorld(store, "intruder", 1, BOUND)
+    # a stray store client writes a record for rank 1 under another key, and a name
+    stray = DynamicWorld(store, "intruder", 1, BOUND).store  # (no key: plain values)
     forged = Sessions(b"another-key-0123456789abcdef", 1, "intruder", None)
-    world.publish_session(auth.ValueSeal(b"another-key-0123456789abcdef").seal(
+    stray.set("session/1", auth.ValueSeal(b"another-key-0123456789abcdef").seal(
         "rpcx/dynamic/session/1", forged.mine.to_bytes()))
-    world.enter(world.roster())
+    stray.set("member/1", "intruder")
     with pytest.raises(RpcError, match="session record of rank 1 is not sealed with this "
                                        "worker's world key"):
         lead_proofs.renew(1)
     with pytest.raises(RpcError, match="not sealed"):
         lead.admit(1)
+    keyed_world = DynamicWorld(store.with_seal(auth.ValueSeal(KEY)), "w0", 0, BOUND)
+    with pytest.raises(RpcError, match="the name of rank 1 in the store is not sealed"):
+        keyed_world.member(1)  # (what the agent admits the newcomer as)
     assert not lead_proofs.check("tcp connect", 1, 0, b"c" * 16, b"p" * 32)
     frame = Frame(b"\0" * 48 + b"call", [])
     assert _delivered(lead_guard, 1, frame) == []
     # one that published nothing (it runs without a key) is named as such
-    world.store.set("session/1", b"")
+    stray.set("session/1", b"")
     with pytest.raises(RpcError, match="rank 1 published no session record"):
         lead.admit(1)
 
@@ -119,7 +125,8 @@ def test_a_newcomer_without_a_genuine_record_is_refused_and_nothing_is_keyed(
 def test_a_joiner_meets_members_with_another_key_or_settings_and_is_told_why(
         store: BoundedStore) -> None:
     _joiner(store, "w0", 0, encrypt=None)
-    with pytest.raises(RpcError, match=r"session record of rank 0 \('w0'\) is not sealed"):
+    with pytest.raises(RpcError, match="its roster in the store is not sealed with this "
+                                       "worker's world key"):
         _joiner(store, "w1", 1, key=b"another-key-0123456789abcdef", encrypt=None)
     with pytest.raises(RpcError, match=r"members hold a world key .* this worker has none"):
         _joiner(store, "w1", 1, key=None, encrypt=None)
@@ -127,4 +134,5 @@ def test_a_joiner_meets_members_with_another_key_or_settings_and_is_told_why(
         with pytest.raises(RpcError, match=r"this worker encrypts every pair .* and rank 0 "
                                            r"\('w0'\) does not encrypt"):
             _joiner(store, "w1", 1, encrypt="always")
-    assert DynamicWorld(store, "w", 5, BOUND).roster() == {0: "w0"}  # none of them entered
+    keyed = DynamicWorld(store.with_seal(auth.ValueSeal(KEY)), "w", 5, BOUND)
+    assert keyed.roster() == {0: "w0"}  # none of them entered

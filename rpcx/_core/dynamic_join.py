@@ -13,6 +13,7 @@ dynamic world's admission checks).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from rpcx._core.joined import Joined
 from rpcx._wire import auth
@@ -68,8 +69,10 @@ def join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank:
     try:
         guard, connections = keys.start([w.name for w in workers])
     except BaseException:  # (a member's public key unusable: leave as a failed start does)
-        world.leave()
-        token.release()
+        try:
+            world.leave()
+        finally:
+            token.release()
         raise
     world.admission_checks.append(functools.partial(devices.admit, routes))
     return Joined(
@@ -176,23 +179,23 @@ class _DynamicDevices:
                        self._mine.to_bytes())
         return routes
 
-    def admit(self, routes: DeviceRoutes, rank: int) -> None:
+    def admit(self, routes: DeviceRoutes, rank: int) -> Callable[[], None]:
         """A worker joins at ``rank``: take its declaration into ``routes`` (``RpcError``,
-        refusing it, if its maps and this worker's do not fit)."""
+        refusing it, if its maps and this worker's do not fit); what undoes that."""
         theirs = self._read(rank, None)
         try:
-            routes.admit(rank, theirs)
+            return routes.admit(rank, theirs)
         except ValueError as exc:
             raise RpcError(f"worker {self._world.name!r} refuses rank {rank} "
                            f"({theirs.name!r}): invalid device maps: {exc}") from None
 
     def _read(self, rank: int, name: str | None) -> WorkerDevices:
-        """The declaration the worker holding ``rank`` published (one from before
-        declarations were published: no maps)."""
+        """The declaration the worker holding ``rank`` published (before it entered)."""
         key = f"{self.KEY}/{rank}"
         who = f"rank {rank}" + (f" ({name!r})" if name else "")
         if not self._world.store.check([key], self._world.timeout):
-            return WorkerDevices(name=name or self._world.member(rank), device_count=0)
+            raise RpcError(f"{self._me}: {who} published no device declaration: run the "
+                           "same rpcx on every worker")
         (value,) = sealed.read(self._world.store, [key], self._world.timeout)
         if value is None:
             raise RpcError(f"{self._me}: the device declaration of {who} is not sealed "

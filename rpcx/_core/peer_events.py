@@ -41,9 +41,10 @@ class DynamicMembership(Protocol):
     def member(self, rank: int) -> str:
         """The name of the worker that joined at ``rank``."""
 
-    def admitting(self, rank: int) -> None:
+    def admitting(self, rank: int) -> list[Callable[[], None]]:
         """Check the worker joining at ``rank`` before it is admitted (its device
-        declaration); raise ``RpcError`` to refuse it."""
+        declaration); raise ``RpcError`` to refuse it. Returns what undoes the checks'
+        effects, should the worker be refused after all."""
 
     def departing(self, timeout: float) -> contextlib.AbstractContextManager[None]:
         """Held while this worker closes its transport: it is struck off the roster
@@ -124,8 +125,13 @@ class PeerEvents:
         connects, before anything from it is delivered): enter it; its name."""
         assert self._dynamic is not None
         worker = WorkerInfo(self._dynamic.member(rank), rank)
-        self._dynamic.admitting(rank)  # (raises for a newcomer whose devices do not fit)
-        self._roster.admit(worker)  # (raises for a rank or a name taken)
+        undo = self._dynamic.admitting(rank)  # (raises for one whose devices do not fit)
+        try:
+            self._roster.admit(worker)  # (raises for a rank or a name taken)
+        except BaseException:
+            for step in undo:
+                step()
+            raise
         names = self._transport_names
         names.extend(w.name for w in self._workers[len(names):])
         names[rank] = worker.name

@@ -159,6 +159,11 @@ class ConnectionAuth:
         if self._renew is not None:
             self._nonces[rank] = self._renew(rank)
 
+    def forget(self, rank: int) -> None:
+        """The worker at ``rank`` left (a dynamic world): no proof for or from it
+        passes until a worker joins there again (:meth:`renew`)."""
+        self._nonces.pop(rank, None)
+
     def proof(self, purpose: str, src: int, dst: int, challenge: bytes = b"") -> bytes:
         """What rank ``src`` answers ``dst``'s ``challenge`` with (``TAG_BYTES`` long)."""
         return hmac.digest(self._key, b"\x00".join((
@@ -248,6 +253,16 @@ class FrameGuard:
         with self._seq_lock, self._count_lock:
             self._admit_locked(peer, nonce)
 
+    def forget(self, peer: int) -> None:
+        """The worker at ``peer`` left a dynamic world: its keys go, and every frame to
+        or from the rank is refused until a worker joins there (:meth:`admit`)."""
+        with self._seq_lock, self._count_lock:
+            if 0 <= peer < len(self._send_keys):
+                self._forget_locked(peer)
+
+    def _forget_locked(self, peer: int) -> None:
+        self._send_keys[peer] = self._receive_keys[peer] = b""
+
     def named(self, peer: int, name: str) -> None:
         """The worker admitted at ``peer`` is ``name`` (for the log lines)."""
         self._names[peer] = name
@@ -272,16 +287,15 @@ class FrameGuard:
     def seal(self, dst: int, frame: Frame) -> Frame:
         """Seal ``frame`` for ``dst`` (its header is replaced by the sealed one) and
         return it. (In place: this runs on every send, and a frame is sent once.)"""
-        seq = self._next_sequence(dst)
-        header = frame.header
-        frame.header = _SEQ.pack(seq) + self._tag(self._send_keys[dst], seq, header,
-                                                  frame.buffers) + header
-        return frame
-
-    def _next_sequence(self, dst: int) -> int:
-        with self._seq_lock:
+        with self._seq_lock:  # (the number and the key together: admit changes both)
             seq = self._next_seq[dst] = self._next_seq[dst] + 1
-        return seq
+            key = self._send_keys[dst]
+        return self._mac_sealed(key, seq, frame)
+
+    def _mac_sealed(self, key: bytes, seq: int, frame: Frame) -> Frame:
+        header = frame.header
+        frame.header = _SEQ.pack(seq) + self._tag(key, seq, header, frame.buffers) + header
+        return frame
 
     # ------------------------------------------------------------------------ receive
 

@@ -184,6 +184,10 @@ class FrameCipher(FrameGuard):
         self._receive_aead[peer] = _AESGCM(_derive(self._receive_keys[peer], b"cipher",
                                                    shared))
 
+    def _forget_locked(self, peer: int) -> None:
+        super()._forget_locked(peer)
+        self._encrypt_with(peer, None)
+
     def admit(self, peer: int, nonce: bytes, *, shared: bytes | None = None) -> None:
         """As :meth:`FrameGuard.admit`; ``shared``: the secret of the key exchange with
         the newcomer when the pair encrypts (``None``: it only seals)."""
@@ -196,10 +200,13 @@ class FrameCipher(FrameGuard):
     def seal(self, dst: int, frame: Frame) -> Frame:
         """Encrypt ``frame`` for ``dst`` in place (header and buffers replaced), or seal
         it if the pair is not encrypted."""
-        aead = self._send_aead[dst]
+        # The number and the key together: a worker joining at ``dst`` changes both
+        # (admit), and a number must never be used twice under one key (AES-GCM's nonce).
+        with self._seq_lock:
+            seq = self._next_seq[dst] = self._next_seq[dst] + 1
+            aead, key = self._send_aead[dst], self._send_keys[dst]
         if aead is None:
-            return super().seal(dst, frame)
-        seq = self._next_sequence(dst)
+            return self._mac_sealed(key, seq, frame)
         header = frame.header
         if not frame.buffers and len(header) <= PIECE_BYTES:  # most calls: one AES-GCM call
             frame.header = _SEQ.pack(seq) + aead.encrypt(

@@ -15,7 +15,7 @@ covers a tensor's device the send fails, and the error says which map to set.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,18 +150,31 @@ class DeviceRoutes:
         else:
             self.devices = list(me.devices)
 
-    def admit(self, peer: int, theirs: WorkerDevices) -> None:
-        """A worker joined a dynamic world at ``peer``, declaring ``theirs``: check the
+    def admit(self, peer: int, theirs: WorkerDevices) -> Callable[[], None]:
+        """A worker joins a dynamic world at ``peer``, declaring ``theirs``: check the
         maps between it and this worker (``ValueError`` naming the entry at fault, as
         :func:`plan_routes`) and take its routes; a map this worker holds to its name
-        applies from now on."""
+        applies from now on. Returns what undoes it (the worker was refused after all)."""
         me = self.declared
         if me is None:
-            return
+            return lambda: None
         check_declarations([me, theirs], later=True)
+        before = (list(self.names), self.outgoing.get(peer), self.incoming.get(peer),
+                  list(self.devices))
         self.names.extend(f"<rank {r}: vacant>" for r in range(len(self.names), peer + 1))
         self.names[peer] = theirs.name
         self.connect(peer, theirs)
+
+        def undo() -> None:
+            names, outgoing, incoming, devices = before
+            self.names[:] = names  # (in place: the list is shared)
+            for table, old in ((self.outgoing, outgoing), (self.incoming, incoming)):
+                table.pop(peer, None)
+                if old is not None:
+                    table[peer] = old
+            self.devices = devices
+
+        return undo
 
     def for_request(self, dst: int) -> Mapping[torch.device, torch.device] | None:
         """The map a request (or one-way message) to rank ``dst`` takes."""

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import ClassVar
 
-from rpcx._wire.auth import FrameGuard
+from rpcx._wire.auth import ConnectionAuth, FrameGuard
 from rpcx.errors import LostCause
 from rpcx.transport import (
     Capabilities,
@@ -55,9 +55,10 @@ class KeyedTransport(TransportDecorator):
         def refuse(src: int, why: str) -> None:
             ctx.peer_lost(src, LostCause.PROTOCOL_ERROR, why)
 
-        admit = ctx.admit
+        admit, peer_lost = ctx.admit, ctx.peer_lost
         if ctx.admit is not None and self._admit_keys is not None:
             admit_keys, admit_worker, guard = self._admit_keys, ctx.admit, self.guard
+            report_lost, connections = ctx.peer_lost, ctx.auth
 
             def keyed_admit(rank: int) -> str:
                 admit_keys(rank)  # (raises for a newcomer without a genuine record)
@@ -65,9 +66,18 @@ class KeyedTransport(TransportDecorator):
                 guard.named(rank, name)
                 return name
 
-            admit = keyed_admit
+            def keys_lost(rank: int, cause: LostCause, detail: str = "") -> None:
+                report_lost(rank, cause, detail)
+                # (its keys go with it: nothing to or from the rank verifies until a
+                # worker joins there)
+                guard.forget(rank)
+                if isinstance(connections, ConnectionAuth):
+                    connections.forget(rank)
+
+            admit, peer_lost = keyed_admit, keys_lost
         self.inner.start(dataclasses.replace(
-            ctx, deliver=self.guard.guarding(ctx.deliver, refuse), admit=admit))
+            ctx, deliver=self.guard.guarding(ctx.deliver, refuse), admit=admit,
+            peer_lost=peer_lost))
 
     def send(self, dst: int, frame: Frame) -> None:
         """Seal ``frame`` for ``dst`` and send it."""

@@ -119,6 +119,7 @@ class Sessions:
                                   self._exchange.public if self._exchange else b"")
         self._records: dict[int, SessionRecord] = {rank: self.mine}
         self._fetch: Callable[[int], bytes] | None = None
+        self._renewed: set[int] = set()  # ranks whose record a connection just read
         self.guard: FrameGuard | None = None
         self.connections: ConnectionAuth | None = None
 
@@ -164,14 +165,21 @@ class Sessions:
         """Read again the record of the worker holding ``rank`` (a dynamic world: one
         joins there); its nonce."""
         assert self._fetch is not None, "only a dynamic world's workers join later"
-        return self.read(rank, self._fetch(rank)).nonce
+        nonce = self.read(rank, self._fetch(rank)).nonce
+        self._renewed.add(rank)
+        return nonce
 
     def admit(self, rank: int) -> None:
         """A worker joins a dynamic world at ``rank``: key the pair with it, from the
-        record it published (read again here: the transport may not have asked for
-        it). ``RpcError`` naming it if there is none, or it differs in its settings."""
+        record its connection proved itself with (:meth:`renew`), or read now where the
+        transport checks no connection of its own. ``RpcError`` naming it if there is
+        none, or it differs in its settings."""
         assert self.guard is not None, "start() came first"
-        self.renew(rank)
+        if rank in self._renewed:  # (the record its connection proved itself with)
+            self._renewed.discard(rank)
+        else:
+            self.renew(rank)
+            self._renewed.discard(rank)
         if isinstance(self.guard, cipher.FrameCipher):
             self.guard.admit(rank, self._records[rank].nonce, shared=self._shared(rank))
         else:

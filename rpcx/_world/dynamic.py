@@ -13,6 +13,8 @@ Keys, under ``rpcx/dynamic/`` of the store:
 * ``token``: who holds the token, as JSON (its name, purpose, rank, a nonce, and its
   process mark); empty: free;
 * ``member/<rank>``: the name of the worker holding ``rank`` (empty once it left);
+  this and the roster are sealed in a world with a key (:mod:`rpcx._world.sealed`), so
+  a store client without it cannot rename or add members;
 * ``process/<rank>``: that worker's process mark (:mod:`rpcx._util.process_watch`);
 * ``incarnation/<rank>``: how many workers have taken ``rank`` so far (the ids a worker
   makes, of RRefs and autograd contexts, start past those its predecessors made, which
@@ -38,6 +40,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from rpcx._util.process_watch import local_mark, process_state
+from rpcx._wire.auth import AUTH_KEY_ENV, is_sealed
 from rpcx._world import sealed
 from rpcx._world.store import BoundedStore
 from rpcx.errors import RpcError, RpcTimeoutError
@@ -93,9 +96,10 @@ class DynamicWorld:
         self.timeout = timeout
         self._held: HeldToken | None = None  # the token this worker holds now, if any
         self.incarnation = 0  # workers that held this rank before this one (see enter)
-        # Run with a newcomer's rank before it is admitted; one that raises refuses it
-        # (joining adds the check of its device declaration).
-        self.admission_checks: list[Callable[[int], None]] = []
+        # Run with a newcomer's rank before it is admitted; one that raises refuses it,
+        # and each returns what undoes it if the newcomer is refused later (joining adds
+        # the check of its device declaration).
+        self.admission_checks: list[Callable[[int], Callable[[], None]]] = []
 
     # ------------------------------------------------------------------ the token
 
@@ -163,7 +167,23 @@ class DynamicWorld:
         if not self.store.check(["roster"], self.timeout):
             return {}
         return {int(rank): name for rank, name in
-                json.loads(self.store.get("roster", self.timeout)).items()}
+                json.loads(self._read_sealed("roster", "its roster")).items()}
+
+    def _read_sealed(self, key: str, what: str) -> bytes:
+        """The value of ``key`` (which exists), opened with the world key where this
+        worker has one; ``RpcError`` saying how the keys differ otherwise."""
+        (value,) = sealed.read(self.store, [key], self.timeout)
+        if value is not None and (self.store.seal is not None or not is_sealed(value)):
+            return value
+        if self.store.seal is None:
+            raise RpcError(
+                f"init_rpc: worker {self.name!r} (rank {self.rank}): the dynamic world's "
+                f"members hold a world key ({what} is sealed with one) and this worker "
+                f"has none: set {AUTH_KEY_ENV} (or the auth_key option) to the world's key")
+        raise RpcError(
+            f"init_rpc: worker {self.name!r} (rank {self.rank}): {what} in the store is not "
+            "sealed with this worker's world key: the members run with another key or "
+            "none, or a store client without the key wrote it")
 
     def enter(self, roster: dict[int, str]) -> None:
         """Enter this worker in ``roster`` (the one just read, under the token).
@@ -180,8 +200,9 @@ class DynamicWorld:
                     f"rank {rank}); names must be unique")
         self.incarnation = self.store.add(f"incarnation/{self.rank}", 1, self.timeout) - 1
         sealed.publish(self.store, f"process/{self.rank}", local_mark(), self.timeout)
-        self.store.set(f"member/{self.rank}", self.name, self.timeout)
-        self.store.set("roster", json.dumps({**roster, self.rank: self.name}), self.timeout)
+        sealed.publish(self.store, f"member/{self.rank}", self.name, self.timeout)
+        sealed.publish(self.store, "roster", json.dumps({**roster, self.rank: self.name}),
+                       self.timeout)
 
     def strike_off_the_dead(self, roster: dict[int, str]) -> dict[int, str]:
         """Strike off ``roster`` (read under the token) every member whose process this
@@ -218,9 +239,9 @@ class DynamicWorld:
         roster that is left."""
         kept = {rank: name for rank, name in roster.items() if rank not in ranks}
         for rank in ranks:
-            self.store.set(f"member/{rank}", "", self.timeout)
+            sealed.publish(self.store, f"member/{rank}", "", self.timeout)
             self._forget_session(rank)
-        self.store.set("roster", json.dumps(kept), self.timeout)
+        sealed.publish(self.store, "roster", json.dumps(kept), self.timeout)
         return kept
 
     def leave(self) -> None:
@@ -228,8 +249,8 @@ class DynamicWorld:
         roster = self.roster()
         if roster.get(self.rank) == self.name:
             del roster[self.rank]
-            self.store.set("roster", json.dumps(roster), self.timeout)
-        self.store.set(f"member/{self.rank}", "", self.timeout)
+            sealed.publish(self.store, "roster", json.dumps(roster), self.timeout)
+        sealed.publish(self.store, f"member/{self.rank}", "", self.timeout)
         self._forget_session(self.rank)
 
     def _forget_session(self, rank: int) -> None:
@@ -291,17 +312,25 @@ class DynamicWorld:
         """Whether a worker ever held ``rank`` in this world (read under the token)."""
         return self.store.check([f"member/{rank}"], self.timeout)
 
-    def admitting(self, rank: int) -> None:
+    def admitting(self, rank: int) -> list[Callable[[], None]]:
         """A worker joins at ``rank``: run the admission checks (each raises
-        ``RpcError`` to refuse it)."""
-        for check in self.admission_checks:
-            check(rank)
+        ``RpcError`` to refuse it); what undoes them, last first, should it be refused
+        after all. A check that raises has the earlier ones undone."""
+        undo: list[Callable[[], None]] = []
+        try:
+            for check in self.admission_checks:
+                undo.insert(0, check(rank))
+        except BaseException:
+            for step in undo:
+                step()
+            raise
+        return undo
 
     def member(self, rank: int) -> str:
         """The name of the worker that holds ``rank`` (a worker admitting a newcomer
         reads it: the newcomer entered itself before connecting). ``RpcError`` if none."""
         key = f"member/{rank}"
-        name = (self.store.get(key, self.timeout).decode()
+        name = (self._read_sealed(key, f"the name of rank {rank}").decode()
                 if self.store.check([key], self.timeout) else "")
         if not name:
             raise RpcError(f"rank {rank} holds no place in the dynamic world's roster")

@@ -492,7 +492,12 @@ class TensorPipeTransport:
                 gone.discard(src)
             self._send_seq[src] = itertools.count()
             self._inboxes[src] = _Inbox()
-        ctx.admit(src)
+        try:
+            ctx.admit(src)
+        except BaseException:  # refused: the next call from the rank is a newcomer's again
+            with self._lock:
+                self._inboxes.pop(src, None)
+            raise
         self._watch(src)
 
     def _arrive(self, src: int, seq: int, frame: Frame) -> None:
