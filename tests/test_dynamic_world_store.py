@@ -96,3 +96,33 @@ def test_a_member_strikes_off_a_lost_worker_once() -> None:
         d.enter(d.roster())
     c.strike_off(1, "b", BOUND)
     assert c.roster() == {0: "a", 1: "d", 2: "c"}
+
+
+def test_with_a_key_an_earlier_holders_mark_put_back_strikes_no_one_off() -> None:
+    # Rank 1's first holder was killed; a second worker took the rank. A store client
+    # without the key puts back the first holder's genuine (sealed) mark, whose process
+    # is gone: a joiner must not strike the live second holder off. The real death of
+    # a holder is still seen.
+    from rpcx._wire.auth import ValueSeal
+
+    keyed = BoundedStore(HashStore(), "an in-process store").with_seal(
+        ValueSeal(b"world-key-0123456789abcdef"))
+    first = _world(keyed, "first", 1)
+    with first.token("join"):
+        first.enter(first.roster())
+    dead = bytes.fromhex(_dead_mark())
+    sealed_dead = keyed.seal.seal("rpcx/dynamic/process/1@1", dead)  # (its own, as if)
+    first.store.set("process/1", sealed_dead)
+    with first.token("leave"):
+        first.leave()
+    second = _world(keyed, "second", 1)
+    with second.token("join"):
+        second.enter(second.roster())
+    first.store.set("process/1", sealed_dead)  # put back by a store client
+    newcomer = _world(keyed, "new", 2)
+    with newcomer.token("join"):
+        assert newcomer.strike_off_the_dead(newcomer.roster()) == {1: "second"}
+    # the second holder's own mark saying its process is gone is believed
+    first.store.set("process/1", keyed.seal.seal("rpcx/dynamic/process/1@2", dead))
+    with newcomer.token("join"):
+        assert newcomer.strike_off_the_dead(newcomer.roster()) == {}

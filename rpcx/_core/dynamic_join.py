@@ -113,7 +113,8 @@ class _DynamicSessions:
         for rank, value in found.items():
             self._sessions.read(rank, self._open(rank, value, roster[rank]), roster[rank])
         self._world.publish_session(
-            self._seal.seal(self._label(self._world.rank), self._sessions.mine.to_bytes()))
+            self._seal.seal(self._label(self._world.rank, entering=True),
+                            self._sessions.mine.to_bytes()))
 
     def start(self, names: list[str]) -> tuple[auth.FrameGuard | None,
                                                auth.ConnectionAuth | None]:
@@ -146,9 +147,11 @@ class _DynamicSessions:
                            "than rpcx wrote it")
         return opened
 
-    @staticmethod
-    def _label(rank: int) -> str:
-        return f"{DynamicWorld.PREFIX}/{DynamicWorld.SESSION}/{rank}"
+    def _label(self, rank: int, *, entering: bool = False) -> str:
+        """A record's seal label: bound to its holder's incarnation (an earlier holder's
+        record, put back in the store, does not open)."""
+        return self._world.holder_label(f"{DynamicWorld.SESSION}/{rank}", rank,
+                                        entering=entering)
 
 
 class _DynamicDevices:
@@ -175,8 +178,9 @@ class _DynamicDevices:
                                          max([*ranks, self._world.rank]) + 1)
         except ValueError as exc:
             raise RpcError(f"{self._me}: invalid device maps: {exc}") from None
-        sealed.publish(self._world.store, f"{self.KEY}/{self._world.rank}",
-                       self._mine.to_bytes())
+        key = f"{self.KEY}/{self._world.rank}"
+        sealed.publish(self._world.store, key, self._mine.to_bytes(),
+                       label=self._world.holder_label(key, self._world.rank, entering=True))
         return routes
 
     def admit(self, routes: DeviceRoutes, rank: int) -> Callable[[], None]:
@@ -196,7 +200,8 @@ class _DynamicDevices:
         if not self._world.store.check([key], self._world.timeout):
             raise RpcError(f"{self._me}: {who} published no device declaration: run the "
                            "same rpcx on every worker")
-        (value,) = sealed.read(self._world.store, [key], self._world.timeout)
+        (value,) = sealed.read(self._world.store, [key], self._world.timeout,
+                               labels=[self._world.holder_label(key, rank)])
         if value is None:
             raise RpcError(f"{self._me}: the device declaration of {who} is not sealed "
                            "with this worker's world key")

@@ -17,6 +17,7 @@ from rpcx._core.peer_health import PeerHealth
 from rpcx._core.shutdown import step_bound
 from rpcx._util.process_watch import PeerProcesses, local_mark
 from rpcx._world import rendezvous, sealed
+from rpcx._world.dynamic import process_mark_label
 from rpcx.errors import RpcError
 from rpcx.messages import PING, MessageKind
 from rpcx.options import RpcBackendOptions
@@ -128,7 +129,11 @@ class Presence:
         store, key = self.store, f"process/{rank}"
         if store is None or not store.check([key], _MARK_FETCH_TIMEOUT):
             return None  # (a get of a missing key would hold the store's caller)
-        return sealed.read(store, [key], _MARK_FETCH_TIMEOUT)[0]
+        # (in a dynamic world, bound to the holder's incarnation: see rpcx._world.dynamic)
+        label = (process_mark_label(store, rank, _MARK_FETCH_TIMEOUT)
+                 if store.seal is not None else None)
+        return sealed.read(store, [key], _MARK_FETCH_TIMEOUT,
+                           labels=None if label is None else [label])[0]
 
     def barrier(self, tag: str, timeout: float | None, *, leaving: bool = False) -> None:
         """Wait until every live worker reached the barrier ``tag``. ``leaving``: one of

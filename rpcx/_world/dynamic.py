@@ -45,7 +45,8 @@ from rpcx._world import sealed
 from rpcx._world.store import BoundedStore
 from rpcx.errors import RpcError, RpcTimeoutError
 
-__all__ = ["KIND_KEY", "MIXED_WORLDS", "DynamicWorld", "HeldToken", "claim_kind"]
+__all__ = ["KIND_KEY", "MIXED_WORLDS", "DynamicWorld", "HeldToken", "claim_kind",
+           "holder_label", "process_mark_label"]
 
 log = logging.getLogger("rpcx.rendezvous")
 
@@ -199,7 +200,9 @@ class DynamicWorld:
                     f"init_rpc: worker name {self.name!r} is taken in the dynamic world (by "
                     f"rank {rank}); names must be unique")
         self.incarnation = self.store.add(f"incarnation/{self.rank}", 1, self.timeout) - 1
-        sealed.publish(self.store, f"process/{self.rank}", local_mark(), self.timeout)
+        key = f"process/{self.rank}"
+        sealed.publish(self.store, key, local_mark(), self.timeout,
+                       label=holder_label(self.store, key, self.incarnation + 1))
         sealed.publish(self.store, f"member/{self.rank}", self.name, self.timeout)
         sealed.publish(self.store, "roster", json.dumps({**roster, self.rank: self.name}),
                        self.timeout)
@@ -212,7 +215,10 @@ class DynamicWorld:
         keys = [f"process/{rank}" for rank in ranks]
         if not ranks or not self.store.check(keys, self.timeout):
             return roster  # (a member without a mark is one from before marks: kept)
-        marks = sealed.read(self.store, keys, self.timeout)  # (a forged mark: not dead)
+        # (a forged mark, or one an earlier holder of the rank published: not dead)
+        marks = sealed.read(self.store, keys, self.timeout,
+                            labels=[self.holder_label(key, rank) for key, rank in
+                                    zip(keys, ranks, strict=True)])
         dead = [rank for rank, mark in zip(ranks, marks, strict=True)
                 if mark is not None and _is_dead(mark.hex())]
         if not dead:
@@ -288,6 +294,17 @@ class DynamicWorld:
         finally:
             token.release()
 
+    # ------------------------------------------------------------ the holders' values
+
+    def holder_label(self, key: str, rank: int, *, entering: bool = False) -> str:
+        """The seal label of ``key``, a value the worker holding ``rank`` publishes
+        (``entering``: this worker, about to enter at ``rank``): bound to that worker's
+        incarnation, so a value an earlier holder of the rank published does not open."""
+        if self.store.seal is None:  # (nothing is sealed: no store operation for it)
+            return self.store.label(key)
+        count = self.store.add(f"incarnation/{rank}", 0, self.timeout)
+        return holder_label(self.store, key, count + (1 if entering else 0))
+
     # ------------------------------------------------------------ session records
 
     SESSION = "session"
@@ -335,6 +352,21 @@ class DynamicWorld:
         if not name:
             raise RpcError(f"rank {rank} holds no place in the dynamic world's roster")
         return name
+
+
+def holder_label(store: BoundedStore, key: str, incarnations: int) -> str:
+    """The seal label of ``key`` published by the ``incarnations``-th worker to hold its
+    rank (see :meth:`DynamicWorld.holder_label`)."""
+    return f"{store.label(key)}@{incarnations}"
+
+
+def process_mark_label(store: BoundedStore, rank: int, timeout: float | None) -> str | None:
+    """The seal label of the process mark of the worker holding ``rank``, where
+    ``store`` is a dynamic world's (its ranks have incarnations); ``None`` elsewhere."""
+    counter = f"incarnation/{rank}"
+    if not store.check([counter], timeout):
+        return None
+    return holder_label(store, f"process/{rank}", store.add(counter, 0, timeout))
 
 
 def _describe_holder(holder: str) -> dict[str, str]:

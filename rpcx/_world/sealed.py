@@ -53,24 +53,26 @@ def note_forged(label: str) -> None:
 
 
 def publish(store: BoundedStore, key: str, value: bytes | str,
-            timeout: float | None = None) -> None:
-    """Set ``key`` to ``value`` in ``store``, sealed if the store view carries a seal."""
+            timeout: float | None = None, *, label: str | None = None) -> None:
+    """Set ``key`` to ``value`` in ``store``, sealed if the store view carries a seal
+    (under ``label``, by default the key's full name)."""
     raw = value.encode() if isinstance(value, str) else value
     if store.seal is not None:
-        raw = store.seal.seal(store.label(key), raw)
+        raw = store.seal.seal(label or store.label(key), raw)
     store.set(key, raw, timeout)
 
 
-def read(store: BoundedStore, keys: list[str], timeout: float | None = None
-         ) -> list[bytes | None]:
+def read(store: BoundedStore, keys: list[str], timeout: float | None = None, *,
+         labels: list[str] | None = None) -> list[bytes | None]:
     """The values of ``keys`` (which must exist), opened if the store view carries a
-    seal: ``None`` for one that is not genuine (logged once per key)."""
+    seal (under ``labels``, by default the keys' full names): ``None`` for one that is
+    not genuine (logged once per key)."""
     values = store.multi_get(keys, timeout)
     if store.seal is None:
         return list(values)
     opened: list[bytes | None] = []
-    for key, value in zip(keys, values, strict=True):
-        label = store.label(key)
+    for index, (key, value) in enumerate(zip(keys, values, strict=True)):
+        label = labels[index] if labels is not None else store.label(key)
         genuine = store.seal.open(label, value)
         if genuine is None:
             note_forged(label)
