@@ -183,3 +183,32 @@ def test_compare_set_expecting_none_takes_a_key_set_empty_through_the_view() -> 
     store.set("token", "")
     assert store.compare_set("token", "", "mine") == b"mine"
     assert store.compare_set("token", "", "theirs") == b"mine"  # (held: not taken)
+
+
+def test_multi_get_is_one_store_operation_and_waits_only_for_forged_keys() -> None:
+    # A world's transports read every peer's address with one multi_get: sealing must
+    # not make that one operation per key (N workers, N² operations on the one store).
+    seal = ValueSeal(KEY)
+
+    class Counting:
+        def __init__(self) -> None:
+            self.values: dict[str, bytes] = {}
+            self.calls: list[str] = []
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            self.calls.append("multi_get")
+            return [self.values[k] for k in keys]
+
+        def get(self, key: str) -> bytes:
+            self.calls.append("get")
+            self.values[key] = seal.seal("p/" + key, b"late")  # (the owner writes it now)
+            return self.values[key]
+
+    inner = Counting()
+    store = sealed.SealedStore(inner, seal, "p/", BOUND)
+    inner.values = {f"a/{r}": seal.seal(f"p/a/{r}", b"%d" % r) for r in range(8)}
+    assert store.multi_get([f"a/{r}" for r in range(8)]) == [b"%d" % r for r in range(8)]
+    assert inner.calls == ["multi_get"]
+    inner.values["a/3"] = b"forged"
+    assert store.multi_get(["a/2", "a/3"]) == [b"2", b"late"]
+    assert inner.calls == ["multi_get", "multi_get", "get"]

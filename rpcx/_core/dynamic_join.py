@@ -90,31 +90,23 @@ class _DynamicSessions:
 
     def __init__(self, world: DynamicWorld, key: bytes | None, encrypt: str | None,
                  options: RpcBackendOptions) -> None:
-        self._world = world
+        self._world = world  # (its store view carries the key's seal)
         self._me = f"init_rpc: worker {world.name!r} (rank {world.rank})"
-        self._seal = auth.ValueSeal(key) if key is not None else None
         self._sessions = (None if key is None else Sessions(
             key, world.rank, self._me, encrypt, bool(getattr(options, "auth_payload", False))))
 
     def meet(self, roster: dict[int, str]) -> None:
         """Under the token, before entering: check that every member of ``roster`` runs
         with this worker's key and settings (``RpcError`` naming the first that does
-        not), and publish this worker's record."""
-        found = self._world.sessions(sorted(roster))
-        if self._sessions is None or self._seal is None:
-            keyed = [rank for rank, value in found.items() if value]
-            if keyed:
-                raise RpcError(
-                    f"{self._me}: the dynamic world's members hold a world key (rank "
-                    f"{keyed[0]}, {roster[keyed[0]]!r}, published a sealed session record) "
-                    f"and this worker has none: set {auth.AUTH_KEY_ENV} (or the auth_key "
-                    "option) to the world's key")
+        not), and publish this worker's record. (A worker without a key that meets
+        members with one was told so already: the roster it read is sealed.)"""
+        if self._sessions is None:
             return
-        for rank, value in found.items():
+        for rank, value in self._world.sessions(sorted(roster)).items():
             self._sessions.read(rank, self._open(rank, value, roster[rank]), roster[rank])
-        self._world.publish_session(
-            self._seal.seal(self._label(self._world.rank, entering=True),
-                            self._sessions.mine.to_bytes()))
+        key = f"{DynamicWorld.SESSION}/{self._world.rank}"
+        sealed.publish(self._world.store, key, self._sessions.mine.to_bytes(),
+                       label=self._label(self._world.rank, entering=True))
 
     def start(self, names: list[str]) -> tuple[auth.FrameGuard | None,
                                                auth.ConnectionAuth | None]:
@@ -134,13 +126,14 @@ class _DynamicSessions:
         return self._open(rank, self._world.sessions([rank])[rank], None)
 
     def _open(self, rank: int, value: bytes, name: str | None) -> bytes:
-        assert self._seal is not None
+        seal = self._world.store.seal
+        assert seal is not None
         who = f"rank {rank}" + (f" ({name!r})" if name else "")
         if not value:
             raise RpcError(f"{self._me}: {who} published no session record: it runs "
                            f"without a world key; set {auth.AUTH_KEY_ENV} the same on "
                            "every worker")
-        opened = self._seal.open(self._label(rank), value)
+        opened = seal.open(self._label(rank), value)
         if opened is None:
             raise RpcError(f"{self._me}: the session record of {who} is not sealed with "
                            "this worker's world key: the keys differ, or something other "

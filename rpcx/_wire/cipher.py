@@ -44,7 +44,7 @@ from rpcx.errors import RpcError
 from rpcx.transport import Frame
 
 __all__ = ["ENCRYPT_ENV", "PUBLIC_BYTES", "FrameCipher", "KeyExchange", "aead_available",
-           "encrypted_pairs", "resolve_encrypt"]
+           "encrypted_pairs", "pair_encrypted", "resolve_encrypt"]
 
 ENCRYPT_ENV = "RPCX_ENCRYPT"
 TAG = 16  # AES-GCM's tag, appended to each piece
@@ -111,9 +111,13 @@ def aead_available() -> bool:
 def encrypted_pairs(rank: int, hosts: Sequence[bytes], mode: str) -> list[bool]:
     """Which peers ``rank`` encrypts frames with: ``mode`` ``"hosts"`` those on another
     host (``hosts``: each rank's host identity), ``"always"`` every one."""
-    if mode == "always":
-        return [True] * len(hosts)
-    return [host != hosts[rank] for host in hosts]
+    return [pair_encrypted(mode, hosts[rank], host) for host in hosts]
+
+
+def pair_encrypted(mode: str, here: bytes, there: bytes) -> bool:
+    """Whether a worker on host ``here`` encrypts its frames with one on ``there``
+    (``mode``: :func:`resolve_encrypt`'s answer)."""
+    return mode == "always" or here != there
 
 
 class KeyExchange:

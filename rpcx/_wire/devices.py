@@ -142,13 +142,18 @@ class DeviceRoutes:
             self.outgoing[peer] = dict(mine)
         if back:
             self.incoming[peer] = invert_device_map(back)
-        if not me.devices:  # (declared explicitly: the list stays as declared)
-            used = set(self.devices)
-            used |= {d for m in (mine or {}, invert_device_map(back or {})) for d in m}
-            self.devices = sorted((d for d in used if d.type != "cpu"),
-                                  key=lambda d: (d.type, d.index))
-        else:
+        self._take_devices()
+
+    def _take_devices(self) -> None:
+        """This worker's devices: as declared, else those its routes name now."""
+        me = self.declared
+        if me is not None and me.devices:
             self.devices = list(me.devices)
+            return
+        used = {d for table in (self.outgoing, self.incoming) for m in table.values()
+                for d in m}
+        self.devices = sorted((d for d in used if d.type != "cpu"),
+                              key=lambda d: (d.type, d.index))
 
     def admit(self, peer: int, theirs: WorkerDevices) -> Callable[[], None]:
         """A worker joins a dynamic world at ``peer``, declaring ``theirs``: check the
@@ -159,20 +164,19 @@ class DeviceRoutes:
         if me is None:
             return lambda: None
         check_declarations([me, theirs], later=True)
-        before = (list(self.names), self.outgoing.get(peer), self.incoming.get(peer),
-                  list(self.devices))
+        before = (list(self.names), self.outgoing.get(peer), self.incoming.get(peer))
         self.names.extend(f"<rank {r}: vacant>" for r in range(len(self.names), peer + 1))
         self.names[peer] = theirs.name
         self.connect(peer, theirs)
 
         def undo() -> None:
-            names, outgoing, incoming, devices = before
+            names, outgoing, incoming = before
             self.names[:] = names  # (in place: the list is shared)
             for table, old in ((self.outgoing, outgoing), (self.incoming, incoming)):
                 table.pop(peer, None)
                 if old is not None:
                     table[peer] = old
-            self.devices = devices
+            self._take_devices()
 
         return undo
 

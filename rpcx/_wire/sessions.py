@@ -188,9 +188,9 @@ class Sessions:
     def _shared(self, peer: int) -> bytes | None:
         """The secret shared with ``peer`` when the pair encrypts, else ``None``."""
         record = self._records.get(peer)
-        if self._exchange is None or record is None:
+        if self._exchange is None or self._encrypt is None or record is None:
             return None
-        if self._encrypt != "always" and record.host == self.mine.host:
+        if not cipher.pair_encrypted(self._encrypt, self.mine.host, record.host):
             return None
         unusable = None
         try:

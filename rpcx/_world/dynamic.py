@@ -311,11 +311,6 @@ class DynamicWorld:
     """The key of a rank's session record is ``f"{SESSION}/{rank}"`` (under
     :attr:`PREFIX`, what its seal's label names)."""
 
-    def publish_session(self, sealed: bytes) -> None:
-        """Publish this worker's session record, ``sealed`` (before it enters: a member
-        reads it when this worker's connection arrives)."""
-        self.store.set(f"{self.SESSION}/{self.rank}", sealed, self.timeout)
-
     def sessions(self, ranks: list[int]) -> dict[int, bytes]:
         """The session records ``ranks`` published, as stored (empty: none)."""
         found = {}
