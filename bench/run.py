@@ -3,6 +3,7 @@
 Workloads (``--only`` takes these names, comma-separated):
 
 ==============  ===============================================================  ========
+start           ``init_rpc`` of a two-worker world, timed by ``w0``                  ms
 rpc_sync        small ``rpc_sync`` round trip                                     us
 rpc_async       small ``rpc_async`` throughput, many in flight                    calls/s
 echo_1m         1 MiB tensor sent and returned (both directions counted)          GB/s

@@ -8,6 +8,7 @@ as in a program ported with ``import rpcx as rpc``.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +20,10 @@ FALLBACK_SYSTEMS = ("torch",)
 # "tcp+auth+encrypt" encrypts every frame between every pair (rpcx._wire.cipher, encrypt=
 # "always": one host's pairs too, so a one-host run measures the cipher); "auto+trace"
 # records every call with rpcx.tracing (files written at shutdown, outside the timed part).
+# "tcp+certs" keys the world with certificates instead of BENCH_KEY (rpcx._world.enrollment:
+# rank 0 hands the key over mutual TLS), unencrypted; "tcp+certs+encrypt" every pair too.
 AUTH_FLAG, PAYLOAD_FLAG, ENCRYPT_FLAG, TRACE_FLAG = "auth", "payload", "encrypt", "trace"
+CERTS_FLAG = "certs"
 BENCH_KEY = "rpcx-bench-key-0123456789abcdef"
 BASELINE = "torch"
 RPC_TIMEOUT_S = 60.0  # every call's default timeout: a lost reply becomes an error, not a hang
@@ -113,6 +117,9 @@ def init_worker(
         extra = {"auth_key": BENCH_KEY, "auth_payload": PAYLOAD_FLAG in _flags(ns.system)}
         if ENCRYPT_FLAG in _flags(ns.system):
             extra["encrypt"] = "always"
+    if CERTS_FLAG in _flags(ns.system):
+        extra = {**_bench_certificates(),
+                 "encrypt": "always" if ENCRYPT_FLAG in _flags(ns.system) else False}
     if TRACE_FLAG in _flags(ns.system):
         extra["trace_dir"] = os.path.join(tempfile.gettempdir(), f"rpcx-bench-trace-{os.getppid()}")
     options = ns.rpc.TensorPipeRpcBackendOptions(
@@ -122,6 +129,24 @@ def init_worker(
     kwargs: dict[str, Any] = {} if ns.system == BASELINE else {"backend": backend_of(ns.system)}
     ns.rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options,
                     **kwargs)
+
+
+def _bench_certificates() -> dict[str, str]:
+    """The ``tls_*`` options of a CA and certificate made once per benchmark run (by
+    whichever worker comes first; the run's workers share the runner as parent)."""
+    from rpcx.testing.certificates import make_site
+
+    final = os.path.join(tempfile.gettempdir(), f"rpcx-bench-certs-{os.getppid()}")
+    if not os.path.exists(os.path.join(final, "ca.crt")):
+        made = tempfile.mkdtemp(prefix="rpcx-bench-certs-")
+        make_site(made, ["bench"])
+        try:
+            os.rename(made, final)  # (atomic: a worker that lost the race uses the winner's)
+        except OSError:
+            shutil.rmtree(made, ignore_errors=True)
+    return {"tls_ca": os.path.join(final, "ca.crt"),
+            "tls_cert": os.path.join(final, "bench.crt"),
+            "tls_key": os.path.join(final, "bench.key")}
 
 
 def interface_variables(system: str, interface: str) -> dict[str, str]:
@@ -158,11 +183,14 @@ def missing_requirement(system: str) -> str | None:
         except ImportError as exc:
             return f"rpcx does not import: {exc}"
         flags = _flags(system)
-        unknown = flags - {AUTH_FLAG, PAYLOAD_FLAG, ENCRYPT_FLAG, TRACE_FLAG}
-        if unknown or (flags & {PAYLOAD_FLAG, ENCRYPT_FLAG} and AUTH_FLAG not in flags):
+        unknown = flags - {AUTH_FLAG, PAYLOAD_FLAG, ENCRYPT_FLAG, TRACE_FLAG, CERTS_FLAG}
+        keyed = flags & {AUTH_FLAG, CERTS_FLAG}
+        if (unknown or len(keyed) > 1 or (flags & {PAYLOAD_FLAG, ENCRYPT_FLAG} and not keyed)
+                or (PAYLOAD_FLAG in flags and CERTS_FLAG in flags)):
             return (f"system {system!r}: flags are +{AUTH_FLAG}, +{AUTH_FLAG}+"
-                    f"{PAYLOAD_FLAG}, +{AUTH_FLAG}+{ENCRYPT_FLAG} and +{TRACE_FLAG}")
-        if ENCRYPT_FLAG in flags:
+                    f"{PAYLOAD_FLAG}, +{AUTH_FLAG}+{ENCRYPT_FLAG}, +{CERTS_FLAG}, "
+                    f"+{CERTS_FLAG}+{ENCRYPT_FLAG} and +{TRACE_FLAG}")
+        if flags & {ENCRYPT_FLAG, CERTS_FLAG}:
             from rpcx._wire.cipher import aead_available
 
             if not aead_available():

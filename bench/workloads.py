@@ -47,6 +47,7 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
+        Workload("start", "init_rpc of a two-worker world (w0's)", "ms", False, "pair", 30),
         Workload("rpc_sync", "small rpc_sync round trip", "us", False, "pair", 90),
         Workload("rpc_async", "small rpc_async throughput", "calls/s", True, "pair", 90),
         Workload("echo_1m", "1 MiB tensor echo", "GB/s", True, "pair", 90),
@@ -166,7 +167,16 @@ def measure_rnn(ns: SimpleNamespace, peer: str, quick: bool, iterations: int | N
     return _result(statistics.median(ms), ms, iterations=iterations)
 
 
+def measure_start(ns: SimpleNamespace, peer: str, quick: bool, took: float) -> dict[str, Any]:
+    """``w0``'s ``init_rpc``, timed by :func:`pair_world` around it (``took``, seconds):
+    the rendezvous, the world key's exchange (a key server's TLS handshakes with
+    certificates) and the transport's connections, and waiting for ``w1``'s process,
+    which starts at the same moment."""
+    return _result(took * 1e3, [took * 1e3])
+
+
 MEASURE = {
+    "start": measure_start,
     "rpc_sync": measure_rpc_sync,
     "rpc_async": measure_rpc_async,
     "echo_1m": measure_echo_1m,
@@ -194,10 +204,14 @@ def pair_world(rank: int, spec: WorldSpec, init_method: str, recorder: Recorder)
     """Entry point of the two-worker world: ``w0`` measures ``spec.workloads`` on ``w1``."""
     ns = systems.api(spec.system)
     rnn_model.set_api(ns)  # both workers run the tutorial's functions
+    started = time.perf_counter()
     systems.init_worker(ns, f"w{rank}", rank, 2, init_method)
+    took = time.perf_counter() - started
     if rank == 0:
         for name in spec.workloads:
-            kwargs = {"iterations": spec.params.get("rnn_iterations")} if name == "rnn" else {}
+            kwargs: dict[str, Any] = (
+                {"iterations": spec.params.get("rnn_iterations")} if name == "rnn" else
+                {"took": took} if name == "start" else {})
             recorder.run(name, MEASURE[name], ns, "w1", spec.quick, **kwargs)
         note_routes(recorder, ns, ["w0", "w1"])
         recorder.done()

@@ -25,6 +25,7 @@ from rpcx._services.calls import (  # (the public API's, defined with the call s
 from rpcx._util import cpp_log as _cpp_log
 from rpcx._wire import auth
 from rpcx._wire.keyed import keyed
+from rpcx._world import enrollment
 from rpcx._world.membership_events import MembershipChange
 from rpcx.autograd import service as autograd_service
 from rpcx.errors import RpcError, RpcShutdownError
@@ -99,21 +100,23 @@ def init_rpc(
     _check_not_initialized(name, spec)
     options = _options_for(spec, rpc_backend_options)
     key = auth.resolve_key(options)
-    if key is None:
+    certificates = enrollment.resolve_certificates(options)
+    if key is None and certificates is None:
         _warn_if_exposed(name, options.init_method, spec)
     _cpp_log.hold_back()  # (c10d's warnings, from the rendezvous on; see _cpp_log)
     try:
-        _join(name, spec, options, rank, world_size, key)
+        _join(name, spec, options, rank, world_size, key, certificates)
     except BaseException:
         _cpp_log.let_through()
         raise
 
 
 def _join(name: str, spec: BackendSpec, options: RpcBackendOptions, rank: int,
-          world_size: int | None, key: bytes | None) -> None:
+          world_size: int | None, key: bytes | None,
+          certificates: enrollment.Certificates | None) -> None:
     """The rest of :func:`init_rpc`: join the world, start the worker, bind it here."""
     world = joining.join(name, spec, options, rank, world_size, key,
-                         spawn_world=_context.spawn_world.get())
+                         spawn_world=_context.spawn_world.get(), certificates=certificates)
     try:
         agent = RpcAgent(
             rank=world.rank,

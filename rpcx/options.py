@@ -74,6 +74,12 @@ class RpcBackendOptions:
             between workers on different hosts, ``"always"`` between every pair; wins
             over ``$RPCX_ENCRYPT``. Needs the ``cryptography`` package
             (``pip install 'torch-rpcx[encrypt]'``); docs/security.md.
+        tls_ca, tls_cert, tls_key: instead of a key, certificates (paths to PEM files:
+            the CA that signs every worker's certificate, this worker's certificate
+            chain, its private key); win over ``$RPCX_TLS_CA``, ``$RPCX_TLS_CERT``,
+            ``$RPCX_TLS_KEY``. One worker draws the world's key and hands it over
+            mutual TLS to workers whose certificate the CA signed; ``encrypt`` then
+            defaults to between hosts (docs/security.md, "Certificates").
         heartbeat_interval: seconds of quiet after which a peer is pinged (multi-process
             backends); ``0`` turns heartbeats off.
         heartbeat_timeout: seconds of silence after which a peer is reported
@@ -99,6 +105,9 @@ class RpcBackendOptions:
         auth_key: str | bytes | None = None,
         auth_payload: bool = False,
         encrypt: bool | str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
@@ -115,6 +124,9 @@ class RpcBackendOptions:
         self.auth_key = auth_key
         self.auth_payload = bool(auth_payload)
         self.encrypt = encrypt
+        self.tls_ca = tls_ca
+        self.tls_cert = tls_cert
+        self.tls_key = tls_key
 
     @property
     def auth_key(self) -> str | bytes | None:
@@ -162,7 +174,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     ``device_maps`` maps a destination worker's name to ``{local device: remote device}``.
     Responses travel along the inverse map. Maps must be one-to-one. ``max_frame_bytes``
-    and the ``auth_*``, ``encrypt``, ``heartbeat_*``, ``max_bytes_in_flight`` and
+    and the ``auth_*``, ``encrypt``, ``tls_*``, ``heartbeat_*``, ``max_bytes_in_flight`` and
     ``trace_dir`` fields are rpcx's own (see :class:`RpcBackendOptions`).
     """
 
@@ -180,6 +192,9 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         auth_key: str | bytes | None = None,
         auth_payload: bool = False,
         encrypt: bool | str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
@@ -187,7 +202,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     ) -> None:
         super().__init__(rpc_timeout, init_method, num_worker_threads,
                          max_frame_bytes=max_frame_bytes, auth_key=auth_key,
-                         auth_payload=auth_payload, encrypt=encrypt,
+                         auth_payload=auth_payload, encrypt=encrypt, tls_ca=tls_ca,
+                         tls_cert=tls_cert, tls_key=tls_key,
                          heartbeat_interval=heartbeat_interval,
                          heartbeat_timeout=heartbeat_timeout,
                          max_bytes_in_flight=max_bytes_in_flight, trace_dir=trace_dir)

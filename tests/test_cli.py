@@ -114,6 +114,31 @@ def test_doctor_says_whether_a_world_would_run_encrypted(
     assert security().status == "PROBLEM" and "'perhaps'" in security().detail
 
 
+@pytest.mark.skipif(not aead_available(), reason="making certificates needs 'cryptography'")
+def test_doctor_says_whether_certificates_key_the_world(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path,
+) -> None:
+    from rpcx.testing.certificates import make_site
+
+    def security() -> Check:
+        return {c.name: c for c in diagnose()}["security"]
+
+    for variable in ("RPCX_AUTH_KEY", "RPCX_ENCRYPT", "RPCX_TLS_CA", "RPCX_TLS_CERT",
+                     "RPCX_TLS_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+    site = make_site(tmp_path, ["w0"])
+    monkeypatch.setenv("RPCX_TLS_CERT", str(tmp_path / "w0.crt"))
+    assert security().status == "PROBLEM" and "RPCX_TLS_CA and RPCX_TLS_KEY" in security().detail
+    for variable, value in site.worker("w0").items():
+        monkeypatch.setenv(variable, value)
+    assert security().status == "ok" and "mutual TLS" in security().detail
+    assert "between hosts encrypted" in security().detail
+    monkeypatch.setenv("RPCX_ENCRYPT", "0")
+    assert "not encrypted (RPCX_ENCRYPT=0)" in security().detail
+    monkeypatch.setenv("RPCX_AUTH_KEY", "a-key-nobody-may-see-0123456789")
+    assert security().status == "PROBLEM" and "both RPCX_AUTH_KEY and" in security().detail
+
+
 def test_doctor_checks_the_path_to_a_rendezvous() -> None:
     port = free_port()  # nothing listens there: a note, not a problem
     checks = {c.name: c for c in diagnose(f"tcp://127.0.0.1:{port}")}

@@ -19,7 +19,7 @@ from rpcx._core.joined import Joined
 from rpcx._wire import auth
 from rpcx._wire.devices import DeviceRoutes, WorkerDevices, plan_dynamic_routes
 from rpcx._wire.sessions import Sessions
-from rpcx._world import rendezvous, sealed
+from rpcx._world import enrollment, rendezvous, sealed
 from rpcx._world.dynamic import DynamicWorld, claim_kind
 from rpcx.errors import RpcError
 from rpcx.options import RpcBackendOptions
@@ -30,21 +30,27 @@ __all__ = ["join_dynamic"]
 
 
 def join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank: int,
-                  key: bytes | None, encrypt: str | None) -> Joined:
+                  key: bytes | None, encrypt: str | None,
+                  certificates: enrollment.Certificates | None = None) -> Joined:
     """Join the dynamic world on ``options.init_method`` as worker ``name`` of ``rank``:
     under its membership token, which the returned record holds until
     :meth:`Joined.settle`. With a key, this worker checks the members' session records
-    and publishes its own before it enters (:class:`_DynamicSessions`)."""
+    and publishes its own before it enters (:class:`_DynamicSessions`). With
+    ``certificates``, it takes the key from a member's key server under the token (or
+    draws it, founding the world) and serves it to later joiners while it is a member."""
     _check_dynamic(name, spec, options)
     join_timeout = options.rpc_timeout or None
     store = rendezvous.open_store(options.init_method, rank, None, join_timeout)
     claim_kind(store, "dynamic", repr(name), join_timeout)
     world = DynamicWorld(store.with_seal(auth.ValueSeal(key) if key is not None else None),
                          name, rank, join_timeout)
-    keys = _DynamicSessions(world, key, encrypt, options)
     devices = _DynamicDevices(world, WorkerDevices.of(name, options))
     token = world.hold_token("join")
+    server: enrollment.KeyServer | None = None
     try:
+        if certificates is not None:
+            key, server = _enrol(world, certificates, options)
+        keys = _DynamicSessions(world, key, encrypt, options)
         roster = world.strike_off_the_dead(world.roster())
         if (rank not in roster and not spec.capabilities.reuses_ranks
                 and world.was_held(rank)):
@@ -59,7 +65,12 @@ def join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank:
         keys.meet(roster)
         routes = devices.meet(roster)
         world.enter(roster)
+        if server is not None:
+            enrollment.list_server(world.store, rank, server.address, join_timeout)
+            world.on_departure.append(server.close)
     except BaseException:
+        if server is not None:
+            server.close()
         token.release()
         raise
     roster[rank] = name
@@ -73,6 +84,7 @@ def join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank:
             world.leave()
         finally:
             token.release()
+            world.departed()  # (its key server closes)
         raise
     world.admission_checks.append(functools.partial(devices.admit, routes))
     return Joined(
@@ -81,6 +93,24 @@ def join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank:
         connection_auth=connections, world_key=None, dynamic=world, token=token,
         admit_keys=keys.admit if guard is not None else None,
     )
+
+
+def _enrol(world: DynamicWorld, certificates: enrollment.Certificates,
+           options: RpcBackendOptions) -> tuple[bytes, enrollment.KeyServer]:
+    """Under the token: the world's key, from a member's key server, or new for a world
+    nobody is in (the first worker, or one whose members have all left); this worker's
+    own key server, listening, for later joiners. The world's store view seals with the
+    key from then on."""
+    who = f"init_rpc: worker {world.name!r} (rank {world.rank})"
+    has_roster = world.store.check(["roster"], world.timeout)
+    key, founded = enrollment.dynamic_world_key(world.store, certificates, world.timeout,
+                                                who, has_roster)
+    world.use_seal(auth.ValueSeal(key))
+    if founded and has_roster:
+        world.begin_anew()
+    server = enrollment.KeyServer(certificates, key, enrollment.key_server_host(options),
+                                  f"worker {world.name!r} (rank {world.rank})")
+    return key, server
 
 
 class _DynamicSessions:

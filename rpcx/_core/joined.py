@@ -74,5 +74,7 @@ class Joined:
             except Exception as exc:  # logged: init_rpc raises its own error
                 log.debug("%s: leaving the dynamic world's roster: %s", self.name, exc)
             self.token.release()
+        if self.dynamic is not None:
+            self.dynamic.departed()  # (a key server closes)
         if self.world_key is not None:
             rendezvous.release_in_process_store(self.world_key)

@@ -24,7 +24,7 @@ from rpcx._core.joined import Joined
 from rpcx._wire import auth, cipher
 from rpcx._wire.devices import DeviceRoutes, WorkerDevices, plan_routes
 from rpcx._wire.sessions import Sessions
-from rpcx._world import rendezvous
+from rpcx._world import enrollment, rendezvous
 from rpcx._world.dynamic import claim_kind
 from rpcx.errors import RpcError
 from rpcx.options import RpcBackendOptions
@@ -42,30 +42,40 @@ def join(
     world_size: int | None,
     key: bytes | None,
     spawn_world: str | None = None,
+    certificates: enrollment.Certificates | None = None,
 ) -> Joined:
     """Join the world as worker ``name`` (rank ``rank`` of ``world_size``, or as
     :func:`rank_and_size` reads them from the environment).
 
     ``key``: the world key (:func:`rpcx._wire.auth.resolve_key`), or ``None``.
+    ``certificates``: instead of a key, this worker's certificates: the world's key is
+    handed over by mutual TLS (:mod:`rpcx._world.enrollment`), and encryption between
+    hosts is on unless ``encrypt`` says otherwise.
     ``spawn_world``: for an in-process backend, the world ``rpcx.spawn`` started this
     thread in (else the world is named by ``options.init_method``). Waits are bounded by
     ``options.rpc_timeout``. Raises what the rendezvous raises; whatever fails after the
     in-process store was opened releases it.
     """
     rank, world_size = rank_and_size(options, rank, world_size)
-    encrypt = cipher.resolve_encrypt(options)
-    if encrypt is not None and key is None:
+    encrypt = cipher.resolve_encrypt(options,
+                                     default="hosts" if certificates is not None else None)
+    if certificates is not None and key is not None:
+        raise RpcError(
+            f"init_rpc: worker {name!r}: both a world key ({auth.AUTH_KEY_ENV} or auth_key) "
+            f"and certificates ({enrollment.CERT_ENV} or tls_cert) are set; give one: with "
+            "certificates, the world's key is drawn by one worker and handed to the others")
+    if encrypt is not None and key is None and certificates is None:
         raise RpcError(
             f"init_rpc: worker {name!r}: encryption ({cipher.ENCRYPT_ENV}) needs a world "
             f"key: set {auth.AUTH_KEY_ENV} (or the auth_key option) on every worker, the "
             "same on each")
     if encrypt is not None and not cipher.aead_available():
         raise RpcError(
-            f"init_rpc: worker {name!r}: encryption ({cipher.ENCRYPT_ENV}) needs the "
-            "'cryptography' package: pip install 'torch-rpcx[encrypt]'")
+            f"init_rpc: worker {name!r}: encryption ({cipher.ENCRYPT_ENV}"
+            + (", on by default with certificates" if certificates is not None else "")
+            + ") needs the 'cryptography' package: pip install 'torch-rpcx[encrypt]'")
     if world_size is None:
-        return join_dynamic(name, spec, options, rank, key, encrypt)
-    seal = auth.ValueSeal(key) if key is not None else None
+        return join_dynamic(name, spec, options, rank, key, encrypt, certificates)
     join_timeout = options.rpc_timeout or None
     in_process = spec.capabilities.in_process
     world_key: str | None = None
@@ -76,8 +86,19 @@ def join(
         store = rendezvous.open_store(options.init_method, rank, world_size, join_timeout)
     try:
         claim_kind(store, "static", repr(name), join_timeout)
-        session, names = rendezvous.join_world(
-            store, name, rank, world_size, join_timeout, seal)
+        session = rendezvous.open_session(store, name, rank, world_size, join_timeout)
+        server = None
+        if certificates is not None:
+            key, server = enrollment.static_world_key(
+                session, rank, certificates, enrollment.key_server_host(options),
+                join_timeout, f"init_rpc: worker {name!r} (rank {rank})")
+        seal = auth.ValueSeal(key) if key is not None else None
+        try:
+            names = rendezvous.gather_names(session, name, rank, world_size, join_timeout,
+                                            seal)
+        finally:
+            if server is not None:  # (every worker has the key: its name is sealed)
+                server.close()
     except Exception as exc:
         if world_key is not None:
             rendezvous.release_in_process_store(world_key)

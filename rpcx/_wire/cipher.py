@@ -79,9 +79,10 @@ _MODES = {"1": "hosts", "true": "hosts", "yes": "hosts", "on": "hosts", "hosts":
           "always": "always", "0": None, "false": None, "no": None, "off": None, "": None}
 
 
-def resolve_encrypt(options: Any) -> str | None:
+def resolve_encrypt(options: Any, default: str | None = None) -> str | None:
     """Which pairs to encrypt: ``"hosts"`` (those on two hosts), ``"always"`` (every
-    pair) or ``None``, from ``options.encrypt`` if set, else ``$RPCX_ENCRYPT``.
+    pair) or ``None``, from ``options.encrypt`` if set, else ``$RPCX_ENCRYPT``, else
+    ``default`` (``"hosts"`` for a world keyed by certificates).
 
     ``True``, ``"1"``, ``"hosts"``: between hosts; ``"always"``: every pair, one host
     included; ``False``, ``"0"``, unset: none.
@@ -91,7 +92,9 @@ def resolve_encrypt(options: Any) -> str | None:
     if value is None:
         value = os.environ.get(ENCRYPT_ENV)
         source = ENCRYPT_ENV
-    if value is None or value is False:
+    if value is None:
+        return default
+    if value is False:
         return None
     if value is True:
         return "hosts"

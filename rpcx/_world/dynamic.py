@@ -21,7 +21,9 @@ Keys, under ``rpcx/dynamic/`` of the store:
   other workers may still remember);
 * ``roster``: every rank held now, as JSON (``{"rank": "name"}``);
 * ``session/<rank>``: in a world with a key, the session record of the worker holding
-  ``rank``, sealed (:mod:`rpcx._wire.sessions`; empty once it left).
+  ``rank``, sealed (:mod:`rpcx._wire.sessions`; empty once it left);
+* ``tls/servers``: in a world keyed by certificates, where each member's key server
+  listens (:mod:`rpcx._world.enrollment`).
 
 A worker killed outright (``kill -9``) never gives its place back. On one host the
 kernel says so: a worker waiting for the token takes it over from a holder whose
@@ -40,8 +42,8 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from rpcx._util.process_watch import local_mark, process_state
-from rpcx._wire.auth import AUTH_KEY_ENV, is_sealed
-from rpcx._world import sealed
+from rpcx._wire.auth import AUTH_KEY_ENV, ValueSeal, is_sealed
+from rpcx._world import enrollment, sealed
 from rpcx._world.store import BoundedStore
 from rpcx.errors import RpcError, RpcTimeoutError
 
@@ -101,6 +103,21 @@ class DynamicWorld:
         # and each returns what undoes it if the newcomer is refused later (joining adds
         # the check of its device declaration).
         self.admission_checks: list[Callable[[int], Callable[[], None]]] = []
+        # Run once this worker has left (its key server closes: joining adds it).
+        self.on_departure: list[Callable[[], None]] = []
+        self.key_servers = False  # whether members list key servers (certificates)
+
+    def use_seal(self, seal: ValueSeal) -> None:
+        """Seal and open values with ``seal`` from now on (a worker with certificates
+        has the world key only once it holds the token)."""
+        self.store = self.store.with_seal(seal)
+        self.key_servers = True
+
+    def begin_anew(self) -> None:
+        """Under the token, in a world keyed by certificates whose members have all
+        left: start an empty roster under this worker's new key (the old one is sealed
+        under a key nobody holds now)."""
+        sealed.publish(self.store, "roster", json.dumps({}), self.timeout)
 
     # ------------------------------------------------------------------ the token
 
@@ -247,6 +264,8 @@ class DynamicWorld:
         for rank in ranks:
             sealed.publish(self.store, f"member/{rank}", "", self.timeout)
             self._forget_session(rank)
+            if self.key_servers:
+                enrollment.unlist_server(self.store, rank, self.timeout)
         sealed.publish(self.store, "roster", json.dumps(kept), self.timeout)
         return kept
 
@@ -258,6 +277,8 @@ class DynamicWorld:
             sealed.publish(self.store, "roster", json.dumps(roster), self.timeout)
         sealed.publish(self.store, f"member/{self.rank}", "", self.timeout)
         self._forget_session(self.rank)
+        if self.key_servers:
+            enrollment.unlist_server(self.store, self.rank, self.timeout)
 
     def _forget_session(self, rank: int) -> None:
         """Empty ``rank``'s session record, if it has one (a keyless worker may take
@@ -272,7 +293,21 @@ class DynamicWorld:
         ``timeout``), which is held until the block ends (the worker closes its
         connections meanwhile). A token or store that does not answer is logged, and
         the worker leaves all the same. A worker whose join failed still holds the
-        token: it leaves under that one."""
+        token: it leaves under that one. Then :attr:`on_departure` runs."""
+        try:
+            with self._leaving(timeout):
+                yield
+        finally:
+            self.departed()
+
+    def departed(self) -> None:
+        """Run :attr:`on_departure` (once)."""
+        steps, self.on_departure = self.on_departure, []
+        for step in steps:
+            step()
+
+    @contextlib.contextmanager
+    def _leaving(self, timeout: float | None) -> Iterator[None]:
         if self._held is not None and self._held.held:
             with contextlib.suppress(RpcError):
                 self.leave()

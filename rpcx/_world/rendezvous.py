@@ -35,10 +35,12 @@ from rpcx.errors import AuthenticationError, RpcError, RpcTimeoutError
 __all__ = [
     "all_gather",
     "barrier",
+    "gather_names",
     "in_process_store",
     "join_world",
     "keep_if_file_store",
     "leave",
+    "open_session",
     "open_store",
     "prefixed",
     "release_in_process_store",
@@ -262,16 +264,30 @@ def join_world(
     store: BoundedStore, name: str, rank: int, world_size: int, timeout: float | None,
     seal: ValueSeal | None = None,
 ) -> tuple[BoundedStore, list[str]]:
-    """Publish this worker's name, wait for every other, return (session store, names).
+    """Publish this worker's name, wait for every other, return (session store, names):
+    :func:`open_session` then :func:`gather_names`."""
+    session = open_session(store, name, rank, world_size, timeout)
+    return session, gather_names(session, name, rank, world_size, timeout, seal)
+
+
+def open_session(store: BoundedStore, name: str, rank: int, world_size: int,
+                 timeout: float | None) -> BoundedStore:
+    """Claim ``rank`` in the store's current session; that session's store view.
 
     Each ``init_rpc`` on a store starts a new *session* (its own key prefix), so a world
-    can shut down and start again on the same rendezvous address. ``seal``: see
-    :func:`all_gather`.
+    can shut down and start again on the same rendezvous address.
     """
     joined = store.add("rpcx/joined", 1, timeout)
     session = store.prefixed(f"rpcx/s{(joined - 1) // world_size}")
     if session.add(f"rank/{rank}", 1, timeout) != 1:
         raise RpcError(f"init_rpc: rank {rank} was claimed twice (worker {name!r} came second)")
+    return session
+
+
+def gather_names(session: BoundedStore, name: str, rank: int, world_size: int,
+                 timeout: float | None, seal: ValueSeal | None = None) -> list[str]:
+    """Publish this worker's name in ``session``, wait for every other's; the names by
+    rank (``RpcError`` if one is used twice). ``seal``: see :func:`all_gather`."""
     gathered = all_gather(
         session, "name", rank, world_size, name.encode(), timeout,
         what=f"init_rpc: worker {name!r} (rank {rank}) waiting for workers to join",
@@ -286,7 +302,7 @@ def join_world(
                 "names must be unique"
             )
         seen[other] = r
-    return session, names
+    return names
 
 
 def all_gather(

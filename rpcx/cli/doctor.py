@@ -12,6 +12,7 @@ import platform
 import socket
 import sys
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 __all__ = ["Check", "diagnose", "doctor"]
@@ -81,15 +82,21 @@ def diagnose(init_method: str | None = None) -> list[Check]:
 
 def _security() -> Check:
     """What a world started from this environment would run with: a world key
-    (``RPCX_AUTH_KEY``), encryption (``RPCX_ENCRYPT``). The key itself is never shown."""
+    (``RPCX_AUTH_KEY``) or certificates (``RPCX_TLS_*``), encryption (``RPCX_ENCRYPT``).
+    The key itself is never shown."""
     from rpcx._wire import auth, cipher
+    from rpcx._world import enrollment
     from rpcx.options import RpcBackendOptions
 
     key = os.environ.get(auth.AUTH_KEY_ENV)
     try:
-        encrypt = cipher.resolve_encrypt(RpcBackendOptions())
+        certificates = enrollment.resolve_certificates(RpcBackendOptions())
+        encrypt = cipher.resolve_encrypt(RpcBackendOptions(),
+                                         default="hosts" if certificates else None)
     except ValueError as exc:
         return Check("security", "PROBLEM", str(exc))
+    if certificates is not None:
+        return _certificates_check(certificates, bool(key), encrypt, cipher.aead_available())
     if encrypt is not None and not key:
         return Check("security", "PROBLEM",
                      f"{cipher.ENCRYPT_ENV} is set but {auth.AUTH_KEY_ENV} is not: init_rpc "
@@ -111,6 +118,25 @@ def _security() -> Check:
     return Check("security", "note", f"no world key ({auth.AUTH_KEY_ENV}): a world started "
                  "here admits any worker that reaches its store, and nothing is encrypted "
                  "(docs/security.md)")
+
+
+def _certificates_check(certificates: Any, key: bool, encrypt: str | None,
+                        aead: bool) -> Check:
+    """The security line for a world keyed by certificates (``RPCX_TLS_*``)."""
+    if key:
+        return Check("security", "PROBLEM", "both RPCX_AUTH_KEY and certificates (RPCX_TLS_*) "
+                     "are set: init_rpc will refuse to start; keep one")
+    if encrypt is not None and not aead:
+        return Check("security", "PROBLEM",
+                     "certificates turn encryption on, and the 'cryptography' package (45 "
+                     "or newer) is missing: pip install 'torch-rpcx[encrypt]' (or set "
+                     "RPCX_ENCRYPT=0)")
+    frames = {"always": "every frame encrypted (AES-256-GCM), between every pair",
+              "hosts": "frames between hosts encrypted (AES-256-GCM), within one host "
+                       "authenticated",
+              None: "frames authenticated, not encrypted (RPCX_ENCRYPT=0)"}[encrypt]
+    return Check("security", "ok", f"certificates set (CA {certificates.ca}): the world's "
+                 f"key is handed over mutual TLS to workers the CA signed; {frames}")
 
 
 def _for_torch() -> Check:

@@ -71,6 +71,39 @@ ENCRYPTED_WORKER = textwrap.dedent("""
         assert child.wait(60) == 0
 """)
 
+# A process with a certificate another CA signed: it reads rank 0's key server address
+# from the store and asks it for the world key, then opens the gate.
+STRANGER = textwrap.dedent("""
+    import sys, time
+    from rpcx._world import enrollment, rendezvous
+    from rpcx.errors import AuthenticationError
+    from rpcx.options import RpcBackendOptions
+    url, ca, cert, key, gate = sys.argv[1:6]
+    try:
+        session = rendezvous.open_store(url, 1, 3, 60).prefixed("rpcx/s0")
+        assert not session.wait_for([enrollment.SERVER], time.monotonic() + 60)
+        mine = enrollment.resolve_certificates(RpcBackendOptions(
+            tls_ca=ca, tls_cert=cert, tls_key=key))
+        enrollment.fetch_key(mine, session.get(enrollment.SERVER), 30, "stranger", "rank 0")
+        print("stranger got the key", flush=True)
+    except AuthenticationError as exc:
+        print("stranger refused:", exc, flush=True)
+    finally:
+        open(gate, "w").close()
+""")
+
+# A worker of ENCRYPTED_WORKER's world that waits (bounded) for a file to exist before it
+# starts: the STRANGER above has then tried rank 0's key server while the world forms.
+GATED_WORKER = textwrap.dedent("""
+    import os, runpy, sys, time
+    gate = sys.argv.pop()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)  # (another process's file: no event to wait on)
+    sys.argv[0] = os.path.join(os.path.dirname(sys.argv[0]), "encrypted_worker.py")
+    runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+
 WORKER = textwrap.dedent("""
     import sys, torch, rpcx
     rank, backend, url = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -222,6 +255,52 @@ class TestTwoHosts:
             assert status == 0, f"{rpcx_backend} encrypted across hosts:\n{out}\n{err}"
         out = results[0][1]
         # host0 and host2 encrypt for host1 only; host1 for both.
+        assert "encrypted peers: 1 2 1" in out, out
+        for pair, how in (("host0 -> host1", "encrypted"), ("host1 -> host0", "encrypted"),
+                          ("host0 -> host2", "clear"), ("host2 -> host0", "clear")):
+            assert f"{pair}: {how}" in out, out
+
+    def test_certificates_key_a_world_across_hosts_and_a_stranger_gets_nothing(
+        self, rpcx_backend: str, two_hosts: Hosts, tmp_path: object
+    ) -> None:
+        if rpcx_backend != DEFAULT_BACKEND:
+            pytest.skip("the key server and the cipher sit above every backend alike: "
+                        f"checked once, on the default backend ({DEFAULT_BACKEND})")
+        pytest.importorskip("cryptography")
+        from rpcx.testing.certificates import make_site
+
+        directory = str(tmp_path)
+        site = make_site(os.path.join(directory, "site"), ["member"])
+        other = make_site(os.path.join(directory, "other"), ["stranger"], "another CA")
+        scripts = {}
+        for name, text in (("encrypted_worker.py", ENCRYPTED_WORKER),
+                           ("gated_worker.py", GATED_WORKER), ("stranger.py", STRANGER)):
+            scripts[name] = os.path.join(directory, name)
+            with open(scripts[name], "w") as file:
+                file.write(text)
+        gate = os.path.join(directory, "stranger-tried")
+        url = f"tcp://{two_hosts.addresses[0]}:{free_port()}"
+        env = {k: v for k, v in os.environ.items() if k not in INTERFACE_VARIABLES}
+        for variable in ("RPCX_AUTH_KEY", "RPCX_ENCRYPT"):  # (certificates alone)
+            env.pop(variable, None)
+        env.update(site.worker("member"))
+        strange = other.worker("stranger")
+        host0, host1 = two_hosts.namespaces
+        results = run_on_hosts([
+            (host0, [sys.executable, scripts["encrypted_worker.py"], "0", rpcx_backend, url]),
+            (host1, [sys.executable, scripts["gated_worker.py"], "1", rpcx_backend, url,
+                     gate]),
+            (host1, [sys.executable, scripts["stranger.py"], url, strange["RPCX_TLS_CA"],
+                     strange["RPCX_TLS_CERT"], strange["RPCX_TLS_KEY"], gate]),
+        ], env)
+        for status, out, err in results:
+            assert status == 0, f"{rpcx_backend} with certificates across hosts:\n{out}\n{err}"
+        stranger = results[2][1]
+        assert "stranger refused:" in stranger and "certificate verify failed" in stranger, \
+            stranger
+        assert f"refused the world key to a connection from {two_hosts.addresses[1]}" in \
+            results[0][2], results[0][2]
+        out = results[0][1]  # certificates encrypt between hosts by default
         assert "encrypted peers: 1 2 1" in out, out
         for pair, how in (("host0 -> host1", "encrypted"), ("host1 -> host0", "encrypted"),
                           ("host0 -> host2", "clear"), ("host2 -> host0", "clear")):

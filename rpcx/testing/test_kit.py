@@ -12,6 +12,7 @@ take skip with the reason: those marked ``rpcx_requires`` when its
 
 from rpcx.testing.conformance import *  # noqa: F403
 from rpcx.testing.conformance_auth import *  # noqa: F403
+from rpcx.testing.conformance_certificates import *  # noqa: F403
 from rpcx.testing.conformance_cipher import *  # noqa: F403
 from rpcx.testing.conformance_cuda import *  # noqa: F403
 from rpcx.testing.conformance_dynamic import *  # noqa: F403
