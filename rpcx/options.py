@@ -74,12 +74,16 @@ class RpcBackendOptions:
             between workers on different hosts, ``"always"`` between every pair; wins
             over ``$RPCX_ENCRYPT``. Needs the ``cryptography`` package
             (``pip install 'torch-rpcx[encrypt]'``); docs/security.md.
-        tls_ca, tls_cert, tls_key: instead of a key, certificates (paths to PEM files:
-            the CA that signs every worker's certificate, this worker's certificate
-            chain, its private key); win over ``$RPCX_TLS_CA``, ``$RPCX_TLS_CERT``,
-            ``$RPCX_TLS_KEY``. One worker draws the world's key and hands it over
-            mutual TLS to workers whose certificate the CA signed; ``encrypt`` then
-            defaults to between hosts (docs/security.md, "Certificates").
+        tls_ca: instead of a key, certificates: the path of the PEM file of the CA
+            that signs every worker's certificate; wins over ``$RPCX_TLS_CA``. With
+            ``tls_cert`` and ``tls_key`` (all three or none), one worker draws the
+            world's key and hands it over mutual TLS to workers whose certificate the CA
+            signed; ``encrypt`` then defaults to between hosts (docs/security.md,
+            "Certificates").
+        tls_cert: this worker's certificate (chain), a PEM file; wins over
+            ``$RPCX_TLS_CERT``.
+        tls_key: that certificate's private key, a PEM file; wins over
+            ``$RPCX_TLS_KEY``.
         heartbeat_interval: seconds of quiet after which a peer is pinged (multi-process
             backends); ``0`` turns heartbeats off.
         heartbeat_timeout: seconds of silence after which a peer is reported

@@ -243,6 +243,26 @@ def test_a_dynamic_world_is_founded_joined_and_founded_anew(
     assert founded and anew != key
 
 
+def test_a_joiner_passes_over_a_member_whose_server_is_gone(
+        sites: tuple[Site, Site], store: BoundedStore) -> None:
+    site, _ = sites
+    with socket.socket() as gone:  # a port nobody listens on once closed
+        gone.bind(("127.0.0.1", 0))
+        port = gone.getsockname()[1]
+    enrollment.list_server(store, 0, json.dumps({"host": "127.0.0.1", "port": port}), BOUND)
+    with pytest.raises(RpcError, match="rank 0's key server") as caught:
+        enrollment.dynamic_world_key(store, _certificates(site, "w1"), 1.0, "w1",
+                                     has_roster=True)
+    assert not isinstance(caught.value, AuthenticationError)  # unreachable, not refused
+    server = enrollment.KeyServer(_certificates(site, "w0"), KEY, "127.0.0.1", "w0")
+    try:
+        enrollment.list_server(store, 1, server.address, BOUND)
+        assert enrollment.dynamic_world_key(store, _certificates(site, "w1"), BOUND, "w1",
+                                            has_roster=True) == (KEY, False)
+    finally:
+        server.close()
+
+
 def test_a_dynamic_world_without_key_servers_is_named(
         sites: tuple[Site, Site], store: BoundedStore) -> None:
     with pytest.raises(AuthenticationError, match="run no key server"):

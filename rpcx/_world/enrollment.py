@@ -197,11 +197,12 @@ class KeyServer:
 
 
 def fetch_key(certificates: Certificates, address: bytes | str, timeout: float | None,
-              who: str, whose: str) -> bytes:
+              who: str, whose: str, *, patient: bool = True) -> bytes:
     """The world key from the key server at ``address`` (a published
     :attr:`KeyServer.address`). ``AuthenticationError`` as soon as TLS refuses either
     end's certificate; a connection refused, reset or closed before the key (a busy
-    server) is tried again until ``timeout``, then ``RpcError``."""
+    server) is tried again until ``timeout`` (``patient``; else once), then
+    ``RpcError``."""
     try:
         where = json.loads(address)
         host, port = str(where["host"]), int(where["port"])
@@ -221,7 +222,7 @@ def fetch_key(certificates: Certificates, address: bytes | str, timeout: float |
                 f"{who}: {whose}'s key server at {host}:{port} did not hand over the "
                 f"world key: {_reason(exc)}{_hint(certificates)}") from None
         except OSError as exc:
-            if time.monotonic() + pause >= deadline:
+            if not patient or time.monotonic() + pause >= deadline:
                 raise RpcError(f"{who}: could not get the world key from {whose}'s key "
                                f"server at {host}:{port}: {exc}") from None
             log.debug("%s: %s's key server at %s:%d: %s; trying again", who, whose, host,
@@ -272,8 +273,10 @@ def dynamic_world_key(store: Any, certificates: Certificates, timeout: float | N
     """A dynamic world, under its membership token: ``(key, founded)``. A new key if
     nobody is in the world (no roster yet: ``has_roster`` false; or every member left
     and took its server off the list), else the key from the first listed member's
-    server that hands it over (``AuthenticationError`` with every server's answer if
-    none does, or if the members list no servers: they run without certificates)."""
+    server that hands it over: each once, then those not reached again until
+    ``timeout``. ``AuthenticationError`` with every server's answer if none does and TLS
+    refused this worker (``RpcError`` if none could be reached), or if the members list
+    no servers (they run without certificates)."""
     if not has_roster:
         return secrets.token_bytes(KEY_BYTES), True
     listed = store.check([SERVERS], timeout)
@@ -287,15 +290,26 @@ def dynamic_world_key(store: Any, certificates: Certificates, timeout: float | N
             f"{who}: the dynamic world's members run no key server: they were started "
             f"without certificates ({CERT_ENV}), with a shared key (RPCX_AUTH_KEY) "
             "or none")
-    failures = []
-    for rank, address in sorted(servers.items()):
-        try:
-            return fetch_key(certificates, address, timeout, who, f"rank {rank}"), False
-        except RpcError as exc:
-            failures.append(str(exc).removeprefix(f"{who}: ").removesuffix(
-                _hint(certificates)))
-    raise AuthenticationError(f"{who}: no member handed over the dynamic world's key: "
-                              + "; ".join(failures) + _hint(certificates))
+    # Each server once, then those that could not be reached (busy, or gone: a member
+    # that died is listed until a member strikes it off) again, patiently.
+    failures: dict[int, str] = {}
+    unreached = sorted(servers)
+    for patient in (False, True):
+        for rank in list(unreached):
+            try:
+                return fetch_key(certificates, servers[rank], timeout, who, f"rank {rank}",
+                                 patient=patient), False
+            except AuthenticationError as exc:
+                unreached.remove(rank)
+                failures[rank] = str(exc)
+            except RpcError as exc:
+                failures[rank] = str(exc)
+    reasons = [failures[rank].removeprefix(f"{who}: ").removesuffix(_hint(certificates))
+               for rank in sorted(failures)]
+    refused = len(unreached) < len(servers)  # (TLS refused at least one: certificates)
+    raise (AuthenticationError if refused else RpcError)(
+        f"{who}: no member handed over the dynamic world's key: " + "; ".join(reasons)
+        + (_hint(certificates) if refused else ""))
 
 
 def list_server(store: Any, rank: int, address: str, timeout: float | None) -> None:
