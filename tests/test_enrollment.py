@@ -11,6 +11,7 @@ import random
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +19,9 @@ import pytest
 from torch._C._distributed_c10d import HashStore
 
 import rpcx
-from rpcx._wire import cipher
+from rpcx._wire import auth, cipher
 from rpcx._world import enrollment
+from rpcx._world.dynamic import DynamicWorld
 from rpcx._world.store import BoundedStore
 from rpcx.errors import AuthenticationError, RpcError
 from rpcx.options import RpcBackendOptions
@@ -29,6 +31,10 @@ pytestmark = pytest.mark.skipif(not cipher.aead_available(),
                                 reason="making certificates needs 'cryptography'")
 BOUND = 10.0
 KEY = bytes(range(32))
+
+
+def _deadline() -> float:
+    return time.monotonic() + BOUND
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +126,7 @@ def test_a_key_and_certificates_together_are_refused(
 
 def test_a_worker_of_the_site_gets_the_key(sites: tuple[Site, Site],
                                            server: enrollment.KeyServer) -> None:
-    assert enrollment.fetch_key(_certificates(sites[0], "w1"), server.address, BOUND,
+    assert enrollment.fetch_key(_certificates(sites[0], "w1"), server.address, _deadline(),
                                 "w1", "rank 0") == KEY
     assert server.served == 1
 
@@ -147,8 +153,9 @@ def test_strangers_at_a_key_server_get_nothing_and_it_goes_on(
     site, other = sites
     caplog.set_level(logging.WARNING, logger="rpcx.auth")
     # a TLS client whose certificate another CA signed
-    with pytest.raises(AuthenticationError, match="certificate verify failed"):
-        enrollment.fetch_key(_certificates(other, "stranger"), server.address, BOUND,
+    with pytest.raises(AuthenticationError,
+                       match="certificate verify failed: self-signed certificate"):
+        enrollment.fetch_key(_certificates(other, "stranger"), server.address, _deadline(),
                              "stranger", "rank 0")
     # a TLS client that trusts anything and shows no certificate
     anything = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -167,7 +174,7 @@ def test_strangers_at_a_key_server_get_nothing_and_it_goes_on(
             connection.sendall(payload)
             assert _received(connection) == b""
     # the server still hands the key to a worker of the site
-    assert enrollment.fetch_key(_certificates(site, "w1"), server.address, BOUND,
+    assert enrollment.fetch_key(_certificates(site, "w1"), server.address, _deadline(),
                                 "w1", "rank 0") == KEY
     assert server.wait_refused(4, BOUND) and server.served == 1
     assert any("refused the world key" in record.getMessage()
@@ -181,7 +188,7 @@ def test_a_client_that_trusts_the_site_but_shows_another_cas_certificate_is_refu
                                     cert=str(other.directory / "stranger.crt"),
                                     key=str(other.directory / "stranger.key"))
     with pytest.raises(AuthenticationError, match="did not hand over the world key"):
-        enrollment.fetch_key(mixed, server.address, BOUND, "stranger", "rank 0")
+        enrollment.fetch_key(mixed, server.address, _deadline(), "stranger", "rank 0")
     assert server.wait_refused(1, BOUND) and server.served == 0
 
 
@@ -191,7 +198,7 @@ def test_a_worker_refuses_a_key_server_of_another_ca(sites: tuple[Site, Site]) -
                                     "127.0.0.1", "impostor")
     try:
         with pytest.raises(AuthenticationError, match="certificate verify failed"):
-            enrollment.fetch_key(_certificates(site, "w1"), impostor.address, BOUND,
+            enrollment.fetch_key(_certificates(site, "w1"), impostor.address, _deadline(),
                                  "w1", "rank 0")
         assert impostor.served == 0
     finally:
@@ -200,7 +207,7 @@ def test_a_worker_refuses_a_key_server_of_another_ca(sites: tuple[Site, Site]) -
 
 def test_an_address_that_is_none_is_named(sites: tuple[Site, Site]) -> None:
     with pytest.raises(AuthenticationError, match="is not one"):
-        enrollment.fetch_key(_certificates(sites[0], "w1"), b"\x80pickle", BOUND,
+        enrollment.fetch_key(_certificates(sites[0], "w1"), b"\x80pickle", _deadline(),
                              "w1", "rank 0")
 
 
@@ -222,25 +229,55 @@ def test_in_a_world_of_fixed_size_rank_0_draws_the_key_and_every_rank_gets_it(
     assert server is not None
     server.close()
     assert got[0] == got[1] and len(got[0]) == enrollment.KEY_BYTES
+    with pytest.raises(ConnectionRefusedError):  # closed: nothing listens any more
+        _raw_connection(server).close()
 
 
-def test_a_dynamic_world_is_founded_joined_and_founded_anew(
+def test_a_dynamic_world_is_founded_then_joined_through_a_listed_server(
         sites: tuple[Site, Site], store: BoundedStore) -> None:
     site, _ = sites
-    key, founded = enrollment.dynamic_world_key(store, _certificates(site, "w0"), BOUND,
-                                                "w0", has_roster=False)
-    assert founded
+    key = enrollment.dynamic_world_key(store, _certificates(site, "w0"), BOUND, "w0",
+                                       has_roster=False)
     server = enrollment.KeyServer(_certificates(site, "w0"), key, "127.0.0.1", "w0")
     try:
         enrollment.list_server(store, 0, server.address, BOUND)
         assert enrollment.dynamic_world_key(store, _certificates(site, "w1"), BOUND, "w1",
-                                            has_roster=True) == (key, False)
+                                            has_roster=True) == key
     finally:
         server.close()
-    enrollment.unlist_server(store, 0, BOUND)  # every member left
-    anew, founded = enrollment.dynamic_world_key(store, _certificates(site, "w1"), BOUND,
-                                                 "w1", has_roster=True)
-    assert founded and anew != key
+
+
+def test_the_last_member_to_leave_takes_the_key_and_the_next_founds_anew(
+        sites: tuple[Site, Site], store: BoundedStore) -> None:
+    first = DynamicWorld(store, "w0", 0, BOUND)
+    assert not first.has_members()
+    first.use_seal(auth.ValueSeal(b"k" * 32))
+    first.enter(first.roster())
+    enrollment.list_server(first.store, 0, "{}", BOUND)
+    assert first.has_members()
+    first.leave()
+    assert not first.has_members()  # (emptied, not a roster sealed under a lost key)
+    assert enrollment._servers(first.store, BOUND, "w1") == {}
+    later = DynamicWorld(store, "w1", 1, BOUND)
+    later.use_seal(auth.ValueSeal(b"j" * 32))  # a new key
+    assert later.roster() == {}
+    later.enter(later.roster())
+    assert later.roster() == {1: "w1"}
+
+
+def test_a_list_of_servers_that_is_none_is_never_read_as_nobody_left(
+        sites: tuple[Site, Site], store: BoundedStore) -> None:
+    world = DynamicWorld(store, "w0", 0, BOUND)
+    world.store.set(enrollment.SERVERS, b"{}")  # members (a roster) but no servers
+    world.store.set("roster", b"sealed under a key this worker lacks")
+    assert world.has_members()
+    with pytest.raises(AuthenticationError, match="list no key server"):
+        enrollment.dynamic_world_key(world.store, _certificates(sites[0], "w1"), BOUND,
+                                     "w1", has_roster=True)
+    world.store.set(enrollment.SERVERS, b"\x80 not json")
+    with pytest.raises(AuthenticationError, match="is not one"):
+        enrollment.dynamic_world_key(world.store, _certificates(sites[0], "w1"), BOUND,
+                                     "w1", has_roster=True)
 
 
 def test_a_joiner_passes_over_a_member_whose_server_is_gone(
@@ -258,13 +295,45 @@ def test_a_joiner_passes_over_a_member_whose_server_is_gone(
     try:
         enrollment.list_server(store, 1, server.address, BOUND)
         assert enrollment.dynamic_world_key(store, _certificates(site, "w1"), BOUND, "w1",
-                                            has_roster=True) == (KEY, False)
+                                            has_roster=True) == KEY
     finally:
         server.close()
 
 
 def test_a_dynamic_world_without_key_servers_is_named(
         sites: tuple[Site, Site], store: BoundedStore) -> None:
-    with pytest.raises(AuthenticationError, match="run no key server"):
+    with pytest.raises(AuthenticationError, match="list no key server"):
         enrollment.dynamic_world_key(store, _certificates(sites[0], "w1"), BOUND, "w1",
                                      has_roster=True)
+
+
+def test_idle_connections_delay_a_worker_but_do_not_turn_it_away(
+        sites: tuple[Site, Site], server: enrollment.KeyServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # every slot taken by a stranger that says nothing: the worker waits in the backlog
+    # until a stranger's handshake time is up, then gets the key
+    monkeypatch.setattr(enrollment, "_HANDSHAKE_TIMEOUT", 0.5)
+    strangers = [_raw_connection(server) for _ in range(enrollment._MOST_AT_ONCE + 4)]
+    try:
+        assert enrollment.fetch_key(_certificates(sites[0], "w1"), server.address,
+                                    _deadline(), "w1", "rank 0") == KEY
+    finally:
+        for stranger in strangers:
+            stranger.close()
+
+
+def test_an_intermediate_ca_admits_its_own_workers_only(tmp_path: Path) -> None:
+    root = make_site(tmp_path / "root", ["direct"], "site root")
+    job = make_site(tmp_path / "job", ["w0", "w1"], "the job's intermediate", parent=root)
+    served = enrollment.KeyServer(_certificates(job, "w0"), KEY, "127.0.0.1", "w0")
+    try:
+        assert enrollment.fetch_key(_certificates(job, "w1"), served.address, _deadline(),
+                                    "w1", "rank 0") == KEY
+        # signed by the site's root, not by the job's intermediate: refused
+        outsider = enrollment.Certificates(ca=str(job.ca),
+                                           cert=str(root.directory / "direct.crt"),
+                                           key=str(root.directory / "direct.key"))
+        with pytest.raises(AuthenticationError, match="did not hand over"):
+            enrollment.fetch_key(outsider, served.address, _deadline(), "direct", "rank 0")
+    finally:
+        served.close()

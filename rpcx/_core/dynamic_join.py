@@ -12,6 +12,7 @@ dynamic world's admission checks).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -47,6 +48,7 @@ def join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank:
     devices = _DynamicDevices(world, WorkerDevices.of(name, options))
     token = world.hold_token("join")
     server: enrollment.KeyServer | None = None
+    entered = False
     try:
         if certificates is not None:
             key, server = _enrol(world, certificates, options)
@@ -65,12 +67,16 @@ def join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank:
         keys.meet(roster)
         routes = devices.meet(roster)
         world.enter(roster)
+        entered = True
         if server is not None:
             enrollment.list_server(world.store, rank, server.address, join_timeout)
             world.on_departure.append(server.close)
     except BaseException:
         if server is not None:
             server.close()
+        if entered:  # (its key server could not be listed: out of the roster again)
+            with contextlib.suppress(RpcError):
+                world.leave()
         token.release()
         raise
     roster[rank] = name
@@ -98,16 +104,13 @@ def join_dynamic(name: str, spec: BackendSpec, options: RpcBackendOptions, rank:
 def _enrol(world: DynamicWorld, certificates: enrollment.Certificates,
            options: RpcBackendOptions) -> tuple[bytes, enrollment.KeyServer]:
     """Under the token: the world's key, from a member's key server, or new for a world
-    nobody is in (the first worker, or one whose members have all left); this worker's
+    nobody is in (the first worker, or after the last member left); this worker's
     own key server, listening, for later joiners. The world's store view seals with the
     key from then on."""
     who = f"init_rpc: worker {world.name!r} (rank {world.rank})"
-    has_roster = world.store.check(["roster"], world.timeout)
-    key, founded = enrollment.dynamic_world_key(world.store, certificates, world.timeout,
-                                                who, has_roster)
+    key = enrollment.dynamic_world_key(world.store, certificates, world.timeout, who,
+                                       world.has_members())
     world.use_seal(auth.ValueSeal(key))
-    if founded and has_roster:
-        world.begin_anew()
     server = enrollment.KeyServer(certificates, key, enrollment.key_server_host(options),
                                   f"worker {world.name!r} (rank {world.rank})")
     return key, server

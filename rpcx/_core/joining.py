@@ -90,12 +90,19 @@ def join(
         server = None
         if certificates is not None:
             key, server = enrollment.static_world_key(
-                session, rank, certificates, enrollment.key_server_host(options),
+                session, rank, certificates,
+                enrollment.key_server_host(options, in_process),
                 join_timeout, f"init_rpc: worker {name!r} (rank {rank})")
         seal = auth.ValueSeal(key) if key is not None else None
         try:
             names = rendezvous.gather_names(session, name, rank, world_size, join_timeout,
                                             seal)
+        except RpcError as exc:
+            if server is None or not server.refused:
+                raise
+            raise type(exc)(  # (the workers it waits for may be those it refused)
+                f"{exc}; meanwhile its key server refused {server.refused} connection(s), "
+                f"the last: {server.last_refusal}") from exc
         finally:
             if server is not None:  # (every worker has the key: its name is sealed)
                 server.close()

@@ -113,11 +113,11 @@ class DynamicWorld:
         self.store = self.store.with_seal(seal)
         self.key_servers = True
 
-    def begin_anew(self) -> None:
-        """Under the token, in a world keyed by certificates whose members have all
-        left: start an empty roster under this worker's new key (the old one is sealed
-        under a key nobody holds now)."""
-        sealed.publish(self.store, "roster", json.dumps({}), self.timeout)
+    def has_members(self) -> bool:
+        """Whether anyone is in the world (read under the token): a roster exists and
+        was not emptied by the last worker of a world keyed by certificates to leave."""
+        return (self.store.check(["roster"], self.timeout)
+                and self.store.get("roster", self.timeout) != b"")
 
     # ------------------------------------------------------------------ the token
 
@@ -182,7 +182,7 @@ class DynamicWorld:
 
     def roster(self) -> dict[int, str]:
         """Every rank held now, and its worker's name (read under the token)."""
-        if not self.store.check(["roster"], self.timeout):
+        if not self.has_members():
             return {}
         return {int(rank): name for rank, name in
                 json.loads(self._read_sealed("roster", "its roster")).items()}
@@ -274,7 +274,12 @@ class DynamicWorld:
         roster = self.roster()
         if roster.get(self.rank) == self.name:
             del roster[self.rank]
-            sealed.publish(self.store, "roster", json.dumps(roster), self.timeout)
+            if not roster and self.key_servers:
+                # The last to leave a world keyed by certificates: the world's key goes
+                # with it, so the next worker starts the world anew with a key of its own.
+                self.store.set("roster", b"", self.timeout)
+            else:
+                sealed.publish(self.store, "roster", json.dumps(roster), self.timeout)
         sealed.publish(self.store, f"member/{self.rank}", "", self.timeout)
         self._forget_session(self.rank)
         if self.key_servers:

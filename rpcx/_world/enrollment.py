@@ -47,8 +47,11 @@ SERVER = "tls/server"  # a world of fixed size: rank 0's key server (session sto
 SERVERS = "tls/servers"  # a dynamic world: every member's, {rank: address}
 KEY_BYTES = 32
 _GREETING = b"rpcx-world-key-v1\x00"  # what the key follows, so a stray reply is not a key
-_HANDSHAKE_TIMEOUT = 10.0  # seconds a connection to a key server may take to prove itself
-_MOST_AT_ONCE = 16  # connections a key server serves at once; past that it closes them
+_HANDSHAKE_TIMEOUT = 5.0  # seconds a connection to a key server may take to prove itself
+_CONNECT_TIMEOUT = 5.0  # seconds a worker gives one try to reach a key server
+# Connections a key server serves at once; more wait in the listen backlog (first come,
+# first served), so idle strangers can delay a worker's turn, not take it away.
+_MOST_AT_ONCE = 16
 _LOG_EVERY = 10.0  # seconds between log lines about refused connections
 
 
@@ -71,6 +74,9 @@ class Certificates:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(cafile=self.ca)
+        # The CA file is the trust anchor even when it holds an intermediate: a site
+        # can give a job an intermediate of its own, and only that job's workers get in.
+        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
         context.load_cert_chain(self.cert, self.key)
         return context
 
@@ -102,9 +108,12 @@ def resolve_certificates(options: Any) -> Certificates | None:
     return certificates
 
 
-def key_server_host(options: Any) -> str:
-    """Where a key server listens: the backend's ``hostname`` option if it has one, else
-    the address that routes to the rendezvous host (as the transports pick theirs)."""
+def key_server_host(options: Any, in_process: bool = False) -> str:
+    """Where a key server listens: loopback for a world of threads of one process
+    (``in_process``); the backend's ``hostname`` option if it has one; else the address
+    that routes to the rendezvous host (as the transports pick theirs)."""
+    if in_process:
+        return "127.0.0.1"
     given = getattr(options, "hostname", None)
     if given:
         return str(given)
@@ -126,14 +135,17 @@ class KeyServer:
         self._counted = threading.Condition()
         self.served = 0
         self.refused = 0
+        self.last_refusal = ""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._socket.bind((host, 0))
-            self._socket.listen(64)
-        except OSError:
+            self._socket.listen(256)
+        except OSError as exc:
             self._socket.close()
-            raise
+            raise RpcError(f"{who}: cannot listen for its key server on {host}: {exc} (set "
+                           "the backend's hostname option to an address of this host)"
+                           ) from None
         self.address = json.dumps({"host": host, "port": self._socket.getsockname()[1]})
         self._thread = threading.Thread(target=self._accept, name="rpcx-key-server",
                                         daemon=True)
@@ -151,14 +163,14 @@ class KeyServer:
 
     def _accept(self) -> None:
         while not self._closed.is_set():
+            # (a free slot first: until then connections wait in the backlog, in order)
+            if not self._slots.acquire(timeout=_HANDSHAKE_TIMEOUT):
+                continue
             try:
                 connection, peer = self._socket.accept()
             except OSError:
+                self._slots.release()
                 return  # closed
-            if not self._slots.acquire(blocking=False):
-                connection.close()  # (a flood: the real workers retry)
-                self._refuse(peer, "too many connections at once")
-                continue
             threading.Thread(target=self._serve, args=(connection, peer),
                              name="rpcx-key-server-connection", daemon=True).start()
 
@@ -187,6 +199,7 @@ class KeyServer:
     def _refuse(self, peer: Any, why: str) -> None:
         with self._counted:
             self.refused += 1
+            self.last_refusal = f"{why} (from {peer[0] if peer else '?'})"
             self._counted.notify_all()
         now = time.monotonic()
         if now - self._logged_at >= _LOG_EVERY:
@@ -196,13 +209,13 @@ class KeyServer:
                         self._who, peer[0] if peer else "?", why, CA_ENV, self.refused)
 
 
-def fetch_key(certificates: Certificates, address: bytes | str, timeout: float | None,
+def fetch_key(certificates: Certificates, address: bytes | str, deadline: float | None,
               who: str, whose: str, *, patient: bool = True) -> bytes:
     """The world key from the key server at ``address`` (a published
-    :attr:`KeyServer.address`). ``AuthenticationError`` as soon as TLS refuses either
-    end's certificate; a connection refused, reset or closed before the key (a busy
-    server) is tried again until ``timeout`` (``patient``; else once), then
-    ``RpcError``."""
+    :attr:`KeyServer.address`). ``AuthenticationError`` as soon as TLS refuses a
+    certificate (either end's); a connection refused, reset or closed before the key (a
+    busy server) is tried again until ``deadline`` (a ``time.monotonic()`` value;
+    ``None``: a minute), then ``RpcError``; with ``patient`` false, tried once."""
     try:
         where = json.loads(address)
         host, port = str(where["host"]), int(where["port"])
@@ -211,20 +224,21 @@ def fetch_key(certificates: Certificates, address: bytes | str, timeout: float |
             f"{who}: {whose}'s key server address in the rendezvous store is not one "
             f"({bytes(address if isinstance(address, bytes) else address.encode())[:80]!r})"
             "; something other than rpcx wrote it") from None
-    bound = _HANDSHAKE_TIMEOUT if timeout is None else min(timeout, _HANDSHAKE_TIMEOUT)
-    deadline = time.monotonic() + bound
+    if deadline is None:
+        deadline = time.monotonic() + 60.0
     pause = 0.05
     while True:
+        bound = max(0.1, min(_CONNECT_TIMEOUT, deadline - time.monotonic()))
         try:
             reply = _ask(certificates, host, port, bound)
-        except ssl.SSLError as exc:
-            raise AuthenticationError(
-                f"{who}: {whose}'s key server at {host}:{port} did not hand over the "
-                f"world key: {_reason(exc)}{_hint(certificates)}") from None
-        except OSError as exc:
+        except OSError as exc:  # (ssl.SSLError included)
+            if _refused_certificate(exc):
+                raise AuthenticationError(
+                    f"{who}: {whose}'s key server at {host}:{port} did not hand over the "
+                    f"world key: {_reason(exc)}{_hint(certificates)}") from None
             if not patient or time.monotonic() + pause >= deadline:
                 raise RpcError(f"{who}: could not get the world key from {whose}'s key "
-                               f"server at {host}:{port}: {exc}") from None
+                               f"server at {host}:{port}: {_reason(exc)}") from None
             log.debug("%s: %s's key server at %s:%d: %s; trying again", who, whose, host,
                       port, exc)
             time.sleep(pause)  # (pacing the next try; nothing to wait on)
@@ -237,14 +251,22 @@ def fetch_key(certificates: Certificates, address: bytes | str, timeout: float |
 
 
 def _ask(certificates: Certificates, host: str, port: int, bound: float) -> bytes:
-    """One try: connect, prove both certificates, read the reply. ``OSError`` (not an
-    ``SSLError``) for a connection that fails or closes before the whole reply."""
+    """One try: connect, prove both certificates, read the reply. ``OSError`` for a
+    connection that fails, is refused by TLS, or closes before the whole reply."""
     with socket.create_connection((host, port), timeout=bound) as connection, \
             certificates.context(server=False).wrap_socket(connection) as tls:
         reply = _read(tls, len(_GREETING) + KEY_BYTES)
     if not reply:
         raise ConnectionResetError("the key server closed the connection (busy?)")
     return reply
+
+
+def _refused_certificate(exc: OSError) -> bool:
+    """Whether TLS refused a certificate (this end checking the server's, or the server
+    this one's, which it says with an alert), as opposed to a connection that broke."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return True
+    return isinstance(exc, ssl.SSLError) and "ALERT" in str(getattr(exc, "reason", "")).upper()
 
 
 def static_world_key(session: Any, rank: int, certificates: Certificates, host: str,
@@ -265,40 +287,34 @@ def static_world_key(session: Any, rank: int, certificates: Certificates, host: 
     if session.wait_for([SERVER], deadline):
         raise RpcError(f"{who}: rank 0 published no key server within {timeout:g} s "
                        f"(rpc_timeout): is it running, with certificates ({CERT_ENV})?")
-    return fetch_key(certificates, session.get(SERVER, timeout), timeout, who, "rank 0"), None
+    return fetch_key(certificates, session.get(SERVER, timeout), deadline, who, "rank 0"), None
 
 
 def dynamic_world_key(store: Any, certificates: Certificates, timeout: float | None,
-                      who: str, has_roster: bool) -> tuple[bytes, bool]:
-    """A dynamic world, under its membership token: ``(key, founded)``. A new key if
-    nobody is in the world (no roster yet: ``has_roster`` false; or every member left
-    and took its server off the list), else the key from the first listed member's
-    server that hands it over: each once, then those not reached again until
-    ``timeout``. ``AuthenticationError`` with every server's answer if none does and TLS
-    refused this worker (``RpcError`` if none could be reached), or if the members list
-    no servers (they run without certificates)."""
+                      who: str, has_roster: bool) -> bytes:
+    """A dynamic world with members (``has_roster``), under its membership token: the
+    key from the first listed member's server that hands it over. Each server is tried
+    once, then those not reached again, all within ``timeout``. ``AuthenticationError``
+    with every server's answer if none does and TLS refused this worker (``RpcError`` if
+    none could be reached: members that died stay listed until struck off), or if the
+    members list no servers (they run without certificates), or a list that is not one.
+    Nobody in the world (no roster): a new key."""
     if not has_roster:
-        return secrets.token_bytes(KEY_BYTES), True
-    listed = store.check([SERVERS], timeout)
-    servers = _servers(store, timeout) if listed else {}
-    if listed and not servers:
-        log.info("%s: every member of the dynamic world has left; it starts anew with a "
-                 "new key", who)
-        return secrets.token_bytes(KEY_BYTES), True
+        return secrets.token_bytes(KEY_BYTES)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    servers = _servers(store, timeout, who)
     if not servers:
         raise AuthenticationError(
-            f"{who}: the dynamic world's members run no key server: they were started "
-            f"without certificates ({CERT_ENV}), with a shared key (RPCX_AUTH_KEY) "
-            "or none")
-    # Each server once, then those that could not be reached (busy, or gone: a member
-    # that died is listed until a member strikes it off) again, patiently.
+            f"{who}: the dynamic world's members list no key server: they were started "
+            f"without certificates ({CERT_ENV}), with a shared key (RPCX_AUTH_KEY) or "
+            "none, or a store client emptied the list")
     failures: dict[int, str] = {}
     unreached = sorted(servers)
     for patient in (False, True):
         for rank in list(unreached):
             try:
-                return fetch_key(certificates, servers[rank], timeout, who, f"rank {rank}",
-                                 patient=patient), False
+                return fetch_key(certificates, servers[rank], deadline, who, f"rank {rank}",
+                                 patient=patient)
             except AuthenticationError as exc:
                 unreached.remove(rank)
                 failures[rank] = str(exc)
@@ -314,35 +330,38 @@ def dynamic_world_key(store: Any, certificates: Certificates, timeout: float | N
 
 def list_server(store: Any, rank: int, address: str, timeout: float | None) -> None:
     """List ``rank``'s key server (under the membership token)."""
-    servers = _servers(store, timeout)
+    servers = _servers(store, timeout, "listing its key server")
     servers[rank] = address
     store.set(SERVERS, json.dumps(servers), timeout)
 
 
 def unlist_server(store: Any, rank: int, timeout: float | None) -> None:
     """Take ``rank``'s key server off the list, if listed (under the token)."""
-    servers = _servers(store, timeout)
+    servers = _servers(store, timeout, "taking its key server off the list")
     if servers.pop(rank, None) is not None:
         store.set(SERVERS, json.dumps(servers), timeout)
 
 
-def _servers(store: Any, timeout: float | None) -> dict[int, str]:
-    """The listed key servers; a list that is not one (a stray's) reads as none."""
+def _servers(store: Any, timeout: float | None, who: str) -> dict[int, str]:
+    """The listed key servers (none listed: empty). ``AuthenticationError`` for a list
+    that is not one: a stray's value is never taken for "nobody is left"."""
     if not store.check([SERVERS], timeout):
         return {}
+    value = store.get(SERVERS, timeout)
     try:
-        listed = json.loads(store.get(SERVERS, timeout))
+        listed = json.loads(value)
         return {int(rank): str(address) for rank, address in listed.items()}
     except (ValueError, AttributeError, TypeError):
-        log.warning("the dynamic world's list of key servers in the store is not one; "
-                    "read as empty (something other than rpcx wrote it)")
-        return {}
+        raise AuthenticationError(
+            f"{who}: the dynamic world's list of key servers in the store is not one "
+            f"({bytes(value)[:80]!r}); something other than rpcx wrote it") from None
 
 
 def _hint(certificates: Certificates) -> str:
     """What a refused certificate means, for errors."""
-    return (f". Every worker's certificate must be signed by the CA in {CA_ENV}, this "
-            f"one's ({certificates.ca}) too")
+    return (f". Every worker needs a certificate signed by the CA in {CA_ENV} (usable "
+            "for TLS servers and clients alike) and the same CA file (this worker's: "
+            f"{certificates.ca})")
 
 
 def _read(tls: ssl.SSLSocket, size: int) -> bytes:
@@ -357,7 +376,10 @@ def _read(tls: ssl.SSLSocket, size: int) -> bytes:
 
 
 def _reason(exc: BaseException) -> str:
-    """An ssl or socket error as one line (OpenSSL's reason where it gives one)."""
+    """An ssl or socket error as one line (OpenSSL's reason, and for a certificate
+    this end refused, why: "unsupported certificate purpose", ...)."""
+    if isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_message:
+        return f"certificate verify failed: {exc.verify_message}"
     reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
     return str(reason).replace("_", " ").lower() if isinstance(exc, ssl.SSLError) else str(reason)
 

@@ -11,6 +11,7 @@ import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["Site", "make_site"]
 
@@ -29,10 +30,12 @@ class Site:
                 "RPCX_TLS_KEY": str(self.directory / f"{name}.key")}
 
 
-def make_site(directory: str | os.PathLike[str], names: list[str], ca_name: str = "rpcx test CA"
-              ) -> Site:
+def make_site(directory: str | os.PathLike[str], names: list[str], ca_name: str = "rpcx test CA",
+              parent: Site | None = None) -> Site:
     """A new CA in ``directory`` and a certificate it signs for each of ``names`` (EC
-    P-256 keys; valid from a day ago for a day)."""
+    P-256 keys; valid from a day ago for a day). ``parent``: the CA is an intermediate
+    that ``parent``'s CA signs (each worker's certificate file then holds the chain up
+    to it, as sites hand them out)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -43,12 +46,19 @@ def make_site(directory: str | os.PathLike[str], names: list[str], ca_name: str 
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_name)])
+    signer_key: Any = ca_key
+    issuer = ca_subject
+    if parent is not None:
+        signer_key = serialization.load_pem_private_key(
+            (parent.directory / "ca.key").read_bytes(), None)
+        issuer = x509.load_pem_x509_certificate(parent.ca.read_bytes()).subject
     ca = (x509.CertificateBuilder()
-          .subject_name(ca_subject).issuer_name(ca_subject)
+          .subject_name(ca_subject).issuer_name(issuer)
           .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
           .not_valid_before(now - datetime.timedelta(days=1))
           .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None if parent is None
+                                               else 0), critical=True)
           .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
                                        crl_sign=True, content_commitment=False,
                                        key_encipherment=False, data_encipherment=False,
@@ -56,9 +66,14 @@ def make_site(directory: str | os.PathLike[str], names: list[str], ca_name: str 
                                        decipher_only=False), critical=True)
           .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
                          critical=False)
-          .sign(ca_key, hashes.SHA256()))
+          .sign(signer_key, hashes.SHA256()))
     ca_path = root / "ca.crt"
     ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (root / "ca.key").write_bytes(ca_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    (root / "ca.key").chmod(0o600)
+    chain = ca.public_bytes(serialization.Encoding.PEM) if parent is not None else b""
     for name in names:
         key = ec.generate_private_key(ec.SECP256R1())
         certificate = (
@@ -75,7 +90,8 @@ def make_site(directory: str | os.PathLike[str], names: list[str], ca_name: str 
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
                 ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
-        (root / f"{name}.crt").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+        (root / f"{name}.crt").write_bytes(
+            certificate.public_bytes(serialization.Encoding.PEM) + chain)
         key_path = root / f"{name}.key"
         key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
                                                serialization.PrivateFormat.PKCS8,

@@ -12,7 +12,9 @@ workers after it; a worker with a shared key instead, or neither, is refused too
 from __future__ import annotations
 
 import os
+import queue
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,11 +25,13 @@ import torch
 import rpcx
 from rpcx._wire import cipher
 from rpcx.errors import RpcError
+from rpcx.registry import resolve_backend
 from rpcx.testing import remote
 from rpcx.testing.certificates import Site, make_site
-from rpcx.testing.conformance_auth import _Outsider
+from rpcx.testing.conformance_auth import join_and_report
 from rpcx.testing.conformance_cipher import PATTERN, patterned
 from rpcx.testing.fixtures import WorldKeeper
+from rpcx.testing.processes import worker_context
 from rpcx.testing.world import DynamicWorld, _options, dynamic_world, world
 
 __all__ = ["TestCertificates"]
@@ -38,11 +42,47 @@ _VARIABLES = ("RPCX_AUTH_KEY", cipher.ENCRYPT_ENV, "RPCX_TLS_CA", "RPCX_TLS_CERT
               "RPCX_TLS_KEY")
 
 
-def certificate_options(site: Site, name: str) -> dict[str, str]:
-    """The ``tls_*`` options of the worker ``site`` issued ``name`` to."""
+def certificate_options(site: Site, name: str, trusting: Site | None = None
+                        ) -> dict[str, str]:
+    """The ``tls_*`` options of the worker ``site`` issued ``name`` to; ``trusting``:
+    with another site's CA file instead of its own (a stranger that trusts the world's
+    CA, so that the world's key server is what refuses it)."""
     variables = site.worker(name)
-    return {"tls_ca": variables["RPCX_TLS_CA"], "tls_cert": variables["RPCX_TLS_CERT"],
+    return {"tls_ca": str((trusting or site).ca), "tls_cert": variables["RPCX_TLS_CERT"],
             "tls_key": variables["RPCX_TLS_KEY"]}
+
+
+def _join_when_ready(rank: int, size: int, init_method: str, backend: str,
+                     options: dict[str, Any], answers: Any) -> None:
+    """Say ``"ready"`` (imports done), then try to join as ``rank`` and report."""
+    answers.put("ready")
+    join_and_report(rank, size, init_method, backend, options, answers)
+
+
+class _ReadyOutsider:
+    """Worker ``rank`` 1 of 2 with ``options``, as a process or a thread per backend,
+    that has said it is ready to join before :meth:`__init__` returns: a worker started
+    next does not wait for it to import anything."""
+
+    def __init__(self, backend: str, init_method: str, options: dict[str, Any]) -> None:
+        spec = resolve_backend(backend)
+        args = (1, 2, init_method, spec.name, options)
+        if spec.capabilities.multi_process and not spec.capabilities.in_process:
+            context = worker_context()
+            self.answers: Any = context.Queue()
+            self.runner: Any = context.Process(target=_join_when_ready,
+                                               args=(*args, self.answers), daemon=True)
+        else:
+            self.answers = queue.Queue()
+            self.runner = threading.Thread(target=_join_when_ready,
+                                           args=(*args, self.answers), daemon=True)
+        self.runner.start()
+        assert self.answers.get(timeout=BOUND) == "ready"
+
+    def answer(self) -> str:
+        got: str = self.answers.get(timeout=2 * BOUND)
+        self.runner.join(BOUND)
+        return got
 
 
 @pytest.mark.skipif(not cipher.aead_available(),
@@ -93,21 +133,31 @@ class TestCertificates:
             assert info["authenticated"] and info["encrypted_peers"] == 0, info
             assert rpcx.rpc_sync("worker1", remote.add, args=(2, 3)) == 5
 
+    @pytest.mark.parametrize("trusts", ["the-world's-ca", "its-own-ca"])
     def test_a_worker_with_a_certificate_from_another_ca_never_joins(
-            self, rpcx_backend: str, sites: tuple[Site, Site]) -> None:
+            self, rpcx_backend: str, sites: tuple[Site, Site], trusts: str) -> None:
+        # trusting the world's CA, it is rank 0's key server that refuses it; trusting
+        # its own, it refuses rank 0's server first
         site, other = sites
+        stranger = certificate_options(
+            other, "stranger", trusting=site if trusts == "the-world's-ca" else None)
         with tempfile.TemporaryDirectory(prefix="rpcx-certificates-") as directory:
             init_method = "file://" + os.path.join(directory, "rendezvous")
-            outsider = _Outsider(rpcx_backend, init_method, {
-                "rpc_timeout": BOUND, **certificate_options(other, "stranger")})
+            outsider = _ReadyOutsider(rpcx_backend, init_method,
+                                      {"rpc_timeout": BOUND, **stranger})
             options = _options(rpcx_backend, init_method, {
                 "rpc_timeout": SHORT, **certificate_options(site, "member")})
-            with pytest.raises(RpcError, match="waiting for workers to join"):
+            with pytest.raises(RpcError, match="waiting for workers to join") as caught:
                 rpcx.init_rpc("worker0", backend=rpcx_backend, rank=0, world_size=2,
                               rpc_backend_options=options)
             answer = outsider.answer()
         assert answer.startswith("AuthenticationError"), answer
-        assert "did not hand over the world key: certificate verify failed" in answer
+        assert "did not hand over the world key" in answer, answer
+        if trusts == "the-world's-ca":
+            assert "alert unknown ca" in answer, answer
+            assert "its key server refused 1 connection(s)" in str(caught.value)
+        else:
+            assert "certificate verify failed" in answer, answer
 
     @pytest.mark.rpcx_requires(
         "dynamic", reason="it cannot admit workers after the world started")
@@ -118,7 +168,7 @@ class TestCertificates:
                            **certificate_options(site, "member")) as started:
             assert _join(started, "late1", 1, site) == ("joined", "late1")
             refusals = [
-                (_join(started, "stranger", 2, other, "stranger"),
+                (_join(started, "stranger", 2, other, "stranger", trusting=site),
                  "AuthenticationError", "no member handed over the dynamic world's key"),
                 (started.join("keyed", 2, auth_key="a-shared-key-0123456789abcdef",
                               tls_ca=None, tls_cert=None, tls_key=None),
@@ -150,8 +200,8 @@ class TestCertificates:
 
 
 def _join(started: DynamicWorld, name: str, rank: int, site: Site,
-          certificate: str | None = None) -> tuple[str, ...]:
+          certificate: str | None = None, trusting: Site | None = None) -> tuple[str, ...]:
     """``name`` joins at ``rank`` with the certificate ``site`` issued to ``certificate``
-    (default: ``name``)."""
-    options: dict[str, Any] = certificate_options(site, certificate or name)
+    (default: ``name``), trusting ``trusting``'s CA (default: ``site``'s)."""
+    options: dict[str, Any] = certificate_options(site, certificate or name, trusting)
     return started.join(name, rank, **options)
