@@ -176,13 +176,53 @@ def test_a_replayed_frame_is_refused() -> None:
 
 def test_frames_raced_out_of_order_by_two_senders_are_accepted_once_each() -> None:
     sender, _, receiver = _pair()
-    frames = [sender.seal(1, _frame(str(i).encode())) for i in range(6)]
+    # (sends that overlap: none has returned when the others are sealed)
+    frames = [sender.sealing(1, _frame(str(i).encode()))[0] for i in range(6)]
     second = Frame(frames[1].header, [])  # (delivering a frame strips its header)
     for i in (0, 2, 3, 1, 5, 4):
         receiver.deliver(0, frames[i])
     assert sorted(f.header for _, f in receiver.delivered) == [str(i).encode() for i in range(6)]
     with pytest.raises(ProtocolError, match="replayed"):
         receiver.deliver(0, second)
+
+
+def test_a_frame_sent_before_another_and_delivered_after_it_is_refused() -> None:
+    sender, guard, receiver = _pair()
+    first, token = sender.sealing(1, _frame(b"first"))
+    sender.sent(1, token)  # its send returned: the next frame is sealed after it
+    second, _ = sender.sealing(1, _frame(b"second"))
+    receiver.deliver(0, second)  # someone on the path held the first one back
+    with pytest.raises(ProtocolError, match="reordered or held back in transit"):
+        receiver.deliver(0, first)
+    assert [f.header for _, f in receiver.delivered] == [b"second"]
+    assert "reordered" in receiver.refused[0][1] and guard.refused == 1
+    # the same two in order, and a third that overlapped the second: all taken
+    sender, _, receiver = _pair()
+    first, token = sender.sealing(1, _frame(b"first"))
+    sender.sent(1, token)
+    second, _ = sender.sealing(1, _frame(b"second"))  # (still being sent ...)
+    third, _ = sender.sealing(1, _frame(b"third"))  # (... when this one is sealed)
+    for frame in (first, third, second):
+        receiver.deliver(0, frame)
+    assert [f.header for _, f in receiver.delivered] == [b"first", b"third", b"second"]
+
+
+def test_a_frame_numbers_floor_comes_from_the_oldest_send_still_under_way() -> None:
+    sender, _, receiver = _pair()
+    a, token_a = sender.sealing(1, _frame(b"a"))
+    b, token_b = sender.sealing(1, _frame(b"b"))
+    sender.sent(1, token_b)  # b returned, a still under way: c may pass a, not b
+    c, _ = sender.sealing(1, _frame(b"c"))
+    receiver.deliver(0, b)
+    receiver.deliver(0, c)
+    receiver.deliver(0, a)  # (overlapped b and c: taken)
+    assert [f.header for _, f in receiver.delivered] == [b"b", b"c", b"a"]
+    sender.sent(1, token_a)
+    d, _ = sender.sealing(1, _frame(b"d"))
+    e, _ = sender.sealing(1, _frame(b"e"))
+    receiver.deliver(0, e)
+    receiver.deliver(0, d)  # (d and e overlap: taken either way)
+    assert len(receiver.delivered) == 5 and not receiver.refused
 
 
 def test_frames_of_another_session_or_direction_are_refused() -> None:
@@ -229,9 +269,10 @@ def test_concurrent_senders_never_reuse_a_sequence_number() -> None:
 
     def send(n: int) -> None:
         for _ in range(n):
-            frame = sender.seal(1, _frame())
-            with lock:
+            frame, token = sender.sealing(1, _frame())
+            with lock:  # (the wire)
                 sealed.append(frame)
+            sender.sent(1, token)
 
     threads = [threading.Thread(target=send, args=(500,)) for _ in range(4)]
     for thread in threads:

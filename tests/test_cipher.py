@@ -235,13 +235,14 @@ def test_a_frame_of_a_header_alone_arrives_whole_or_is_refused_if_altered(
     assert len(delivered) == 1
 
 
-def test_a_frame_held_back_past_the_window_is_refused_and_one_within_runs_once() -> None:
-    # An attacker on the path who holds a frame back: within the window (what two
-    # sending threads racing onto the wire need) it is taken once, in its new place;
-    # behind the window it is refused as a replay would be.
+def test_a_frame_held_back_is_refused_unless_its_send_overlapped_the_later_one() -> None:
+    # Two sends that overlapped (two sending threads; a call passing a bulk transfer)
+    # may reach the wire in either order: taken once each, in any order. A frame whose
+    # send had returned before the later one was sealed, held back by someone on the
+    # path and delivered after it, is refused; so is one behind the window.
     sender, _, delivered, refused = _pair()
     deliver = sender.deliver_to_receiver  # type: ignore[attr-defined]
-    held = sender.seal(1, Frame(b"held", []))
+    held, _ = sender.sealing(1, Frame(b"held", []))  # (still being sent)
     again = Frame(bytes(held.header), list(held.buffers))  # (the receiver opens in place)
     deliver(0, sender.seal(1, Frame(b"later", [])))
     deliver(0, held)
@@ -251,7 +252,16 @@ def test_a_frame_held_back_past_the_window_is_refused_and_one_within_runs_once()
 
     sender, _, delivered, refused = _pair()
     deliver = sender.deliver_to_receiver  # type: ignore[attr-defined]
-    stale = sender.seal(1, Frame(b"stale", []))
+    held, token = sender.sealing(1, Frame(b"held", []))
+    sender.sent(1, token)  # its send returned: what is sealed next comes after it
+    deliver(0, sender.seal(1, Frame(b"later", [])))
+    with pytest.raises(ProtocolError, match="reordered or held back"):
+        deliver(0, held)
+    assert [f.header for f in delivered] == [b"later"] and refused
+
+    sender, _, delivered, refused = _pair()
+    deliver = sender.deliver_to_receiver  # type: ignore[attr-defined]
+    stale, _ = sender.sealing(1, Frame(b"stale", []))  # (in flight all along)
     for _ in range(4097):  # (the window keeps the last 4096 numbers)
         deliver(0, sender.seal(1, Frame(b"x", [])))
     with pytest.raises(ProtocolError, match="replayed or out of range"):

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from rpcx._util.recent import RecentIds
-from rpcx.errors import ProtocolError
+from rpcx.errors import ProtocolError, RpcError
 from rpcx.transport import Frame
 
 __all__ = [
@@ -59,6 +59,13 @@ _SEQ = struct.Struct("<Q")
 _FRAME_HEAD = struct.Struct("<QQI")  # seq, header length, number of buffers
 _SEALED_PREFIX = _SEQ.size + TAG_BYTES  # what a sealed frame's header starts with
 _LOG_EVERY = 10.0  # seconds between log lines about one source's refused frames
+# A sealed frame's 8-byte number is ``seq << _LAG_BITS | lag``: its sequence number, and
+# how far back the oldest frame to the same peer still being sent was when it was sealed
+# (``seq - lag``: every earlier frame's send had returned, so each must arrive before
+# it). ``_LAG_NONE``: no such claim (more in flight than the field holds).
+_LAG_BITS = 24
+_LAG_NONE = (1 << _LAG_BITS) - 1
+_SEQ_MAX = (1 << (64 - _LAG_BITS)) - 1  # frames to one peer in one session
 
 
 def resolve_key(options: Any) -> bytes | None:
@@ -181,11 +188,20 @@ class ConnectionAuth:
 class FrameGuard:
     """Seals every frame a worker sends and checks every frame it receives.
 
-    A sealed frame's header is ``seq (8 bytes) + tag (32 bytes) + the codec's header``.
-    The tag is HMAC-SHA256, under a key for the ordered pair (src, dst) derived from the
-    world key and both session nonces, over the sequence number, the header's length, the
-    number and sizes of the buffers and the header itself; with ``payload=True`` also
-    over every buffer's bytes (a pass over each tensor at both ends).
+    A sealed frame's header is ``number (8 bytes) + tag (32 bytes) + the codec's
+    header``. The tag is HMAC-SHA256, under a key for the ordered pair (src, dst)
+    derived from the world key and both session nonces, over the number, the header's
+    length, the number and sizes of the buffers and the header itself; with
+    ``payload=True`` also over every buffer's bytes (a pass over each tensor at both
+    ends).
+
+    The number is the frame's sequence number and its *floor*: every frame to the same
+    peer numbered below the floor had its ``send`` return before this one was sealed,
+    so the transport delivers it first (``Transport.send``'s order). A receiver refuses
+    a frame numbered below the highest floor it has accepted from that source: it was
+    held back and reordered in transit. Frames whose sends overlapped (two sending
+    threads; a small call passing a bulk transfer) may arrive in either order, each
+    number once.
     """
 
     def __init__(
@@ -209,10 +225,16 @@ class FrameGuard:
         self._send_keys: list[bytes] = []
         self._receive_keys: list[bytes] = []
         self._next_seq: list[int] = []
-        # Sequence numbers seen, per source. Senders number frames before the transport
-        # has them, so two sending threads may put them on the wire swapped: any order is
-        # accepted, each number once.
+        # Per destination: the numbers of frames being sent (their ``send`` has not
+        # returned), in order, and which holder of the rank they were numbered for.
+        self._in_flight: list[dict[int, None]] = []
+        self._generation: list[int] = []
+        # Sequence numbers seen, per source. Frames whose sends overlapped may arrive in
+        # either order: each number is accepted once. A frame below its source's floor
+        # (the highest floor accepted from it) is refused as reordered.
         self._windows: list[RecentIds] = []
+        self._floors: list[int] = []
+        self._order_lock = threading.Lock()
         self._refused: list[int] = []
         self._last_logged: list[float] = []
         self._refused_from: set[int] = set()  # sources whose connection is condemned
@@ -235,7 +257,10 @@ class FrameGuard:
         self._send_keys.extend([b""] * more)
         self._receive_keys.extend([b""] * more)
         self._next_seq.extend([0] * more)
+        self._in_flight.extend({} for _ in range(more))
+        self._generation.extend([0] * more)
         self._windows.extend(RecentIds() for _ in range(more))
+        self._floors.extend([0] * more)
         self._refused.extend([0] * more)
         self._last_logged.extend([0.0] * more)
         self._names.extend("?" for _ in range(len(self._names), size))
@@ -272,7 +297,10 @@ class FrameGuard:
         self._key_peer(peer, nonce)
         self._names[peer] = "?"
         self._next_seq[peer] = 0
+        self._in_flight[peer] = {}
+        self._generation[peer] += 1  # (sends to the earlier holder end unnoticed)
         self._windows[peer] = RecentIds()
+        self._floors[peer] = 0
         self._refused[peer] = 0
         self._last_logged[peer] = 0.0
         self._refused_from.discard(peer)
@@ -286,11 +314,47 @@ class FrameGuard:
 
     def seal(self, dst: int, frame: Frame) -> Frame:
         """Seal ``frame`` for ``dst`` (its header is replaced by the sealed one) and
-        return it. (In place: this runs on every send, and a frame is sent once.)"""
+        return it, as a frame whose send is over at once (see :meth:`sealing`). (In
+        place: this runs on every send, and a frame is sent once.)"""
         with self._seq_lock:  # (the number and the key together: admit changes both)
-            seq = self._next_seq[dst] = self._next_seq[dst] + 1
-            key = self._send_keys[dst]
-        return self._mac_sealed(key, seq, frame)
+            number, _ = self._number_locked(dst, track=False)
+            keys = self._keys_locked(dst)
+        return self._sealed_with(keys, number, frame)
+
+    def sealing(self, dst: int, frame: Frame) -> tuple[Frame, tuple[int, int]]:
+        """:meth:`seal`, for a send that is under way until :meth:`sent` is called with
+        the token returned: frames sealed meanwhile may arrive before this one."""
+        with self._seq_lock:
+            number, token = self._number_locked(dst, track=True)
+            keys = self._keys_locked(dst)
+        return self._sealed_with(keys, number, frame), token
+
+    def sent(self, dst: int, token: tuple[int, int]) -> None:
+        """The send :meth:`sealing` numbered (``token``) returned: frames sealed from now
+        on say it arrives before them."""
+        generation, seq = token
+        with self._seq_lock:
+            if self._generation[dst] == generation:
+                self._in_flight[dst].pop(seq, None)
+
+    def _number_locked(self, dst: int, *, track: bool) -> tuple[int, tuple[int, int]]:
+        """The next number of a frame to ``dst`` (under ``_seq_lock``), and its token."""
+        seq = self._next_seq[dst] = self._next_seq[dst] + 1
+        if seq > _SEQ_MAX:
+            raise RpcError(f"{self._names[self.rank]}: {seq - 1} frames sent to rank {dst} "
+                           "in one session, the most one session numbers; start anew")
+        flying = self._in_flight[dst]
+        floor = next(iter(flying)) if flying else seq  # (the oldest still being sent)
+        if track:
+            flying[seq] = None
+        return seq << _LAG_BITS | min(seq - floor, _LAG_NONE), (self._generation[dst], seq)
+
+    def _keys_locked(self, dst: int) -> Any:
+        """What seals a frame to ``dst`` (under ``_seq_lock``): its pair key."""
+        return self._send_keys[dst]
+
+    def _sealed_with(self, keys: Any, number: int, frame: Frame) -> Frame:
+        return self._mac_sealed(keys, number, frame)
 
     def _mac_sealed(self, key: bytes, seq: int, frame: Frame) -> Frame:
         header = frame.header
@@ -343,11 +407,20 @@ class FrameGuard:
             frame.header = body
         return problem
 
-    def _accept_sequence(self, src: int, seq: int) -> str | None:
-        """Take ``seq`` from ``src`` into its window, or say why not. Only once the frame
-        is known genuine: a forged number must not move the window."""
-        if not self._windows[src].add(seq):
-            return f"sequence number {seq} replayed or out of range"
+    def _accept_sequence(self, src: int, number: int) -> str | None:
+        """Take the sealed ``number`` of a frame from ``src`` (its sequence number and
+        floor), or say why not: a number seen before (a replay), or one below the
+        source's floor (a frame held back: sent before a frame that arrived first). Only
+        once the frame is known genuine: a forged number must not move anything."""
+        seq, lag = number >> _LAG_BITS, number & _LAG_NONE
+        with self._order_lock:
+            if not self._windows[src].add(seq):
+                return f"sequence number {seq} replayed or out of range"
+            if seq < self._floors[src]:
+                return (f"frame {seq} arrived after frames sent after it (reordered or "
+                        "held back in transit)")
+            if lag != _LAG_NONE and seq - lag > self._floors[src]:
+                self._floors[src] = seq - lag
         return None
 
     def _count(self, src: int, problem: str) -> bool:

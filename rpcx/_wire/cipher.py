@@ -204,14 +204,15 @@ class FrameCipher(FrameGuard):
 
     # --------------------------------------------------------------------------- send
 
-    def seal(self, dst: int, frame: Frame) -> Frame:
-        """Encrypt ``frame`` for ``dst`` in place (header and buffers replaced), or seal
-        it if the pair is not encrypted."""
-        # The number and the key together: a worker joining at ``dst`` changes both
-        # (admit), and a number must never be used twice under one key (AES-GCM's nonce).
-        with self._seq_lock:
-            seq = self._next_seq[dst] = self._next_seq[dst] + 1
-            aead, key = self._send_aead[dst], self._send_keys[dst]
+    def _keys_locked(self, dst: int) -> Any:
+        # (taken with the number: a worker joining at ``dst`` changes both (admit), and
+        # a number must never be used twice under one key: AES-GCM's nonce)
+        return self._send_aead[dst], self._send_keys[dst]
+
+    def _sealed_with(self, keys: Any, seq: int, frame: Frame) -> Frame:
+        """Encrypt ``frame`` in place (header and buffers replaced) under the pair's
+        cipher and frame number ``seq``, or seal it if the pair is not encrypted."""
+        aead, key = keys
         if aead is None:
             return self._mac_sealed(key, seq, frame)
         header = frame.header

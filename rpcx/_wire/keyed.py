@@ -80,8 +80,14 @@ class KeyedTransport(TransportDecorator):
             peer_lost=peer_lost))
 
     def send(self, dst: int, frame: Frame) -> None:
-        """Seal ``frame`` for ``dst`` and send it."""
-        self.inner.send(dst, self.guard.seal(dst, frame))
+        """Seal ``frame`` for ``dst`` and send it. Until the inner send returns, frames
+        sealed for ``dst`` may arrive before it; after, none does (the transport's order:
+        the receiver refuses a frame held back past later ones)."""
+        sealed, token = self.guard.sealing(dst, frame)
+        try:
+            self.inner.send(dst, sealed)
+        finally:
+            self.guard.sent(dst, token)
 
 
 def keyed(inner: Transport, guard: FrameGuard,

@@ -235,9 +235,10 @@ class TestAuthentication:
         self, rpcx_backend: str, own_worlds: str,
     ) -> None:
         # worker2 -> worker1: a bit flipped; worker3 -> worker1: no MAC at all;
-        # worker3 -> worker2: a genuine call sent twice. Each receiver refuses the frame,
-        # reports the sender lost, and keeps serving worker0.
-        with world(rpcx_backend, size=4, init_method=own_worlds, rpc_timeout=BOUND,
+        # worker3 -> worker2: a genuine call sent twice; worker4 -> worker3: a genuine
+        # call held back and delivered after a later one. Each receiver refuses the
+        # frame, reports the sender lost, and keeps serving worker0.
+        with world(rpcx_backend, size=5, init_method=own_worlds, rpc_timeout=BOUND,
                    auth_key=KEY) as started:
             self._check_refusals(started)
 
@@ -276,7 +277,9 @@ class TestAuthentication:
     @staticmethod
     def _check_refusals(started: World) -> None:
         markers = {how: f"RPCX_KIT_{how}_{uuid.uuid4().hex}"
-                   for how in ("bad", "missing", "replayed")}
+                   for how in ("bad", "missing", "replayed", "reordered")}
+        rpcx.rpc_sync("worker4", remote.send_unauthenticated_call,
+                      args=(3, "reordered", markers["reordered"]))
         rpcx.rpc_sync("worker2", remote.send_unauthenticated_call,
                       args=(1, "bad", markers["bad"]))
         rpcx.rpc_sync("worker3", remote.send_unauthenticated_call,
@@ -285,10 +288,16 @@ class TestAuthentication:
                       args=(2, "replayed", markers["replayed"]))
         for victim, sender, problem in (("worker1", "worker2", "bad or missing MAC"),
                                         ("worker1", "worker3", "MAC"),
-                                        ("worker2", "worker3", "replayed")):
+                                        ("worker2", "worker3", "replayed"),
+                                        ("worker3", "worker4", "reordered")):
             assert_refused(victim, sender, problem)
         assert rpcx.rpc_sync("worker1", rpcx.debug_info)["refused_frames"] == 2
         assert rpcx.rpc_sync("worker2", rpcx.debug_info)["refused_frames"] == 1
+        assert rpcx.rpc_sync("worker3", rpcx.debug_info)["refused_frames"] == 1
+        # the frame sent later ran; the one held back and delivered after it did not
+        assert rpcx.rpc_sync("worker3", remote.wait_for_tally,
+                             args=(markers["reordered"] + "_later", 1, BOUND)) == 1
+        assert rpcx.rpc_sync("worker3", remote.tally_of, args=(markers["reordered"],)) == 0
         assert rpcx.debug_info()["authenticated"] is True
         assert rpcx.rpc_sync("worker1", remote.tally_of, args=(markers["bad"],)) == 0
         assert rpcx.rpc_sync("worker1", remote.tally_of, args=(markers["missing"],)) == 0

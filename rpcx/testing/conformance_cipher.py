@@ -98,6 +98,14 @@ class TestEncryption:
             rpcx.rpc_sync("worker4", remote.send_unauthenticated_call,
                           args=(1, "replayed", markers["replayed"]))
             assert_refused("worker1", "worker4", "replayed")
+            # worker4 -> worker2: a genuine frame held back and delivered after a later one
+            reordered = f"RPCX_KIT_reordered_{uuid.uuid4().hex}"
+            rpcx.rpc_sync("worker4", remote.send_altered_encrypted_call,
+                          args=(2, "reordered", reordered))
+            assert_refused("worker2", "worker4", "reordered")
+            assert rpcx.rpc_sync("worker2", remote.wait_for_tally,
+                                 args=(reordered + "_later", 1, BOUND)) == 1
+            assert rpcx.rpc_sync("worker2", remote.tally_of, args=(reordered,)) == 0
             assert rpcx.rpc_sync("worker1", remote.tally_of,
                                  args=(markers["replayed"],)) == 1  # the genuine one, once
             for name in started.names[1:]:

@@ -797,8 +797,9 @@ def environment_has(name: str) -> bool:
 def send_unauthenticated_call(to_rank: int, how: str, marker: str) -> None:
     """Send ``to_rank``, straight through the transport, a call of
     :func:`tally` (``marker``) whose MAC is ``"bad"`` (one bit flipped),
-    ``"missing"`` (an unsealed frame, as a stray socket would send), or ``"replayed"``
-    (a genuine frame, sent twice)."""
+    ``"missing"`` (an unsealed frame, as a stray socket would send), ``"replayed"``
+    (a genuine frame, sent twice), or ``"reordered"`` (a genuine frame held back and
+    sent after a later one, a call of :func:`tally` with ``marker + "_later"``)."""
     from rpcx._wire import codec
     from rpcx.messages import MessageKind
     from rpcx.transport import Frame
@@ -812,6 +813,10 @@ def send_unauthenticated_call(to_rank: int, how: str, marker: str) -> None:
     if how == "missing":
         transport.send(to_rank, frame)
         return
+    if how == "reordered":
+        _send_reordered(agent, guard, transport, to_rank, frame, lambda: codec.encode(
+            MessageKind.CALL, 0, (tally, (marker + "_later",), {}), ctx))
+        return
     sealed = guard.seal(to_rank, frame)
     if how == "bad":
         header = bytearray(sealed.header)
@@ -824,12 +829,39 @@ def send_unauthenticated_call(to_rank: int, how: str, marker: str) -> None:
         raise ValueError(f"unknown way to break a MAC: {how!r}")
 
 
+def _send_reordered(agent: Any, guard: Any, transport: Any, to_rank: int, held: Any,
+                    later: Any) -> None:
+    """Seal ``held`` as a frame whose send returned at once, then a frame of ``later()``
+    sealed after it (one whose number says ``held`` comes first: sealed again, a new
+    frame each time, while the worker's own sends, a heartbeat, are under way), and send
+    the later one first: ``held`` arrives reordered."""
+    import struct
+
+    from rpcx._wire.auth import _LAG_BITS, _LAG_NONE
+
+    sealed, token = guard.sealing(to_rank, held)
+    guard.sent(to_rank, token)
+    first_seq = token[1]
+    pause = threading.Event()
+    for _ in range(500):
+        after = guard.seal(to_rank, later())
+        (number,) = struct.unpack_from("<Q", after.header)
+        lag = number & _LAG_NONE
+        if lag != _LAG_NONE and (number >> _LAG_BITS) - lag > first_seq:
+            transport.send(to_rank, after)
+            transport.send(to_rank, sealed)
+            return
+        pause.wait(0.01)  # (a send of the worker's own is under way: let it end)
+    raise RuntimeError(f"{agent.name}: frames to rank {to_rank} stayed under way for 5 s")
+
+
 def send_altered_encrypted_call(to_rank: int, how: str, marker: str) -> None:
     """Send ``to_rank``, straight through the transport, an encrypted call of
     :func:`tally` (``marker``) with a tensor of 64 KiB beside its header, altered:
     ``"tensor"`` (one bit of the tensor's ciphertext flipped), ``"header"`` (one bit of
     the header's ciphertext flipped) or ``"plain"`` (the frame as the codec wrote it,
-    unencrypted)."""
+    unencrypted) or ``"reordered"`` (a genuine frame held back and sent after a later
+    one, a call of :func:`tally` with ``marker + "_later"``)."""
     import torch
 
     from rpcx._wire import codec
@@ -846,6 +878,11 @@ def send_altered_encrypted_call(to_rank: int, how: str, marker: str) -> None:
     transport = agent._transport.inner  # (past the cipher: the test encrypts)
     if how == "plain":
         transport.send(to_rank, frame)
+        return
+    if how == "reordered":
+        _send_reordered(agent, guard, transport, to_rank, frame, lambda: codec.encode(
+            MessageKind.CALL, 0, (tally, (marker + "_later", torch.ones(1 << 14)), {}),
+            ctx))
         return
     sealed = guard.seal(to_rank, frame)
     if how == "tensor":
@@ -903,8 +940,9 @@ _tallies_lock = threading.Lock()
 _tallies_changed = threading.Condition(_tallies_lock)
 
 
-def tally(key: str) -> int:
-    """Add one to this process's tally ``key`` (thread-safe); return it."""
+def tally(key: str, *riding: Any) -> int:
+    """Add one to this process's tally ``key`` (thread-safe); return it. (``riding``:
+    what a test sends beside it, a tensor, ignored.)"""
     with _tallies_changed:
         _tallies[key] = _tallies.get(key, 0) + 1
         _tallies_changed.notify_all()
