@@ -5,6 +5,7 @@ conformance kit's ``TestCertificates`` runs whole worlds on every backend."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -233,18 +234,26 @@ def test_in_a_world_of_fixed_size_rank_0_draws_the_key_and_every_rank_gets_it(
         _raw_connection(server).close()
 
 
+@contextlib.contextmanager
+def _listed_server(store: BoundedStore, rank: int, site: Site, key: bytes
+                   ) -> Iterator[enrollment.KeyServer]:
+    """A key server of ``site``'s ``w0`` handing out ``key``, listed for ``rank``."""
+    server = enrollment.KeyServer(_certificates(site, "w0"), key, "127.0.0.1", "w0")
+    try:
+        enrollment.list_server(store, rank, server.address, BOUND)
+        yield server
+    finally:
+        server.close()
+
+
 def test_a_dynamic_world_is_founded_then_joined_through_a_listed_server(
         sites: tuple[Site, Site], store: BoundedStore) -> None:
     site, _ = sites
     key = enrollment.dynamic_world_key(store, _certificates(site, "w0"), BOUND, "w0",
                                        has_roster=False)
-    server = enrollment.KeyServer(_certificates(site, "w0"), key, "127.0.0.1", "w0")
-    try:
-        enrollment.list_server(store, 0, server.address, BOUND)
+    with _listed_server(store, 0, site, key):
         assert enrollment.dynamic_world_key(store, _certificates(site, "w1"), BOUND, "w1",
                                             has_roster=True) == key
-    finally:
-        server.close()
 
 
 def test_the_last_member_to_leave_takes_the_key_and_the_next_founds_anew(
@@ -291,13 +300,9 @@ def test_a_joiner_passes_over_a_member_whose_server_is_gone(
         enrollment.dynamic_world_key(store, _certificates(site, "w1"), 1.0, "w1",
                                      has_roster=True)
     assert not isinstance(caught.value, AuthenticationError)  # unreachable, not refused
-    server = enrollment.KeyServer(_certificates(site, "w0"), KEY, "127.0.0.1", "w0")
-    try:
-        enrollment.list_server(store, 1, server.address, BOUND)
+    with _listed_server(store, 1, site, KEY):
         assert enrollment.dynamic_world_key(store, _certificates(site, "w1"), BOUND, "w1",
                                             has_roster=True) == KEY
-    finally:
-        server.close()
 
 
 def test_a_dynamic_world_without_key_servers_is_named(

@@ -316,16 +316,15 @@ class FrameGuard:
         """Seal ``frame`` for ``dst`` (its header is replaced by the sealed one) and
         return it, as a frame whose send is over at once (see :meth:`sealing`). (In
         place: this runs on every send, and a frame is sent once.)"""
-        with self._seq_lock:  # (the number and the key together: admit changes both)
-            number, _ = self._number_locked(dst, track=False)
-            keys = self._keys_locked(dst)
-        return self._sealed_with(keys, number, frame)
+        sealed, token = self.sealing(dst, frame)
+        self.sent(dst, token)
+        return sealed
 
     def sealing(self, dst: int, frame: Frame) -> tuple[Frame, tuple[int, int]]:
         """:meth:`seal`, for a send that is under way until :meth:`sent` is called with
         the token returned: frames sealed meanwhile may arrive before this one."""
-        with self._seq_lock:
-            number, token = self._number_locked(dst, track=True)
+        with self._seq_lock:  # (the number and the key together: admit changes both)
+            number, token = self._number_locked(dst)
             keys = self._keys_locked(dst)
         return self._sealed_with(keys, number, frame), token
 
@@ -337,16 +336,16 @@ class FrameGuard:
             if self._generation[dst] == generation:
                 self._in_flight[dst].pop(seq, None)
 
-    def _number_locked(self, dst: int, *, track: bool) -> tuple[int, tuple[int, int]]:
-        """The next number of a frame to ``dst`` (under ``_seq_lock``), and its token."""
+    def _number_locked(self, dst: int) -> tuple[int, tuple[int, int]]:
+        """The next number of a frame to ``dst`` (under ``_seq_lock``), and its token;
+        the frame counts as being sent until :meth:`sent`."""
         seq = self._next_seq[dst] = self._next_seq[dst] + 1
         if seq > _SEQ_MAX:
             raise RpcError(f"{self._names[self.rank]}: {seq - 1} frames sent to rank {dst} "
                            "in one session, the most one session numbers; start anew")
         flying = self._in_flight[dst]
         floor = next(iter(flying)) if flying else seq  # (the oldest still being sent)
-        if track:
-            flying[seq] = None
+        flying[seq] = None
         return seq << _LAG_BITS | min(seq - floor, _LAG_NONE), (self._generation[dst], seq)
 
     def _keys_locked(self, dst: int) -> Any:

@@ -141,8 +141,17 @@ def fuzz_listeners(targets: list[tuple[int, Any]], frames: list[bytes],
     return tried
 
 
+def _join_when_ready(rank: int, size: int, init_method: str, backend: str,
+                     options: dict[str, Any], answers: Any) -> None:
+    """Say ``"ready"`` (imports done), then :func:`join_and_report`."""
+    answers.put("ready")
+    join_and_report(rank, size, init_method, backend, options, answers)
+
+
 class _Outsider:
-    """Runs :func:`join_and_report` for rank 1 as a process or a thread, per backend."""
+    """Runs :func:`join_and_report` for rank 1 as a process or a thread, per backend;
+    ready to join once made (a worker started next does not wait for its imports, so a
+    short ``rpc_timeout`` of that worker's covers the outsider's attempt)."""
 
     def __init__(self, backend: str, init_method: str, options: dict[str, Any]) -> None:
         spec = resolve_backend(backend)
@@ -150,13 +159,14 @@ class _Outsider:
         if spec.capabilities.multi_process and not spec.capabilities.in_process:
             context = worker_context()
             self.answers: Any = context.Queue()
-            self.runner: Any = context.Process(target=join_and_report,
+            self.runner: Any = context.Process(target=_join_when_ready,
                                                args=(*args, self.answers), daemon=True)
         else:
             self.answers = queue.Queue()
-            self.runner = threading.Thread(target=join_and_report,
+            self.runner = threading.Thread(target=_join_when_ready,
                                            args=(*args, self.answers), daemon=True)
         self.runner.start()
+        assert self.answers.get(timeout=BOUND) == "ready"
 
     def answer(self) -> str:
         got: str = self.answers.get(timeout=2 * BOUND)

@@ -12,9 +12,7 @@ workers after it; a worker with a shared key instead, or neither, is refused too
 from __future__ import annotations
 
 import os
-import queue
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,13 +23,11 @@ import torch
 import rpcx
 from rpcx._wire import cipher
 from rpcx.errors import RpcError
-from rpcx.registry import resolve_backend
 from rpcx.testing import remote
 from rpcx.testing.certificates import Site, make_site
-from rpcx.testing.conformance_auth import join_and_report
+from rpcx.testing.conformance_auth import _Outsider
 from rpcx.testing.conformance_cipher import PATTERN, patterned
 from rpcx.testing.fixtures import WorldKeeper
-from rpcx.testing.processes import worker_context
 from rpcx.testing.world import DynamicWorld, _options, dynamic_world, world
 
 __all__ = ["TestCertificates"]
@@ -50,39 +46,6 @@ def certificate_options(site: Site, name: str, trusting: Site | None = None
     variables = site.worker(name)
     return {"tls_ca": str((trusting or site).ca), "tls_cert": variables["RPCX_TLS_CERT"],
             "tls_key": variables["RPCX_TLS_KEY"]}
-
-
-def _join_when_ready(rank: int, size: int, init_method: str, backend: str,
-                     options: dict[str, Any], answers: Any) -> None:
-    """Say ``"ready"`` (imports done), then try to join as ``rank`` and report."""
-    answers.put("ready")
-    join_and_report(rank, size, init_method, backend, options, answers)
-
-
-class _ReadyOutsider:
-    """Worker ``rank`` 1 of 2 with ``options``, as a process or a thread per backend,
-    that has said it is ready to join before :meth:`__init__` returns: a worker started
-    next does not wait for it to import anything."""
-
-    def __init__(self, backend: str, init_method: str, options: dict[str, Any]) -> None:
-        spec = resolve_backend(backend)
-        args = (1, 2, init_method, spec.name, options)
-        if spec.capabilities.multi_process and not spec.capabilities.in_process:
-            context = worker_context()
-            self.answers: Any = context.Queue()
-            self.runner: Any = context.Process(target=_join_when_ready,
-                                               args=(*args, self.answers), daemon=True)
-        else:
-            self.answers = queue.Queue()
-            self.runner = threading.Thread(target=_join_when_ready,
-                                           args=(*args, self.answers), daemon=True)
-        self.runner.start()
-        assert self.answers.get(timeout=BOUND) == "ready"
-
-    def answer(self) -> str:
-        got: str = self.answers.get(timeout=2 * BOUND)
-        self.runner.join(BOUND)
-        return got
 
 
 @pytest.mark.skipif(not cipher.aead_available(),
@@ -143,7 +106,7 @@ class TestCertificates:
             other, "stranger", trusting=site if trusts == "the-world's-ca" else None)
         with tempfile.TemporaryDirectory(prefix="rpcx-certificates-") as directory:
             init_method = "file://" + os.path.join(directory, "rendezvous")
-            outsider = _ReadyOutsider(rpcx_backend, init_method,
+            outsider = _Outsider(rpcx_backend, init_method,
                                       {"rpc_timeout": BOUND, **stranger})
             options = _options(rpcx_backend, init_method, {
                 "rpc_timeout": SHORT, **certificate_options(site, "member")})
