@@ -161,9 +161,11 @@ class FaultyTransport(TransportDecorator):
         with turn:
             if delay:
                 time.sleep(faults.delay_seconds)  # the injected fault itself
+            # (copied first: a send below may seal or encrypt the frame in place)
+            again = frame.shallow_copy() if duplicate else None
             self.inner.send(dst, frame)
-            if duplicate:
-                self.inner.send(dst, frame.shallow_copy())
+            if again is not None:
+                self.inner.send(dst, again)
 
     def _noting_requests(self, deliver: Callable[[int, Frame], None],
                          answered: frozenset[int]) -> Callable[[int, Frame], None]:

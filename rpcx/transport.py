@@ -47,9 +47,12 @@ class Frame:
     # with request/response messages of its own (tensorpipe) pairs the two.
     request_id: int = 0
     reply_to: int = 0
-    # Indices of buffers the codec created for this frame alone (a contiguous copy of a
-    # strided view, a host copy of device memory): nothing else can change them, so a
-    # transport that otherwise copies what it sends later may send these as they are.
+    # Indices of buffers made for this frame alone. Sent: the codec's copies (a
+    # contiguous copy of a strided view, a host copy of device memory), which nothing
+    # else can change, so a transport that otherwise copies what it sends later may send
+    # these as they are. Delivered (optional): buffers the transport allocated for this
+    # frame and shares with nothing (not a shared-memory segment, not a library's
+    # message), which the receiver may write over (the cipher decrypts them in place).
     owned: frozenset[int] = frozenset()
     # A request's deadline (a ``time.monotonic()`` value; 0: none), set by the agent. A
     # transport whose ``send`` can wait on a peer that reads nothing should return by

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import rpcx
+from rpcx._util import memory
 from rpcx._wire import auth, cipher
 from rpcx.errors import ProtocolError, RpcError
 from rpcx.transport import Frame
@@ -197,6 +198,84 @@ def test_parts_larger_than_a_piece_go_in_pieces(monkeypatch: pytest.MonkeyPatch)
     swapped.buffers[0][:80], swapped.buffers[0][80:160] = second, first  # two pieces swapped
     with pytest.raises(ProtocolError, match="buffer 0 did not decrypt"):
         sender.deliver_to_receiver(0, swapped)  # type: ignore[attr-defined]
+
+
+def _as_received(sealed: Frame) -> Frame:
+    """``sealed`` as a socket transport delivers it: each buffer in fresh memory of the
+    transport's own, which the receiver may write over (``owned``)."""
+    return Frame(sealed.header, [b.clone() for b in sealed.buffers],
+                 owned=frozenset(range(len(sealed.buffers))))
+
+
+@pytest.mark.parametrize("pieces", [False, True])
+def test_a_large_buffer_of_the_transports_own_is_decrypted_where_it_lies(
+    monkeypatch: pytest.MonkeyPatch, pieces: bool,
+) -> None:
+    monkeypatch.setattr(cipher, "IN_PLACE_MIN", 1000)
+    monkeypatch.setattr(cipher, "_CHUNK", 96)  # (several chunks per piece)
+    monkeypatch.setattr(cipher._scratch, "view", None, raising=False)
+    if pieces:
+        monkeypatch.setattr(cipher, "PIECE_BYTES", 400)  # (a tag every 400 bytes)
+    sender, _, delivered, refused = _pair()
+    plain = [torch.arange(n, dtype=torch.int32).view(torch.uint8) for n in (300, 700, 10)]
+    received = _as_received(sender.seal(1, Frame(b"h", [b.clone() for b in plain])))
+    addresses = [b.data_ptr() for b in received.buffers]
+    sender.deliver_to_receiver(0, received)  # type: ignore[attr-defined]
+    assert not refused
+    (frame,) = delivered
+    assert all(torch.equal(got, want) for got, want in zip(frame.buffers, plain, strict=True))
+    # 1200 and 2800 bytes: in place; 40 bytes: into a buffer of their own
+    assert [b.data_ptr() == a for b, a in zip(frame.buffers, addresses, strict=True)] == [
+        True, True, False]
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_a_bit_flipped_in_a_large_buffer_is_refused_in_place_or_not(
+    monkeypatch: pytest.MonkeyPatch, owned: bool,
+) -> None:
+    monkeypatch.setattr(cipher, "IN_PLACE_MIN", 1000)
+    monkeypatch.setattr(cipher, "PIECE_BYTES", 400)
+    sender, receiver, delivered, refused = _pair()
+    received = _as_received(sender.seal(1, Frame(b"h", [torch.ones(1000)])))
+    received.buffers[0][2500] ^= 1  # (in the fourth piece of ten)
+    if not owned:  # (a shared-memory segment, a library's message: never written)
+        received.owned = frozenset()
+    before = received.buffers[0].clone()
+    with pytest.raises(ProtocolError, match="buffer 0 did not decrypt"):
+        sender.deliver_to_receiver(0, received)  # type: ignore[attr-defined]
+    assert not delivered and len(refused) == 1 and receiver.refused == 1
+    assert torch.equal(received.buffers[0], before) is not owned
+
+
+@pytest.mark.skipif(memory._storage_use_count is None,
+                    reason="this torch does not count a storage's users")
+def test_encrypted_copies_are_used_again_once_nothing_holds_them() -> None:
+    sender, _, delivered, refused = _pair()
+    size = 5 << 20  # (over ReusedBuffers' smallest)
+    first = sender.seal(1, Frame(b"h", [torch.full((size,), 1, dtype=torch.uint8)]))
+    address = first.buffers[0].data_ptr()
+    kept = first.buffers[0].clone()
+    # Held (a transport still writing it, a receiver in this process): not used again.
+    second = sender.seal(1, Frame(b"h", [torch.full((size,), 2, dtype=torch.uint8)]))
+    addresses = {address, second.buffers[0].data_ptr()}
+    assert len(addresses) == 2
+    assert torch.equal(first.buffers[0], kept)
+    for sealed in (first, second):  # (received into the transport's memory: copies)
+        sender.deliver_to_receiver(0, _as_received(sealed))  # type: ignore[attr-defined]
+    del first, second, sealed
+    third = sender.seal(1, Frame(b"h", [torch.full((size,), 3, dtype=torch.uint8)]))
+    assert third.buffers[0].data_ptr() in addresses
+    # Delivered as it is (a transport handing the frame over in this process): the
+    # receiver decrypts in place, and the buffer stays its own while it holds it.
+    sender.deliver_to_receiver(0, third)  # type: ignore[attr-defined]
+    assert delivered[-1].buffers[0].data_ptr() in addresses
+    fourth = sender.seal(1, Frame(b"h", [torch.full((size,), 4, dtype=torch.uint8)]))
+    assert fourth.buffers[0].data_ptr() in addresses - {delivered[-1].buffers[0].data_ptr()}
+    sender.deliver_to_receiver(0, _as_received(fourth))  # type: ignore[attr-defined]
+    assert not refused
+    assert [int(frame.buffers[0][size // 2]) for frame in delivered] == [1, 2, 3, 4]
+    assert int(delivered[2].buffers[0].min()) == 3  # (not written over by the fourth)
+    assert sender.send_buffers.kept_bytes == 2 * cipher.sealed_size(size)
 
 
 def test_ciphertext_has_storage_of_exactly_its_size() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import time
 import uuid
@@ -89,6 +90,28 @@ def test_duplicated_requests_run_once(monkeypatch: pytest.MonkeyPatch) -> None:
         tallied = rpcx.remote("worker1", remote.tally_of, args=(key,))  # not duplicated
         assert tallied.to_here(timeout=BOUND) == 1
         assert _injected() == {("duplicate", "CALL"): 1}
+
+
+@pytest.mark.parametrize("encrypt", [None, "always"])
+def test_duplicated_requests_run_once_under_a_world_key(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, encrypt: str | None,
+) -> None:
+    # The seals sit under the injector, and seal in place: each copy is sealed on its
+    # own (a fresh number, not a seal over a seal, which the receiver would drop as a
+    # frame of no known kind), and the receiver drops the second by its request id.
+    caplog.set_level(logging.WARNING, logger="rpcx")
+    if encrypt is not None:
+        pytest.importorskip("cryptography.hazmat.primitives.ciphers.aead")
+    _faults(monkeypatch, duplicate={"CALL": 1.0})
+    key = uuid.uuid4().hex
+    with world("faulty:loopback", size=2, rpc_timeout=BOUND, auth_key="k" * 32,
+               encrypt=encrypt):
+        big = torch.arange(1 << 20, dtype=torch.float32)  # (beside the header: encrypted)
+        assert rpcx.rpc_sync("worker1", remote.tally, args=(key, big), timeout=BOUND) == 1
+        assert rpcx.rpc_sync("worker1", remote.tally_of, args=(key,), timeout=BOUND) == 1
+        assert _injected() == {("duplicate", "CALL"): 2}
+        assert rpcx.debug_info()["refused_frames"] == 0
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_duplicated_rref_traffic_neither_leaks_nor_frees_early(

@@ -9,6 +9,13 @@ seals the rest as the guard does. For an encrypted pair, each frame is::
 
 (a part over ``PIECE_BYTES``, 1 GiB, goes in pieces, each with its own tag).
 
+A large frame costs the cipher's own pass over its bytes and little else: the encrypted
+copies of large buffers are kept and used again once the send is over
+(:class:`~rpcx._util.memory.ReusedBuffers`), and a large buffer the transport received
+into memory of its own (``Frame.owned``) is decrypted where it lies, a chunk at a time
+through a small scratch buffer (``cryptography`` refuses to decrypt into the bytes it
+reads).
+
 Keys come from the world key, both workers' session nonces and an X25519 exchange
 between the two (:class:`KeyExchange`: each worker draws a key pair at ``init_rpc`` and
 publishes the public half, sealed), one per ordered pair (src, dst), so each direction
@@ -33,12 +40,13 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rpcx._util.memory import empty_bytes, memory_at
+from rpcx._util.memory import ReusedBuffers, empty_bytes, memory_at
 from rpcx._wire.auth import _SEQ, FrameGuard, _derive
 from rpcx.errors import RpcError
 from rpcx.transport import Frame
@@ -55,6 +63,7 @@ _INSTALL = "pip install 'torch-rpcx[encrypt]'"
 # The ``cryptography`` package is optional (the ``encrypt`` extra): without it rpcx runs
 # as before and only a world that asks for encryption fails, saying what to install.
 _AESGCM: Any = None
+_GCM_DECRYPTION: Any = None  # (key, nonce, tag) -> a streaming decryptor
 _X25519: Any = None
 _X25519_PUBLIC: Any = None
 _InvalidTag: type[Exception] = Exception
@@ -64,6 +73,7 @@ try:
         X25519PrivateKey,
         X25519PublicKey,
     )
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 except ImportError:  # pragma: no cover - depends on the environment
     pass
@@ -71,6 +81,9 @@ else:
     if hasattr(AESGCM, "encrypt_into"):  # (cryptography 45 on: no copy of each tensor)
         _AESGCM, _InvalidTag = AESGCM, InvalidTag
         _X25519, _X25519_PUBLIC = X25519PrivateKey, X25519PublicKey
+
+        def _GCM_DECRYPTION(key: bytes, nonce: bytes, tag: bytes) -> Any:
+            return Cipher(algorithms.AES(key), modes.GCM(nonce, tag)).decryptor()
 
 PUBLIC_BYTES = 32  # an X25519 public key, raw
 
@@ -167,6 +180,9 @@ class FrameCipher(FrameGuard):
         self.encrypted: list[bool] = []
         self._send_aead: list[Any] = []
         self._receive_aead: list[Any] = []
+        self._receive_cipher_keys: list[bytes] = []  # (for decryption in place)
+        # Encrypted copies of large buffers, used again once their send is over.
+        self.send_buffers = ReusedBuffers()
         super().__init__(key, rank, nonces, names, payload=payload)
         for peer, on in enumerate(encrypted):
             if on:
@@ -179,6 +195,7 @@ class FrameCipher(FrameGuard):
             self.encrypted.extend([False] * more)
             self._send_aead.extend([None] * more)
             self._receive_aead.extend([None] * more)
+            self._receive_cipher_keys.extend([b""] * more)
 
     def _encrypt_with(self, peer: int, shared: bytes | None) -> None:
         """Encrypt the frames to and from ``peer`` with keys made from the pair's keys and
@@ -186,10 +203,12 @@ class FrameCipher(FrameGuard):
         self.encrypted[peer] = shared is not None
         if shared is None:
             self._send_aead[peer] = self._receive_aead[peer] = None
+            self._receive_cipher_keys[peer] = b""
             return
         self._send_aead[peer] = _AESGCM(_derive(self._send_keys[peer], b"cipher", shared))
-        self._receive_aead[peer] = _AESGCM(_derive(self._receive_keys[peer], b"cipher",
-                                                   shared))
+        receive_key = _derive(self._receive_keys[peer], b"cipher", shared)
+        self._receive_aead[peer] = _AESGCM(receive_key)
+        self._receive_cipher_keys[peer] = receive_key
 
     def _forget_locked(self, peer: int) -> None:
         super()._forget_locked(peer)
@@ -227,12 +246,15 @@ class FrameCipher(FrameGuard):
         sealed = []
         for buffer, size in zip(frame.buffers, sizes, strict=True):
             flat = _flat_bytes(buffer)  # (held until encrypted: the views borrow it)
-            # Storage of exactly this size: a transport may send a view's whole storage.
-            out = empty_bytes(sealed_size(size), exact=True)
+            # Storage of exactly this size (a transport may send a view's whole storage),
+            # used again once nothing holds it: after the send, or the receiver in this
+            # process, is done with it.
+            out = self.send_buffers.take(sealed_size(size))
             parts.encrypt(_view(flat, size), _view(out, out.numel()))
             sealed.append(out)
         frame.buffers = sealed
-        # Every buffer is now a copy made here: transports need not copy them again.
+        # Every buffer is now a copy made here, which nothing changes while anyone holds
+        # it: transports need not copy them again.
         frame.owned = frozenset(range(len(sealed)))
         return frame
 
@@ -265,7 +287,8 @@ class FrameCipher(FrameGuard):
             return "not an encrypted frame (a buffer shorter than its tag)"
         known = [size for size in sizes if size is not None]  # (all of them)
         (seq,) = _SEQ.unpack_from(header)
-        parts = _Parts(aead, seq, _extra(seq, header_size, known))
+        parts = _Parts(aead, seq, _extra(seq, header_size, known),
+                       self._receive_cipher_keys[src])
         try:
             plain = parts.decrypt_header(header[_SEQ.size:], header_size)
         except _InvalidTag:
@@ -281,16 +304,28 @@ class FrameCipher(FrameGuard):
         opened = []
         for index, (buffer, size) in enumerate(zip(frame.buffers, known, strict=True)):
             flat = _flat_bytes(buffer)
-            out = empty_bytes(size)
             try:
-                parts.decrypt(_view(flat, sealed_size(size)), _view(out, size), size)
+                if size >= IN_PLACE_MIN and index in frame.owned:
+                    # (the transport's own memory: no second buffer to fault in)
+                    parts.decrypt_in_place(_view(flat, sealed_size(size)), size)
+                    out = flat[:size]
+                else:
+                    out = empty_bytes(size)
+                    parts.decrypt(_view(flat, sealed_size(size)), _view(out, size), size)
             except _InvalidTag:
                 return f"buffer {index} did not decrypt (altered in transit)"
             opened.append(out)
         frame.header = plain
         frame.buffers = opened
+        frame.owned = frozenset()
         return None
 
+
+IN_PLACE_MIN = 4 << 20
+"""A received buffer this large, in memory the transport allocated for the frame alone,
+is decrypted in place; a smaller one into a new buffer (the allocator reuses those)."""
+_CHUNK = 256 << 10  # decrypted in place through a scratch buffer of this size (cached)
+_scratch = threading.local()
 
 PIECE_BYTES = 1 << 30
 """The most one AES-GCM call encrypts: ``cryptography`` takes at most 2**31 - 1 bytes a
@@ -320,10 +355,12 @@ class _Parts:
     at most ``PIECE_BYTES``: piece ``n`` of the frame is sealed under the nonce
     (``n``, the frame's sequence number), so no nonce repeats under the pair's key."""
 
-    __slots__ = ("_aead", "_extra", "_next", "_seq")
+    __slots__ = ("_aead", "_extra", "_key", "_next", "_seq")
 
-    def __init__(self, aead: Any, seq: int, extra: bytes) -> None:
+    def __init__(self, aead: Any, seq: int, extra: bytes, key: bytes = b"") -> None:
+        """``key``: the cipher's key, which :meth:`decrypt_in_place` needs."""
         self._aead, self._seq, self._extra, self._next = aead, seq, extra, 0
+        self._key = key
 
     def _nonce(self) -> bytes:
         nonce = _NONCE.pack(self._next, self._seq)
@@ -363,6 +400,35 @@ class _Parts:
             self._aead.decrypt_into(self._nonce(), sealed[start + piece * TAG :
                                                           end + (piece + 1) * TAG],
                                     self._extra, out[start:end])
+
+
+    def decrypt_in_place(self, sealed: Any, size: int) -> None:
+        """``sealed`` (``sealed_size(size)`` writable bytes) decrypted into its own first
+        ``size`` bytes; ``InvalidTag`` if any piece fails (the bytes are then garbage).
+
+        Each piece streams through AES-GCM a chunk at a time into a scratch buffer and is
+        copied back: plain bytes land at or before the ciphertext still to be read, which
+        the writes never reach. Nothing is believed before the piece's tag checks out:
+        the frame is refused then, bytes and all.
+        """
+        scratch = getattr(_scratch, "view", None)
+        if scratch is None:  # (one per thread; a block more, as the API asks of a buffer)
+            scratch = _scratch.view = memoryview(bytearray(_CHUNK + 16))
+        for piece in range(_pieces(size)):
+            start = piece * PIECE_BYTES
+            length = min(size, start + PIECE_BYTES) - start
+            read = start + piece * TAG  # (each earlier piece's tag shifts this one)
+            tag = bytes(sealed[read + length : read + length + TAG])  # (before it is overwritten)
+            decryptor = _GCM_DECRYPTION(self._key, self._nonce(), tag)
+            decryptor.authenticate_additional_data(self._extra)
+            written = start
+            for offset in range(0, length, _CHUNK):
+                end = min(length, offset + _CHUNK)
+                count = decryptor.update_into(sealed[read + offset : read + end], scratch)
+                sealed[written : written + count] = scratch[:count]
+                written += count
+            rest = decryptor.finalize()  # (GCM holds nothing back: b"")
+            sealed[written : written + len(rest)] = rest
 
 
 def _extra(seq: int, header_length: int, sizes: list[int]) -> bytes:

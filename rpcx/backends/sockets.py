@@ -166,8 +166,9 @@ class _Assembly:
             else:
                 self.targets[0] = target[take:]
             count -= take
-        if not self.left:
-            return Frame(self.header, self.buffers)
+        if not self.left:  # (buffers allocated for this frame alone: the receiver's)
+            return Frame(self.header, self.buffers,
+                         owned=frozenset(range(len(self.buffers))))
         self.unsaid += count_read
         if self.unsaid >= MOVED_EVERY:  # (a piece is smaller: say so across pieces)
             self.unsaid = 0
@@ -482,6 +483,7 @@ class SocketTransport(StreamTransport[_Peer]):
             reader.fill(small)  # every inline byte, in as few reads as they take
         buffers = []
         for size, w, segment_id in zip(sizes, where, ids, strict=True):
+            # (Only a buffer in a shared segment is not the receiver's own to change.)
             if w == _NEW_SEGMENT:
                 fd = reader.fds.popleft()
                 try:
@@ -504,7 +506,8 @@ class SocketTransport(StreamTransport[_Peer]):
                 buffers.append(torch.frombuffer(bytearray(reader.take(size)), dtype=torch.uint8))
             else:
                 buffers.append(torch.empty(0, dtype=torch.uint8))
-        return Frame(header, buffers)
+        return Frame(header, buffers, owned=frozenset(
+            index for index, w in enumerate(where) if w == _INLINE))
 
     @staticmethod
     def _begin_pieces(peer: _Peer, header: bytes, sizes: tuple[int, ...], where: bytes

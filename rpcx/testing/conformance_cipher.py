@@ -30,6 +30,7 @@ BOUND = 30.0
 # Bytes no frame would hold by chance: a tensor made of them, sent in a call and
 # returned, must not appear in anything a worker hands its transport.
 PATTERN = bytes(range(7, 7 + 64))
+HUGE = 6 << 20  # over the cipher's sizes for reused buffers and decryption in place
 
 
 def patterned(repeats: int) -> torch.Tensor:
@@ -65,6 +66,18 @@ class TestEncryption:
                 assert torch.equal(relayed, tensor)
             rref = rpcx.remote("worker2", remote.echo, args=(large,))
             assert torch.equal(rref.to_here(timeout=BOUND), large)
+            # Tensors of megabytes: each side's encrypted copies are used again once
+            # sent, and buffers received into the transport's own memory are decrypted
+            # where they lie; what earlier calls returned must stay as it came.
+            huge = [patterned(HUGE // len(PATTERN)) + fill for fill in range(3)]
+            returned = [rpcx.rpc_sync("worker1", remote.echo, args=(tensor,),
+                                      timeout=BOUND) for tensor in huge]
+            held = rpcx.remote("worker2", remote.echo, args=(huge[0],))
+            returned.append(rpcx.rpc_sync("worker2", remote.echo, args=(huge[1],),
+                                          timeout=BOUND))
+            assert torch.equal(held.to_here(timeout=BOUND), huge[0])
+            for got, want in zip(returned, [*huge, huge[1]], strict=True):
+                assert torch.equal(got, want)
             assert rpcx.debug_info()["encrypted_peers"] == 2
             for name in started.names:
                 parts, found = rpcx.rpc_sync(name, remote.wire_has, args=(PATTERN,))

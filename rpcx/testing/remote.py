@@ -858,7 +858,8 @@ def _send_reordered(agent: Any, guard: Any, transport: Any, to_rank: int, held: 
 def send_altered_encrypted_call(to_rank: int, how: str, marker: str) -> None:
     """Send ``to_rank``, straight through the transport, an encrypted call of
     :func:`tally` (``marker``) with a tensor of 64 KiB beside its header, altered:
-    ``"tensor"`` (one bit of the tensor's ciphertext flipped), ``"header"`` (one bit of
+    ``"tensor"`` (one bit of the tensor's ciphertext flipped; the tensor is 6 MiB then,
+    which a receiver decrypts in place where its transport allows), ``"header"`` (one bit of
     the header's ciphertext flipped) or ``"plain"`` (the frame as the codec wrote it,
     unencrypted) or ``"reordered"`` (a genuine frame held back and sent after a later
     one, a call of :func:`tally` with ``marker + "_later"``)."""
@@ -872,8 +873,8 @@ def send_altered_encrypted_call(to_rank: int, how: str, marker: str) -> None:
     guard = agent.guard
     assert getattr(guard, "encrypted", None), "this world runs unencrypted"
     ctx = codec.EncodeContext(to_rank, agent=agent, routes=agent.routes)
-    frame = codec.encode(MessageKind.CALL, 0, (tally, (marker, torch.ones(1 << 14)), {}),
-                         ctx)
+    riding = torch.ones((6 << 20) // 4 if how == "tensor" else 1 << 14)
+    frame = codec.encode(MessageKind.CALL, 0, (tally, (marker, riding), {}), ctx)
     assert frame.buffers, "the tensor went in the header"
     transport = agent._transport.inner  # (past the cipher: the test encrypts)
     if how == "plain":
