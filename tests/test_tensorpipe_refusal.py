@@ -9,13 +9,13 @@ be unset), with torch's own init_rpc working without numpy as in test_examples.
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from rpcx.registry import backend_names
-from rpcx.testing.world import free_port
 
 PROGRAM = '''\
 import io, os, sys
@@ -29,14 +29,14 @@ def _tensor_to_object(tensor, tensor_size, group):  # torch's, without numpy
 
 
 c10d._tensor_to_object = _tensor_to_object
-torch_port, rpcx_port = sys.argv[1], sys.argv[2]
+torch_store, rpcx_store = sys.argv[1], sys.argv[2]
 torch_rpc.init_rpc("torch0", rank=0, world_size=1,
                    rpc_backend_options=torch_rpc.TensorPipeRpcBackendOptions(
-                       init_method=f"tcp://127.0.0.1:{torch_port}"))
+                       init_method=f"file://{torch_store}"))
 try:
     rpcx.init_rpc("rpcx0", backend="tensorpipe", rank=0, world_size=1,
                   rpc_backend_options=rpcx.TensorPipeRpcBackendOptions(
-                      init_method=f"tcp://127.0.0.1:{rpcx_port}", rpc_timeout=30))
+                      init_method=f"file://{rpcx_store}", rpc_timeout=30))
 except rpcx.RpcError as exc:
     print("REFUSED", type(exc).__name__, exc, flush=True)
 else:
@@ -47,14 +47,14 @@ torch_rpc.shutdown()
 '''
 
 
-
-def test_refuses_when_torch_rpc_agent_is_set() -> None:
+def test_refuses_when_torch_rpc_agent_is_set(tmp_path: pathlib.Path) -> None:
     if "tensorpipe" not in backend_names():
         pytest.skip("this torch build has no TensorPipe agent")
     env = dict(os.environ)
     env.pop("RPCX_BACKEND", None)
     done = subprocess.run(
-        [sys.executable, "-c", PROGRAM, str(free_port()), str(free_port())],
+        # (file stores: a port the OS called free may be taken before torch binds it)
+        [sys.executable, "-c", PROGRAM, str(tmp_path / "torch"), str(tmp_path / "rpcx")],
         capture_output=True, text=True, timeout=180, env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
