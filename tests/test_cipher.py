@@ -16,6 +16,8 @@ import rpcx
 from rpcx._util import memory
 from rpcx._wire import auth, cipher
 from rpcx.errors import ProtocolError, RpcError
+from rpcx.testing import remote
+from rpcx.testing.world import world
 from rpcx.transport import Frame
 
 pytestmark = pytest.mark.skipif(not cipher.aead_available(),
@@ -212,7 +214,7 @@ def test_a_large_buffer_of_the_transports_own_is_decrypted_where_it_lies(
     monkeypatch: pytest.MonkeyPatch, pieces: bool,
 ) -> None:
     monkeypatch.setattr(cipher, "IN_PLACE_MIN", 1000)
-    monkeypatch.setattr(cipher, "_CHUNK", 96)  # (several chunks per piece)
+    monkeypatch.setattr(cipher, "_CHUNK", 100)  # (several chunks a piece, ends mid-block)
     monkeypatch.setattr(cipher._scratch, "view", None, raising=False)
     if pieces:
         monkeypatch.setattr(cipher, "PIECE_BYTES", 400)  # (a tag every 400 bytes)
@@ -265,8 +267,9 @@ def test_encrypted_copies_are_used_again_once_nothing_holds_them() -> None:
     del first, second, sealed
     third = sender.seal(1, Frame(b"h", [torch.full((size,), 3, dtype=torch.uint8)]))
     assert third.buffers[0].data_ptr() in addresses
-    # Delivered as it is (a transport handing the frame over in this process): the
-    # receiver decrypts in place, and the buffer stays its own while it holds it.
+    # Delivered as it is, owned buffers and all (no transport of rpcx's does that; one
+    # may): the receiver decrypts in place, and the buffer stays its own while it holds
+    # it.
     sender.deliver_to_receiver(0, third)  # type: ignore[attr-defined]
     assert delivered[-1].buffers[0].data_ptr() in addresses
     fourth = sender.seal(1, Frame(b"h", [torch.full((size,), 4, dtype=torch.uint8)]))
@@ -276,6 +279,22 @@ def test_encrypted_copies_are_used_again_once_nothing_holds_them() -> None:
     assert [int(frame.buffers[0][size // 2]) for frame in delivered] == [1, 2, 3, 4]
     assert int(delivered[2].buffers[0].min()) == 3  # (not written over by the fourth)
     assert sender.send_buffers.kept_bytes == 2 * cipher.sealed_size(size)
+
+
+@pytest.mark.parametrize(("backend", "in_place"), [("tcp", True), ("shm", False)])
+def test_what_a_socket_backend_reads_from_its_socket_is_decrypted_in_place(
+    tmp_path: pathlib.Path, backend: str, in_place: bool,
+) -> None:
+    # tcp reads each buffer from its socket into memory of its own (Frame.owned); shm
+    # hands large buffers over in shared segments, which a receiver must never write.
+    with world(backend, size=2, init_method=f"file://{tmp_path / 'rendezvous'}",
+               rpc_timeout=30, auth_key=KEY, encrypt="always"):
+        sent = [torch.full((6 << 20,), fill, dtype=torch.uint8) for fill in range(3)]
+        back = [rpcx.rpc_sync("worker1", remote.echo, args=(t,), timeout=30) for t in sent]
+        assert all(torch.equal(got, want) for got, want in zip(back, sent, strict=True))
+        decrypted, _ = rpcx.rpc_sync("worker1", remote.cipher_counts, timeout=30)
+        here, _ = remote.cipher_counts()
+    assert (decrypted, here) == ((3, 3) if in_place else (0, 0))
 
 
 def test_ciphertext_has_storage_of_exactly_its_size() -> None:

@@ -3,6 +3,8 @@ holds it, within a limit of kept bytes."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ def test_a_buffer_comes_back_once_nothing_holds_it() -> None:
     assert buffers.kept_bytes == 10 * MIB
 
 
-@pytest.mark.parametrize("holder", ["slice", "reshaped", "library"])
+@pytest.mark.parametrize("holder", ["slice", "reshaped", "library", "storage"])
 def test_whoever_keeps_a_view_keeps_the_buffer_from_reuse(holder: str) -> None:
     # A transport may hold the memory past send in its own way (a slice, a view of
     # another dtype, a buffer handed to a library: ZeroMQ's zero-copy sends).
@@ -36,13 +38,16 @@ def test_whoever_keeps_a_view_keeps_the_buffer_from_reuse(holder: str) -> None:
     taken = buffers.take(2 * MIB)
     taken.fill_(7)
     held = {"slice": lambda t: t[MIB:], "reshaped": lambda t: t.view(torch.int32),
-            "library": owning_memory}[holder](taken)
+            "library": owning_memory, "storage": lambda t: t.untyped_storage()}[holder](taken)
     address = taken.data_ptr()
     del taken
     again = buffers.take(2 * MIB)
     assert again.data_ptr() != address
     again.fill_(1)
-    seen = memoryview(held).cast("B") if holder == "library" else memory.memory_of(held)
+    if holder == "storage":
+        seen = memory.memory_at(held.data_ptr(), held.nbytes())
+    else:
+        seen = memoryview(held).cast("B") if holder == "library" else memory.memory_of(held)
     assert set(bytes(seen)) == {7}  # (untouched by the new holder)
     del seen
     kept = {k.buffer.data_ptr() for k in buffers._kept}
@@ -74,3 +79,32 @@ def test_small_and_huge_buffers_are_fresh_each_time() -> None:
         taken = buffers.take(size)
         assert taken.numel() == taken.untyped_storage().nbytes() == size
     assert buffers.kept_bytes == 0
+
+
+def test_threads_taking_at_once_never_share_a_buffer() -> None:
+    # Each thread fills what it took with its own number and reads it back after the
+    # others had their turn: a buffer handed to two holders at once would show another.
+    buffers = memory.ReusedBuffers(limit=64 * MIB, smallest=MIB)
+    rounds, threads = 30, 4
+    turn = threading.Barrier(threads, timeout=30)
+    mixed: list[tuple[int, int]] = []
+
+    def take_and_check(number: int) -> None:
+        for _ in range(rounds):
+            taken = buffers.take(MIB)
+            taken.fill_(number)
+            turn.wait()  # (every thread holds one now)
+            if not bool((taken == number).all()):
+                mixed.append((number, int(taken[0])))
+            del taken
+            turn.wait()  # (every thread dropped its one)
+
+    workers = [threading.Thread(target=take_and_check, args=(n,)) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert not any(worker.is_alive() for worker in workers)
+    assert not mixed
+    assert buffers.kept_bytes == threads * MIB
+    assert buffers.reused == threads * (rounds - 1)

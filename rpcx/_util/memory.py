@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-__all__ = ["ReusedBuffers", "copy_of", "empty_bytes", "memory_at", "memory_of"]
+__all__ = ["ReusedBuffers", "copy_of", "empty_bytes", "memory_at", "memory_of", "reuses_buffers"]
 
 log = logging.getLogger("rpcx.memory")
 
@@ -95,16 +95,24 @@ def memory_at(address: int, nbytes: int) -> memoryview:
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-class _Kept:
-    """A buffer kept for use again, with the storage count it has when nothing else
-    holds it."""
+def reuses_buffers() -> bool:
+    """Whether :class:`ReusedBuffers` can tell a buffer is free (this torch counts a
+    storage's tensors); if not, it hands out fresh buffers only."""
+    return _storage_use_count is not None
 
-    __slots__ = ("buffer", "idle_count", "storage")
+
+class _Kept:
+    """A buffer kept for use again, with the counts it has when nothing else holds it:
+    tensors over its storage, and references to the storage's one Python object (torch
+    hands out the same object each time: ``tensor.untyped_storage()`` held alone)."""
+
+    __slots__ = ("buffer", "idle_count", "idle_refs", "storage")
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
         self.storage = buffer.untyped_storage()  # (held: counted once, in idle_count)
         self.idle_count = self._count()
+        self.idle_refs = sys.getrefcount(self.storage)
 
     def _count(self) -> int:
         assert _storage_use_count is not None
@@ -113,7 +121,8 @@ class _Kept:
 
     def idle(self) -> bool:
         """Nothing but this record holds the buffer: no frame, no transport, no view."""
-        return self._count() == self.idle_count
+        return (self._count() == self.idle_count
+                and sys.getrefcount(self.storage) == self.idle_refs)
 
 
 class ReusedBuffers:
@@ -137,6 +146,7 @@ class ReusedBuffers:
         self._kept: list[_Kept] = []  # (oldest first)
         self._bytes = 0
         self._lock = threading.Lock()
+        self.reused = 0  # buffers handed out again (for tests and debugging)
 
     @property
     def kept_bytes(self) -> int:
@@ -152,6 +162,7 @@ class ReusedBuffers:
         with self._lock:
             for kept in self._kept:
                 if kept.buffer.numel() == nbytes and kept.idle():
+                    self.reused += 1
                     # (a view: a tensor of its own over the storage, which counts it)
                     return kept.buffer.view(-1)
             if self._bytes + nbytes > self.limit:

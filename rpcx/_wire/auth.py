@@ -305,6 +305,9 @@ class FrameGuard:
         self._last_logged[peer] = 0.0
         self._refused_from.discard(peer)
 
+    def close(self) -> None:
+        """The world is over: let go of what is kept for sends (nothing, here)."""
+
     @property
     def refused(self) -> int:
         """Frames refused so far, from every source."""

@@ -179,10 +179,12 @@ class FrameCipher(FrameGuard):
         # (before the guard's own start, which grows them with its per-rank tables)
         self.encrypted: list[bool] = []
         self._send_aead: list[Any] = []
-        self._receive_aead: list[Any] = []
-        self._receive_cipher_keys: list[bytes] = []  # (for decryption in place)
+        # Per peer: its frames' cipher and key (the key for decryption in place), one
+        # record read once per frame: admit and forget replace it whole.
+        self._receive_ciphers: list[tuple[Any, bytes] | None] = []
         # Encrypted copies of large buffers, used again once their send is over.
         self.send_buffers = ReusedBuffers()
+        self.decrypted_in_place = 0  # buffers (for tests and debugging)
         super().__init__(key, rank, nonces, names, payload=payload)
         for peer, on in enumerate(encrypted):
             if on:
@@ -194,21 +196,18 @@ class FrameCipher(FrameGuard):
         if more > 0:
             self.encrypted.extend([False] * more)
             self._send_aead.extend([None] * more)
-            self._receive_aead.extend([None] * more)
-            self._receive_cipher_keys.extend([b""] * more)
+            self._receive_ciphers.extend([None] * more)
 
     def _encrypt_with(self, peer: int, shared: bytes | None) -> None:
         """Encrypt the frames to and from ``peer`` with keys made from the pair's keys and
         ``shared`` (the secret of the key exchange with it); ``None``: only seal them."""
         self.encrypted[peer] = shared is not None
         if shared is None:
-            self._send_aead[peer] = self._receive_aead[peer] = None
-            self._receive_cipher_keys[peer] = b""
+            self._send_aead[peer] = self._receive_ciphers[peer] = None
             return
         self._send_aead[peer] = _AESGCM(_derive(self._send_keys[peer], b"cipher", shared))
         receive_key = _derive(self._receive_keys[peer], b"cipher", shared)
-        self._receive_aead[peer] = _AESGCM(receive_key)
-        self._receive_cipher_keys[peer] = receive_key
+        self._receive_ciphers[peer] = (_AESGCM(receive_key), receive_key)
 
     def _forget_locked(self, peer: int) -> None:
         super()._forget_locked(peer)
@@ -220,6 +219,10 @@ class FrameCipher(FrameGuard):
         with self._seq_lock, self._count_lock:
             self._admit_locked(peer, nonce)
             self._encrypt_with(peer, shared)
+
+    def close(self) -> None:
+        """Let go of the kept send buffers (up to 256 MiB)."""
+        self.send_buffers.clear()
 
     # --------------------------------------------------------------------------- send
 
@@ -261,12 +264,12 @@ class FrameCipher(FrameGuard):
     # ------------------------------------------------------------------------ receive
 
     def _problem(self, src: int, frame: Frame) -> str | None:
-        if not 0 <= src < len(self._receive_aead) or self._receive_aead[src] is None:
+        ciphers = self._receive_ciphers[src] if 0 <= src < len(self._receive_ciphers) else None
+        if ciphers is None:
             return super()._problem(src, frame)
         if src in self._refused_from:
             return "its connection already sent a frame that failed"
-        aead = self._receive_aead[src]
-        assert aead is not None
+        aead, cipher_key = ciphers
         header = memoryview(frame.header)
         header_size = plain_size(len(header) - _SEQ.size)
         if header_size is None:
@@ -287,8 +290,7 @@ class FrameCipher(FrameGuard):
             return "not an encrypted frame (a buffer shorter than its tag)"
         known = [size for size in sizes if size is not None]  # (all of them)
         (seq,) = _SEQ.unpack_from(header)
-        parts = _Parts(aead, seq, _extra(seq, header_size, known),
-                       self._receive_cipher_keys[src])
+        parts = _Parts(aead, seq, _extra(seq, header_size, known), cipher_key)
         try:
             plain = parts.decrypt_header(header[_SEQ.size:], header_size)
         except _InvalidTag:
@@ -309,6 +311,7 @@ class FrameCipher(FrameGuard):
                     # (the transport's own memory: no second buffer to fault in)
                     parts.decrypt_in_place(_view(flat, sealed_size(size)), size)
                     out = flat[:size]
+                    self.decrypted_in_place += 1
                 else:
                     out = empty_bytes(size)
                     parts.decrypt(_view(flat, sealed_size(size)), _view(out, size), size)
@@ -412,7 +415,8 @@ class _Parts:
         the frame is refused then, bytes and all.
         """
         scratch = getattr(_scratch, "view", None)
-        if scratch is None:  # (one per thread; a block more, as the API asks of a buffer)
+        if scratch is None or len(scratch) < _CHUNK + 16:
+            # (one per thread; a block more than a chunk, as the API asks of a buffer)
             scratch = _scratch.view = memoryview(bytearray(_CHUNK + 16))
         for piece in range(_pieces(size)):
             start = piece * PIECE_BYTES

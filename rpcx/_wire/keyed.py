@@ -79,6 +79,13 @@ class KeyedTransport(TransportDecorator):
             ctx, deliver=self.guard.guarding(ctx.deliver, refuse), admit=admit,
             peer_lost=peer_lost))
 
+    def close(self, timeout: float) -> None:
+        """Close the inner transport, then the guard (what it keeps for sends goes)."""
+        try:
+            self.inner.close(timeout)
+        finally:
+            self.guard.close()
+
     def send(self, dst: int, frame: Frame) -> None:
         """Seal ``frame`` for ``dst`` and send it. Until the inner send returns, frames
         sealed for ``dst`` may arrive before it; after, none does (the transport's order:

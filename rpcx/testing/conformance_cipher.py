@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import rpcx
+from rpcx._util import memory
 from rpcx._wire import cipher
 from rpcx.testing import remote
 from rpcx.testing.conformance_auth import assert_refused
@@ -78,6 +79,10 @@ class TestEncryption:
             assert torch.equal(held.to_here(timeout=BOUND), huge[0])
             for got, want in zip(returned, [*huge, huge[1]], strict=True):
                 assert torch.equal(got, want)
+            if memory.reuses_buffers():  # (each sent several: one was used again)
+                for name in ("worker0", "worker1"):
+                    _, reused = rpcx.rpc_sync(name, remote.cipher_counts, timeout=BOUND)
+                    assert reused > 0, f"{name} used no encrypted send buffer again"
             assert rpcx.debug_info()["encrypted_peers"] == 2
             for name in started.names:
                 parts, found = rpcx.rpc_sync(name, remote.wire_has, args=(PATTERN,))

@@ -897,6 +897,14 @@ def send_altered_encrypted_call(to_rank: int, how: str, marker: str) -> None:
         raise ValueError(f"unknown way to alter an encrypted frame: {how!r}")
 
 
+def cipher_counts() -> tuple[int, int]:
+    """This worker's cipher: how many buffers it decrypted in place, and how many of
+    its encrypted send buffers it used again."""
+    guard = _context_agent().guard
+    assert getattr(guard, "encrypted", None), "this world runs unencrypted"
+    return guard.decrypted_in_place, guard.send_buffers.reused
+
+
 _wire_seen: list[tuple[int, bytes]] = []
 
 
