@@ -404,7 +404,6 @@ class _Parts:
                                                           end + (piece + 1) * TAG],
                                     self._extra, out[start:end])
 
-
     def decrypt_in_place(self, sealed: Any, size: int) -> None:
         """``sealed`` (``sealed_size(size)`` writable bytes) decrypted into its own first
         ``size`` bytes; ``InvalidTag`` if any piece fails (the bytes are then garbage).
