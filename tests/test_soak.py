@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+import rpcx
 from rpcx.faulty import FAULTS_ENV
 from rpcx.testing import soak
+from rpcx.testing.world import world
 
 
 @pytest.mark.timeout(300)
@@ -38,3 +41,20 @@ def test_the_judge_reports_leftovers_and_growth() -> None:
         "worker1: 1 autograd contexts left",
         "worker1: memory grew 25% after warm-up (200 -> 250 MiB; limit 10%)",
     ]
+    # Where the worker named its entries (soak.leftovers does), the report carries them.
+    result.problems = []
+    result.leftovers["worker1"]["owned_entries"] = ["RRef (2, 7): never created", "x"]
+    soak._judge(result)
+    assert result.problems[0] == "worker1: 2 owned rrefs left (RRef (2, 7): never created; x)"
+
+
+def test_a_worker_names_the_rrefs_it_still_owns() -> None:
+    with world("loopback", size=2, rpc_timeout=30):
+        held = rpcx.remote("worker1", torch.ones, args=(2,))
+        assert held.to_here(timeout=30).sum() == 2
+        left = rpcx.rpc_sync("worker1", soak.leftovers, timeout=30)
+        assert left["owned_rrefs"] == 1
+        (entry,) = left["owned_entries"]
+        assert entry.startswith("RRef (0, ") and "created, holders [0]" in entry
+        assert "value set; lost ranks [], workers ['worker0', 'worker1']" in entry
+        del held

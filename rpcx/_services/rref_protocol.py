@@ -429,6 +429,20 @@ class RRefService:
                 "parked_confirmations": len(self._confirmed_early),
             }
 
+    def describe_owned(self, most: int = 5) -> list[str]:
+        """The first ``most`` entries of the owner table, one line each: what a leak
+        report needs (is the value made, who holds it, which deletions came first)."""
+        with self._lock:
+            entries = list(self._entries.items())[:most]
+            lost = sorted(self._lost_ranks)
+        names = [w.name for w in self.agent.workers]
+        return [f"RRef {rref_id} (creator rank {rref_id[0]}): "
+                f"{'created' if entry.created else 'never created'}, holders "
+                f"{sorted(entry.forks.values())}, {len(entry.cancelled)} deletions before "
+                f"their announcement, value {'set' if entry.value.done() else 'pending'}; "
+                f"lost ranks {lost}, workers {names}"
+                for rref_id, entry in entries]
+
     def close(self, left: float | None = None) -> None:
         """The worker has shut down: stop the deleter (waiting at most ``left`` seconds,
         and 5) and release every owned value."""

@@ -113,7 +113,7 @@ def leftovers() -> dict[str, Any]:
     """What this worker still holds after the soak: must all be zero."""
     info = rpcx.debug_info()
     rrefs, contexts = info["rrefs"], info["autograd"]
-    return {
+    left = {
         "pending_calls": info["pending_calls"],
         "owned_rrefs": rrefs["owned"],
         "user_rrefs": rrefs["user_rrefs"],
@@ -121,6 +121,13 @@ def leftovers() -> dict[str, Any]:
         "autograd_contexts": contexts["contexts"],
         "resent_frames": info["resent_frames"],
     }
+    if rrefs["owned"]:  # (what a leak report names: the entries themselves)
+        from rpcx._core import context as _context
+        from rpcx._services import rref_requests
+
+        left["owned_entries"] = rref_requests.service(
+            _context.current_agent()).describe_owned()
+    return left
 
 
 # ------------------------------------------------------------------ the driver
@@ -212,6 +219,8 @@ _MUST_BE_ZERO = ("pending_calls", "owned_rrefs", "user_rrefs", "references_to_ow
 def leftover_problems(found: dict[str, dict[str, Any]]) -> list[str]:
     """One line per count of :func:`leftovers` that is not zero, naming the worker."""
     return [f"{name}: {left[key]} {key.replace('_', ' ')} left"
+            + (f" ({'; '.join(left['owned_entries'])})"
+               if key == "owned_rrefs" and left.get("owned_entries") else "")
             for name, left in found.items() for key in _MUST_BE_ZERO if left[key]]
 
 
