@@ -416,3 +416,43 @@ def test_close_stops_the_deleter_thread_even_when_a_step_before_the_join_fails(
     deleter.join(TIMEOUT)
     assert not deleter.is_alive()
     assert agent.sent == []
+
+
+@pytest.mark.parametrize("order", ["announced after the loss", "announced before the loss",
+                                   "deleted after a newcomer took the rank"])
+def test_an_rref_whose_creator_died_before_making_it_leaves_nothing(order: str) -> None:
+    # Rank 2 called remote() on this owner, passed the RRef to rank 1, and was killed
+    # before its REMOTE_CALL arrived (the churn's "1 owned rrefs left": an entry with no
+    # value and no holder). Rank 1 announces its fork, and deletes it, around the loss.
+    agent, svc = _service()
+    try:
+        rref_id, fork = (2, 7), (1, 3)
+        if order == "announced before the loss":
+            svc.add_forks([(rref_id, fork, 1, "w1")], sender=1)
+            svc.drop_rank(2)  # (the value never comes: rank 1's RRef fails, naming it)
+            _assert_failed_naming_the_creator(svc.slot(rref_id))
+        else:
+            svc.drop_rank(2)
+            svc.add_forks([(rref_id, fork, 1, "w1")], sender=1)
+        if order == "deleted after a newcomer took the rank":
+            agent.workers[2] = WorkerInfo("n2", 2)
+            svc.rank_reused(2)
+        svc.remove_forks([(rref_id, fork)])
+        assert svc.stats()["owned"] == 0, svc.describe_owned()
+        # A late call for it fails at once, naming why; while rank 2 is lost, so does
+        # one for an RRef of its never seen here (after, it may be the newcomer's).
+        _assert_failed_naming_the_creator(svc.slot(rref_id))
+        if order != "deleted after a newcomer took the rank":
+            _assert_failed_naming_the_creator(svc.slot((2, 9)))
+            assert svc.stats()["owned"] == 0
+            # Its REMOTE_CALL, queued before the loss and run after it, leaves nothing.
+            svc.begin_creation(rref_id, (2, 8), creator=2).set_result(torch.ones(1))
+            assert svc.stats()["owned"] == 0, svc.describe_owned()
+    finally:
+        svc.close()
+
+
+def _assert_failed_naming_the_creator(value: torch.futures.Future[Any]) -> None:
+    assert value.done(), "a value whose creator is gone is waited for"
+    with pytest.raises(Exception, match=r"the worker creating this RRef \(rank 2\) is gone"):
+        value.wait()

@@ -80,6 +80,10 @@ class _Entry:
     created: bool = False  # the value exists, or its creating call has started
 
 
+def _orphaned(rank: int) -> str:
+    return f"the worker creating this RRef (rank {rank}) is gone"
+
+
 _INERT_TYPES = frozenset({int, float, bool, complex, str, bytes, type(None)})
 
 
@@ -136,7 +140,8 @@ class RRefService:
         self._lost_ranks: set[int] = set()
         # Names of workers gone lately (add_forks refuses forks announced for them).
         self._gone_holders: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._freed_ids: collections.OrderedDict[RRefId, None] = collections.OrderedDict()
+        # Ids gone from the table -> why ("" for a value whose references all went).
+        self._freed_ids: collections.OrderedDict[RRefId, str] = collections.OrderedDict()
         self._closed = False
         # (last: its thread may drop forks here, with remove_forks, once it is woken)
         self.deletions = Deletions(agent, self.remove_forks)
@@ -169,12 +174,19 @@ class RRefService:
         """
         with self._lock:
             if rref_id not in self._entries and rref_id in self._freed_ids:
+                why = self._freed_ids[rref_id]
                 gone: torch.futures.Future[Any] = torch.futures.Future()
-                gone.set_exception(RpcError(
+                gone.set_exception(PeerLostError(why) if why else RpcError(
                     f"RRef {rref_id} no longer exists on {self.agent.name!r}: every "
                     "reference to it was released"
                 ))
                 return gone
+            if rref_id not in self._entries and rref_id[0] in self._lost_ranks:
+                # (its creator is gone and never made it: an entry made now would wait,
+                # and stay, for good)
+                orphan: torch.futures.Future[Any] = torch.futures.Future()
+                orphan.set_exception(PeerLostError(_orphaned(rref_id[0])))
+                return orphan
             return self._entry_locked(rref_id).value
 
     def begin_creation(
@@ -234,12 +246,16 @@ class RRefService:
 
     def rank_reused(self, rank: int) -> None:
         """A new worker took ``rank`` (a dynamic world): its calls are not a dead
-        creator's, and deletions still queued for the one before it are void."""
+        creator's, and deletions still queued for the one before it are void. Values
+        still waiting for their creation at the rank were the dead workers' (the
+        newcomer has made none yet), and never come: they go now."""
         workers = self.agent.workers
         with self._lock:
+            orphans = self._orphans_locked(rank)
             self._lost_ranks.discard(rank)
             if 0 <= rank < len(workers):  # (the newcomer, unless it took an old name)
                 self._gone_holders.pop(workers[rank].name, None)
+        self._fail_orphans(orphans, rank)
         self.deletions.forget_rank(rank)
 
     def drop_rank(self, rank: int) -> None:
@@ -253,20 +269,33 @@ class RRefService:
                 self._gone_holders[workers[rank].name] = None
                 if len(self._gone_holders) > _GONE_HOLDERS_KEPT:
                     self._gone_holders.popitem(last=False)
-            for rref_id, entry in list(self._entries.items()):
+            for entry in self._entries.values():
                 for fork in [f for f, holder in entry.forks.items() if holder == rank]:
                     del entry.forks[fork]
-                if not entry.created and rref_id[0] == rank:
-                    orphans.append(self._entries.pop(rref_id))
-                else:
-                    self._free_if_unused_locked(rref_id, entry, freed)
+            orphans = self._orphans_locked(rank)
+            for rref_id, entry in list(self._entries.items()):
+                self._free_if_unused_locked(rref_id, entry, freed)
         self._release(freed)
         self._wake_unconfirmed(lambda state: state.owner.id == rank)
+        self._fail_orphans(orphans, rank)
+
+    def _orphans_locked(self, rank: int) -> list[_Entry]:
+        """Take the entries whose value a worker at ``rank`` was to create out of the
+        table, their ids remembered as gone: forks announced or deleted later, by
+        workers that had not heard, find them gone rather than make them anew (the
+        churn's "1 owned rrefs left": an entry with no value and nobody holding it)."""
+        orphans = []
+        for rref_id, entry in list(self._entries.items()):
+            if not entry.created and rref_id[0] == rank:
+                orphans.append(self._entries.pop(rref_id))
+                self._remember_gone_locked(rref_id, _orphaned(rank))
+        return orphans
+
+    @staticmethod
+    def _fail_orphans(orphans: list[_Entry], rank: int) -> None:
         for entry in orphans:
             if not entry.value.done():
-                entry.value.set_exception(
-                    PeerLostError(f"the worker creating this RRef (rank {rank}) is gone")
-                )
+                entry.value.set_exception(PeerLostError(_orphaned(rank)))
 
     def _is_freed_locked(self, rref_id: RRefId) -> bool:
         return rref_id not in self._entries and rref_id in self._freed_ids
@@ -300,6 +329,11 @@ class RRefService:
                 if not self._freeing:
                     self._all_freed.notify_all()
 
+    def _remember_gone_locked(self, rref_id: RRefId, why: str) -> None:
+        self._freed_ids[rref_id] = why
+        if len(self._freed_ids) > _FREED_IDS_KEPT:
+            self._freed_ids.popitem(last=False)
+
     @staticmethod
     def _add_fork_locked(entry: _Entry, fork: ForkId, holder: int) -> bool:
         if fork in entry.cancelled:  # its deletion arrived first
@@ -313,11 +347,13 @@ class RRefService:
     ) -> None:
         # Freed entries are dropped by the caller after it releases the lock: dropping a
         # value can run arbitrary __del__ code, including other RRefs' __del__.
-        if entry.created and not entry.forks:
+        if not entry.forks and (entry.created or rref_id[0] in self._lost_ranks):
+            # (an uncreated one: announced, then deleted, after its creator was lost)
             freed.append(self._entries.pop(rref_id))
-            self._freed_ids[rref_id] = None
-            if len(self._freed_ids) > _FREED_IDS_KEPT:
-                self._freed_ids.popitem(last=False)
+            why = "" if entry.created else _orphaned(rref_id[0])
+            self._remember_gone_locked(rref_id, why)
+            if not entry.value.done() and why:
+                entry.value.set_exception(PeerLostError(why))
             if entry.cancelled:
                 # Deletions whose announcements never came: the senders died, or the
                 # frames that carried them failed. Nothing holds them now.
