@@ -456,3 +456,26 @@ def _assert_failed_naming_the_creator(value: torch.futures.Future[Any]) -> None:
     assert value.done(), "a value whose creator is gone is waited for"
     with pytest.raises(Exception, match=r"the worker creating this RRef \(rank 2\) is gone"):
         value.wait()
+
+
+def test_deletions_for_an_owner_found_dead_are_dropped_and_no_more_are_queued() -> None:
+    # The churn's other "owned rrefs left" (an entry never created, with one deletion
+    # before its announcement, at the worker that took a killed owner's rank): deletions
+    # queued for the dead owner lingered until a newcomer took its rank, and one sent
+    # in that window reached the newcomer, which keeps it for the creation to come.
+    agent, svc = _service()
+    try:
+        owner = agent.workers[1]
+        with svc.deletions.send_lock:  # (the deleter waits: nothing leaves meanwhile)
+            svc.schedule_delete(owner, (1, 1), (0, 1))
+            assert svc.stats()["pending_deletes"] == 1
+            svc.drop_rank(1)
+            assert svc.stats()["pending_deletes"] == 0
+            svc.schedule_delete(owner, (1, 2), (0, 2))  # an RRef to it dying later
+            assert svc.stats()["pending_deletes"] == 0
+        agent.workers[1] = WorkerInfo("n1", 1)
+        svc.rank_reused(1)
+        svc.flush(TIMEOUT)
+        assert not [sent for sent in agent.sent if sent[1] == 1], agent.sent
+    finally:
+        svc.close()

@@ -138,11 +138,13 @@ class Deletions:
         self.wake()
 
     def forget_rank(self, rank: int) -> None:
-        """A new worker took ``rank``: deletions still queued for the one before it are
-        void (they would be taken for the newcomer's own RRefs)."""
+        """The worker at ``rank`` is gone, or a new worker took its rank: deletions still
+        queued for the one before are void (they would be taken for a newcomer's own
+        RRefs)."""
         with self._notes_lock:
             self._sort_locked()
             self._by_owner.pop(rank, None)
+            self._unacknowledged.discard(rank)
             for rref_id, held in list(self._held.items()):
                 self._held[rref_id] = [d for d in held if d[0] != rank]
 

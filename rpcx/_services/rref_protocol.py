@@ -276,6 +276,9 @@ class RRefService:
             for rref_id, entry in list(self._entries.items()):
                 self._free_if_unused_locked(rref_id, entry, freed)
         self._release(freed)
+        # Deletions still queued for it go too: its values went with it, and a worker
+        # that takes its rank later must not get them.
+        self.deletions.forget_rank(rank)
         self._wake_unconfirmed(lambda state: state.owner.id == rank)
         self._fail_orphans(orphans, rank)
 
@@ -421,9 +424,11 @@ class RRefService:
 
     def schedule_delete(self, owner: WorkerInfo, rref_id: RRefId, fork: ForkId) -> None:
         """Called from ``RRef.__del__``: reentrant, never blocks, never raises."""
-        if not self._closed and self.agent.workers[owner.id] == owner:
-            # (else the owner left, its values with it, and another worker holds its
-            # rank now: a deletion sent there would be taken for one of its own RRefs)
+        if (not self._closed and self.agent.workers[owner.id] == owner
+                and owner.id not in self._lost_ranks):
+            # (else the owner is gone, its values with it, and another worker may hold
+            # its rank by the time a deletion is sent: it would be taken for one of the
+            # newcomer's own RRefs, and kept for good)
             self.deletions.schedule(owner.id, rref_id, fork)
 
     def flush(self, left: float | None = None) -> int:
