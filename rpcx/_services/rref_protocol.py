@@ -78,6 +78,7 @@ class _Entry:
     forks: dict[ForkId, int] = field(default_factory=dict)  # fork -> holding rank
     cancelled: set[ForkId] = field(default_factory=set)  # deleted before announced
     created: bool = False  # the value exists, or its creating call has started
+    gone: str = ""  # why it went uncreated (its creator was lost): what waiters get
 
 
 def _orphaned(rank: int) -> str:
@@ -250,17 +251,17 @@ class RRefService:
         still waiting for their creation at the rank were the dead workers' (the
         newcomer has made none yet), and never come: they go now."""
         workers = self.agent.workers
+        freed: list[_Entry] = []
         with self._lock:
-            orphans = self._orphans_locked(rank)
+            self._orphans_locked(rank, freed)
             self._lost_ranks.discard(rank)
             if 0 <= rank < len(workers):  # (the newcomer, unless it took an old name)
                 self._gone_holders.pop(workers[rank].name, None)
-        self._fail_orphans(orphans, rank)
+        self._release(freed)
         self.deletions.forget_rank(rank)
 
     def drop_rank(self, rank: int) -> None:
         """A worker is gone: drop its forks and the entries it was about to create."""
-        orphans: list[_Entry] = []
         freed: list[_Entry] = []
         workers = self.agent.workers
         with self._lock:
@@ -269,36 +270,28 @@ class RRefService:
                 self._gone_holders[workers[rank].name] = None
                 if len(self._gone_holders) > _GONE_HOLDERS_KEPT:
                     self._gone_holders.popitem(last=False)
-            for entry in self._entries.values():
+            self._orphans_locked(rank, freed)
+            for rref_id, entry in list(self._entries.items()):
                 for fork in [f for f, holder in entry.forks.items() if holder == rank]:
                     del entry.forks[fork]
-            orphans = self._orphans_locked(rank)
-            for rref_id, entry in list(self._entries.items()):
                 self._free_if_unused_locked(rref_id, entry, freed)
         self._release(freed)
         # Deletions still queued for it go too: its values went with it, and a worker
         # that takes its rank later must not get them.
         self.deletions.forget_rank(rank)
         self._wake_unconfirmed(lambda state: state.owner.id == rank)
-        self._fail_orphans(orphans, rank)
 
-    def _orphans_locked(self, rank: int) -> list[_Entry]:
-        """Take the entries whose value a worker at ``rank`` was to create out of the
-        table, their ids remembered as gone: forks announced or deleted later, by
-        workers that had not heard, find them gone rather than make them anew (the
-        churn's "1 owned rrefs left": an entry with no value and nobody holding it)."""
-        orphans = []
+    def _orphans_locked(self, rank: int, freed: list[_Entry]) -> None:
+        """Move the entries whose value a worker at ``rank`` was to create to ``freed``,
+        their ids remembered as gone: forks announced or deleted later, by workers that
+        had not heard, find them gone rather than make them anew (the churn's "1 owned
+        rrefs left": an entry with no value and nobody holding it)."""
         for rref_id, entry in list(self._entries.items()):
             if not entry.created and rref_id[0] == rank:
-                orphans.append(self._entries.pop(rref_id))
-                self._remember_gone_locked(rref_id, _orphaned(rank))
-        return orphans
-
-    @staticmethod
-    def _fail_orphans(orphans: list[_Entry], rank: int) -> None:
-        for entry in orphans:
-            if not entry.value.done():
-                entry.value.set_exception(PeerLostError(_orphaned(rank)))
+                self._entries.pop(rref_id)
+                entry.gone = _orphaned(rank)
+                self._remember_gone_locked(rref_id, entry.gone)
+                freed.append(entry)
 
     def _is_freed_locked(self, rref_id: RRefId) -> bool:
         return rref_id not in self._entries and rref_id in self._freed_ids
@@ -310,13 +303,17 @@ class RRefService:
         return entry
 
     def _release(self, freed: list[_Entry]) -> None:
-        # Dropping a value runs whatever __del__ it has: not on a delivering thread.
-        # Counted, so that flush() (shutdown's drain) also waits for the values to go.
-        # Values whose going runs no Python code (numbers, strings, plain tensors: what
-        # remote() of a small function leaves) are dropped here, saving the lane a
-        # wake-up per freed value.
+        # Values never made fail their waiters first (outside the lock: a future's
+        # callbacks run as it is set). Dropping a value runs whatever __del__ it has:
+        # not on a delivering thread. Counted, so that flush() (shutdown's drain) also
+        # waits for the values to go. Values whose going runs no Python code (numbers,
+        # strings, plain tensors: what remote() of a small function leaves; a value
+        # never made) are dropped here, saving the lane a wake-up per freed value.
+        for entry in freed:
+            if entry.gone and not entry.value.done():
+                entry.value.set_exception(PeerLostError(entry.gone))
         if freed:
-            if all(_inert(entry.value) for entry in freed):
+            if all(entry.gone or _inert(entry.value) for entry in freed):
                 freed.clear()
                 return
             with self._lock:
@@ -353,10 +350,9 @@ class RRefService:
         if not entry.forks and (entry.created or rref_id[0] in self._lost_ranks):
             # (an uncreated one: announced, then deleted, after its creator was lost)
             freed.append(self._entries.pop(rref_id))
-            why = "" if entry.created else _orphaned(rref_id[0])
-            self._remember_gone_locked(rref_id, why)
-            if not entry.value.done() and why:
-                entry.value.set_exception(PeerLostError(why))
+            if not entry.created:
+                entry.gone = _orphaned(rref_id[0])
+            self._remember_gone_locked(rref_id, entry.gone)
             if entry.cancelled:
                 # Deletions whose announcements never came: the senders died, or the
                 # frames that carried them failed. Nothing holds them now.
