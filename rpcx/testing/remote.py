@@ -897,6 +897,15 @@ def send_altered_encrypted_call(to_rank: int, how: str, marker: str) -> None:
         raise ValueError(f"unknown way to alter an encrypted frame: {how!r}")
 
 
+def owned_rref_entries() -> list[str]:
+    """The first entries of this worker's RRef owner table, one line each (creator,
+    created or not, holders, early deletions): what a leak report names."""
+    from rpcx._services import rref_requests
+
+    entries: list[str] = rref_requests.service(_context_agent()).describe_owned()
+    return entries
+
+
 def cipher_counts() -> tuple[int, int]:
     """This worker's cipher: how many buffers it decrypted in place, and how many of
     its encrypted send buffers it used again."""

@@ -122,11 +122,7 @@ def leftovers() -> dict[str, Any]:
         "resent_frames": info["resent_frames"],
     }
     if rrefs["owned"]:  # (what a leak report names: the entries themselves)
-        from rpcx._core import context as _context
-        from rpcx._services import rref_requests
-
-        left["owned_entries"] = rref_requests.service(
-            _context.current_agent()).describe_owned()
+        left["owned_entries"] = remote.owned_rref_entries()
     return left
 
 
